@@ -1,0 +1,27 @@
+"""aiohttp application factory for the ingester."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from aiohttp import web
+
+from ingester.http import SERVICE, add_routes, common_headers, errors_middleware
+from ingester.service import IngesterService
+from shared.config import IngesterConfig
+
+
+def create_app(config: IngesterConfig) -> web.Application:
+    app = web.Application(middlewares=[errors_middleware], client_max_size=config.max_body_bytes)
+
+    async def service_ctx(app: web.Application) -> AsyncIterator[None]:
+        svc = IngesterService(config)
+        await svc.start()
+        app[SERVICE] = svc
+        yield
+        await svc.stop()
+
+    app.cleanup_ctx.append(service_ctx)
+    app.on_response_prepare.append(common_headers)
+    add_routes(app)
+    return app

@@ -1,0 +1,432 @@
+"""HTTP surface of the ingester: /v1/stream/{path} with every Durable Streams operation."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Final
+from urllib.parse import unquote
+
+from aiohttp import web
+
+from ingester.reads import ReadResult
+from ingester.service import IngesterService
+from ingester.store import AppendRequest, AppendResult, CreateRequest
+from shared import jsonmode, offsets, sse
+from shared import protocol as P
+from shared.errors import (
+    BadRequest,
+    DS3Error,
+    Gone,
+    NotFound,
+    PayloadTooLarge,
+    ProducerSeqGap,
+    StaleProducerEpoch,
+    StreamClosed,
+    Unavailable,
+)
+
+log = logging.getLogger("ds3.http")
+SERVICE: Final = web.AppKey("ingester_service", IngesterService)
+PUBLIC_CACHE: Final = "public, max-age=60, stale-while-revalidate=300"
+
+
+# --- errors: the one place domain errors become HTTP statuses -------------------------------
+
+
+def error_response(e: DS3Error) -> web.Response:
+    headers: dict[str, str] = {}
+    if isinstance(e, BadRequest):
+        status = 400
+    elif isinstance(e, NotFound):
+        status = 404
+    elif isinstance(e, Gone):
+        status = 410
+    elif isinstance(e, StaleProducerEpoch):
+        status = 403
+        headers[P.PRODUCER_EPOCH] = str(e.current_epoch)
+    elif isinstance(e, StreamClosed):
+        status = 409
+        headers[P.CLOSED] = "true"
+        headers[P.NEXT_OFFSET] = e.final_offset
+    elif isinstance(e, ProducerSeqGap):
+        status = 409
+        headers[P.PRODUCER_EXPECTED_SEQ] = str(e.expected)
+        headers[P.PRODUCER_RECEIVED_SEQ] = str(e.received)
+    elif isinstance(e, PayloadTooLarge):
+        status = 413
+    elif isinstance(e, Unavailable):
+        status = 503
+        headers["Retry-After"] = str(e.retry_after)
+    else:  # Conflict and anything else a write can refuse
+        status = 409
+    return web.Response(status=status, text=e.message + "\n", headers=headers, content_type="text/plain")
+
+
+@web.middleware
+async def errors_middleware(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except DS3Error as e:
+        return error_response(e)
+    except web.HTTPException:
+        raise
+    except (asyncio.CancelledError, ConnectionResetError):
+        raise
+    except Exception:
+        log.exception("internal error on %s %s", request.method, request.path)
+        return web.Response(status=500, text="internal server error; nothing was changed\n")
+
+
+async def common_headers(request: web.Request, response: web.StreamResponse) -> None:
+    h = response.headers
+    h["X-Content-Type-Options"] = "nosniff"
+    h["Cross-Origin-Resource-Policy"] = "cross-origin"
+    h["Access-Control-Allow-Origin"] = "*"
+    h["Access-Control-Expose-Headers"] = P.CORS_EXPOSE_HEADERS
+
+
+# --- request helpers -----------------------------------------------------------------------
+
+
+def stream_path(request: web.Request, max_bytes: int) -> str:
+    raw = request.raw_path.split("?", 1)[0]
+    if not raw.startswith(P.STREAM_PREFIX):
+        raise NotFound("not a stream URL")
+    try:
+        path = unquote(raw[len(P.STREAM_PREFIX) :], errors="strict")
+    except UnicodeDecodeError as e:
+        raise BadRequest("stream path is not valid UTF-8") from e
+    return P.validate_stream_path(path, max_bytes)
+
+
+async def read_body(request: web.Request, limit: int) -> bytes:
+    if request.content_length is not None and request.content_length > limit:
+        raise PayloadTooLarge(f"request body is larger than {limit} bytes")
+    buf = bytearray()
+    async for chunk in request.content.iter_any():
+        buf += chunk
+        if len(buf) > limit:
+            raise PayloadTooLarge(f"request body is larger than {limit} bytes")
+    return bytes(buf)
+
+
+def _header(request: web.Request, name: str) -> str | None:
+    return request.headers.get(name)
+
+
+# --- handlers ------------------------------------------------------------------------------
+
+
+async def handle_stream(request: web.Request) -> web.StreamResponse:
+    svc = request.app[SERVICE]
+    method = request.method
+    if method == "OPTIONS":
+        return preflight()
+    path = stream_path(request, svc.config.max_path_bytes)
+    if method == "GET":
+        return await handle_get(request, svc, path)
+    if method == "POST":
+        return await handle_post(request, svc, path)
+    if method == "PUT":
+        return await handle_put(request, svc, path)
+    if method == "HEAD":
+        return await handle_head(svc, path)
+    if method == "DELETE":
+        await svc.delete(path)
+        return web.Response(status=204)
+    return web.Response(
+        status=405, text=f"method {method} is not allowed on a stream\n",
+        headers={"Allow": P.CORS_ALLOW_METHODS},
+    )
+
+
+def preflight() -> web.Response:
+    return web.Response(
+        status=204,
+        headers={
+            "Access-Control-Allow-Methods": P.CORS_ALLOW_METHODS,
+            "Access-Control-Allow-Headers": P.CORS_ALLOW_HEADERS,
+            "Access-Control-Max-Age": "86400",
+        },
+    )
+
+
+async def handle_put(request: web.Request, svc: IngesterService, path: str) -> web.Response:
+    h = request.headers
+    content_type = h.get("Content-Type")
+    if content_type is not None and not content_type.strip():
+        content_type = None
+    if content_type is not None and not P.is_valid_content_type(content_type):
+        raise BadRequest(f"invalid Content-Type {content_type[:100]!r}")
+    ttl_text, expires_text = h.get(P.TTL), h.get(P.EXPIRES_AT)
+    if ttl_text is not None and expires_text is not None:
+        raise BadRequest("send Stream-TTL or Stream-Expires-At, not both")
+    ttl = P.parse_ttl(ttl_text) if ttl_text is not None else None
+    expires_at = P.parse_expires_at(expires_text) if expires_text is not None else None
+    fork_from = h.get(P.FORKED_FROM)
+    fork_offset = h.get(P.FORK_OFFSET)
+    sub_text = h.get(P.FORK_SUB_OFFSET)
+    if fork_from is not None:
+        if not fork_from.startswith(P.STREAM_PREFIX):
+            raise BadRequest(f"Stream-Forked-From must be a stream path starting with {P.STREAM_PREFIX}")
+        fork_from = P.validate_stream_path(fork_from[len(P.STREAM_PREFIX) :], svc.config.max_path_bytes)
+    elif fork_offset is not None or sub_text is not None:
+        raise BadRequest("Stream-Fork-Offset and Stream-Fork-Sub-Offset require Stream-Forked-From")
+    if fork_offset is not None:
+        try:
+            offsets.parse(fork_offset)
+        except offsets.OffsetSyntaxError as e:
+            raise BadRequest(f"invalid Stream-Fork-Offset: {e}") from e
+    sub = None
+    if sub_text is not None:
+        if not P.DECIMAL_RE.match(sub_text):
+            raise BadRequest("invalid Stream-Fork-Sub-Offset: must be a non-negative decimal integer")
+        sub = int(sub_text)
+    body = await read_body(request, svc.config.max_body_bytes)
+    result = await svc.create(
+        CreateRequest(
+            path=path, content_type=content_type, ttl=ttl, expires_at=expires_at,
+            expires_at_text=expires_text.strip() if expires_text else None,
+            closed=P.flag_true(h.get(P.CLOSED)), body=body, fork_from=fork_from,
+            fork_offset=fork_offset, fork_sub_offset=sub,
+        )
+    )
+    headers = {"Content-Type": result.stream.content_type, P.NEXT_OFFSET: result.stream.tail_offset}
+    if result.stream.closed:
+        headers[P.CLOSED] = "true"
+    if result.created:
+        headers["Location"] = str(request.url.with_query(None))
+    return web.Response(status=201 if result.created else 200, headers=headers)
+
+
+async def handle_post(request: web.Request, svc: IngesterService, path: str) -> web.Response:
+    h = request.headers
+    close = P.flag_true(h.get(P.CLOSED))
+    producer = P.parse_producer(h.get(P.PRODUCER_ID), h.get(P.PRODUCER_EPOCH), h.get(P.PRODUCER_SEQ))
+    stream_seq = h.get(P.SEQ)
+    if stream_seq is not None and stream_seq == "":
+        raise BadRequest("Stream-Seq must not be empty")
+    content_type = h.get("Content-Type")
+    body = await read_body(request, svc.config.max_body_bytes)
+    messages = None
+    if body:
+        if not content_type or not content_type.strip():
+            raise BadRequest("Content-Type is required when appending data")
+        if not P.is_valid_content_type(content_type):
+            raise BadRequest(f"invalid Content-Type {content_type[:100]!r}")
+        if P.is_json(content_type):
+            messages = jsonmode.split_messages(body, allow_empty_array=False)
+    elif not close:
+        raise BadRequest("empty body: an append needs data (or Stream-Closed: true to close)")
+    result = await svc.append(
+        AppendRequest(path, content_type, body, messages, close=close, stream_seq=stream_seq, producer=producer)
+    )
+    return append_response(result, producer is not None and bool(body))
+
+
+def append_response(result: AppendResult, producer_appended: bool) -> web.Response:
+    """200 for a producer's new data, 204 for everything else that succeeded."""
+    headers = {P.NEXT_OFFSET: result.stream.tail_offset}
+    if result.stream.closed:
+        headers[P.CLOSED] = "true"
+    if result.producer_epoch is not None:
+        headers[P.PRODUCER_EPOCH] = str(result.producer_epoch)
+        headers[P.PRODUCER_SEQ] = str(result.producer_seq)
+    status = 200 if producer_appended and not result.duplicate else 204
+    return web.Response(status=status, headers=headers)
+
+
+async def handle_head(svc: IngesterService, path: str) -> web.Response:
+    meta = await svc.head(path)
+    headers = {
+        "Content-Type": meta.content_type,
+        P.NEXT_OFFSET: meta.tail_offset,
+        "Cache-Control": "no-store",
+    }
+    if meta.closed:
+        headers[P.CLOSED] = "true"
+    if meta.ttl is not None:
+        headers[P.TTL] = str(meta.ttl)
+    if meta.expires_at is not None:
+        headers[P.EXPIRES_AT] = meta.expires_at_text or P.format_rfc3339(meta.expires_at)
+    return web.Response(status=200, headers=headers)
+
+
+def _start_offset(request: web.Request) -> offsets.Offset | str | None:
+    values = request.query.getall("offset", [])
+    if len(values) > 1:
+        raise BadRequest("send one offset parameter, not several")
+    if not values:
+        return None
+    if values[0] == "":
+        raise BadRequest("offset parameter is empty")
+    try:
+        return offsets.parse_query(values[0])
+    except offsets.OffsetSyntaxError as e:
+        raise BadRequest(str(e)) from e
+
+
+async def handle_get(request: web.Request, svc: IngesterService, path: str) -> web.StreamResponse:
+    given = _start_offset(request)
+    live = request.query.get("live")
+    if live not in (None, "long-poll", "sse"):
+        raise BadRequest(f"unknown live mode {live[:40]!r}: use long-poll or sse")
+    if live is not None and given is None:
+        raise BadRequest(f"live={live} requires an offset parameter")
+    start = offsets.START if given is None else given
+    cursor = request.query.get("cursor")
+    if live == "sse":
+        return await stream_sse(request, svc, path, start, cursor)
+    seen = svc.notifier.version(path)
+    res = await svc.read(path, start)
+    if start == offsets.NOW and live is None:
+        return tail_response(res)
+    if live == "long-poll":
+        deadline = time.monotonic() + svc.config.long_poll_timeout
+        here = offsets.parse(res.next_offset) if start == offsets.NOW else start
+        while not res.messages:
+            if res.closed_at_end:
+                return no_content(res, cursor=None)
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return no_content(res, cursor=P.response_cursor(cursor))
+            await svc.notifier.wait(path, seen, remaining)
+            seen = svc.notifier.version(path)
+            res = await svc.read(path, here)
+        return data_response(request, res, cursor=P.response_cursor(cursor))
+    return data_response(request, res, cursor=None)
+
+
+def _read_headers(res: ReadResult) -> dict[str, str]:
+    headers = {"Content-Type": res.meta.content_type, P.NEXT_OFFSET: res.next_offset}
+    if res.up_to_date:
+        headers[P.UP_TO_DATE] = "true"
+    if res.closed_at_end:
+        headers[P.CLOSED] = "true"
+    return headers
+
+
+def _body(res: ReadResult) -> bytes:
+    if P.is_json(res.meta.content_type):
+        return jsonmode.render_array(res.messages)
+    return b"".join(res.messages)
+
+
+def tail_response(res: ReadResult) -> web.Response:
+    headers = _read_headers(res)
+    headers["Cache-Control"] = "no-store"
+    return web.Response(status=200, body=_body(res), headers=headers)
+
+
+def no_content(res: ReadResult, cursor: str | None) -> web.Response:
+    headers = {P.NEXT_OFFSET: res.next_offset, P.UP_TO_DATE: "true", "Cache-Control": "no-store"}
+    if res.meta.closed:
+        headers[P.CLOSED] = "true"
+    if cursor is not None and not res.meta.closed:
+        headers[P.CURSOR] = cursor
+    return web.Response(status=204, headers=headers)
+
+
+def data_response(request: web.Request, res: ReadResult, cursor: str | None) -> web.Response:
+    headers = _read_headers(res)
+    if cursor is not None:
+        headers[P.CURSOR] = cursor
+    etag = f'"{res.meta.sid}.{res.start}.{res.end}{".c" if res.closed_at_end else ""}"'
+    headers["ETag"] = etag
+    headers["Cache-Control"] = _cache_control(res)
+    if_none_match = request.headers.get("If-None-Match")
+    if if_none_match is not None and etag in (t.strip() for t in if_none_match.split(",")):
+        return web.Response(status=304, headers={"ETag": etag, "Cache-Control": headers["Cache-Control"]})
+    return web.Response(status=200, body=_body(res), headers=headers)
+
+
+def _cache_control(res: ReadResult) -> str:
+    if not res.messages:
+        return "no-store"  # an empty page at the tail changes as soon as data arrives
+    deadline = res.meta.deadline()
+    if deadline is not None:
+        left = int(deadline - time.time())
+        if left < 60:
+            return f"public, max-age={max(0, left)}"
+    return PUBLIC_CACHE
+
+
+async def stream_sse(
+    request: web.Request, svc: IngesterService, path: str, start: offsets.Offset | str, cursor: str | None
+) -> web.StreamResponse:
+    seen = svc.notifier.version(path)
+    res = await svc.read(path, start)  # 404/410 before the 200 is committed
+    binary = not P.is_text_for_sse(res.meta.content_type)
+    json_mode = P.is_json(res.meta.content_type)
+    headers = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    if binary:
+        headers[P.SSE_ENCODING] = "base64"
+    resp = web.StreamResponse(status=200, headers=headers)
+    await resp.prepare(request)
+    here = offsets.parse(res.next_offset) if start == offsets.NOW else start
+    ends_at = time.monotonic() + svc.config.sse_max_seconds
+    told_up_to_date = False
+    with contextlib.suppress(ConnectionResetError, asyncio.CancelledError):
+        while True:
+            if res.messages:
+                if binary:
+                    payload = sse.encode_binary(b"".join(res.messages))
+                elif json_mode:
+                    payload = jsonmode.render_array(res.messages).decode("utf-8", "replace")
+                else:
+                    payload = b"".join(res.messages).decode("utf-8", "replace")
+                await resp.write(sse.data_event(payload))
+                told_up_to_date = res.up_to_date
+                await resp.write(
+                    sse.control_event(
+                        res.next_offset, cursor=P.response_cursor(cursor),
+                        up_to_date=res.up_to_date, closed=res.closed_at_end,
+                    )
+                )
+                if res.closed_at_end:
+                    break
+            elif res.closed_at_end:
+                await resp.write(sse.control_event(res.next_offset, closed=True))
+                break
+            elif not told_up_to_date:
+                await resp.write(
+                    sse.control_event(res.next_offset, cursor=P.response_cursor(cursor), up_to_date=True)
+                )
+                told_up_to_date = True
+            here = offsets.parse(res.next_offset)
+            if res.up_to_date:
+                remaining = ends_at - time.monotonic()
+                if remaining <= 0:
+                    break
+                changed = await svc.notifier.wait(path, seen, min(remaining, svc.config.long_poll_timeout))
+                seen = svc.notifier.version(path)
+                if not changed:  # keep-alive, and lets clients see the connection is healthy
+                    if time.monotonic() >= ends_at:
+                        break
+                    await resp.write(
+                        sse.control_event(res.next_offset, cursor=P.response_cursor(cursor), up_to_date=True)
+                    )
+            elif time.monotonic() >= ends_at:
+                break
+            try:
+                res = await svc.read(path, here)
+            except (NotFound, Gone):
+                break
+    with contextlib.suppress(Exception):
+        await resp.write_eof()
+    return resp
+
+
+async def healthz(request: web.Request) -> web.Response:
+    return web.Response(text="ok\n")
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_get("/healthz", healthz)
+    app.router.add_route("*", "/v1/stream/{path:.*}", handle_stream)

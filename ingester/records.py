@@ -1,0 +1,135 @@
+"""LMDB layout of the write-ahead log, and the encodings of what it stores.
+
+Named databases in one environment (`<data-dir>/wal`):
+
+    streams    key: stream path (UTF-8)                 value: StreamMeta as JSON
+    records    key: sid u64 BE | end position u64 BE    value: RecordHeader | message bytes
+    producers  key: sid u64 BE | producer id (UTF-8)    value: [epoch, last_seq, updated_at] JSON
+    sys        key: b"next_sid"                         value: u64 BE
+
+One record is one message: one append of a byte stream, or one element of a JSON append.
+Its key holds the stream position just after its last byte, so `set_range(sid, p + 1)`
+finds the record that contains position p. The record value starts with a 9-byte header:
+
+    0        8   9
+    +--------+---+---------------------+
+    | chunk  | f | message bytes ...   |
+    +--------+---+---------------------+
+    chunk: u64 BE id of the chunk the record belongs to (offsets name it)
+    f:     flags; bit 0 = last message of its append (JSON batch boundary)
+
+`sid` is the stream's internal id: never reused, so a deleted and re-created path never
+sees old records. This module is pure (no lmdb import): it only encodes and decodes.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass, field
+from typing import Final
+
+import orjson
+
+from shared import offsets
+
+RECORD_HEADER: Final = struct.Struct(">QB")
+KEY: Final = struct.Struct(">QQ")
+SID: Final = struct.Struct(">Q")
+FLAG_END_OF_APPEND: Final = 1
+
+
+@dataclass(slots=True)
+class StreamMeta:
+    path: str
+    sid: int
+    content_type: str
+    created_at: float
+    last_access: float
+    tail: int = 0  # committed end position
+    tail_chunk: int = 0  # chunk id that names the tail offset
+    chunk: int = 0  # chunk that new records go to
+    ttl: int | None = None
+    expires_at: float | None = None
+    expires_at_text: str | None = None
+    closed: bool = False
+    closed_by: list[str | int] | None = None  # [producer id, epoch, seq] of the closing append
+    stream_seq: str | None = None
+    fork_source: str | None = None
+    fork_source_sid: int | None = None
+    fork_position: int = 0
+    fork_offset: str | None = None  # as the client asked for it (idempotent re-create)
+    fork_sub_offset: int = 0
+    refcount: int = 0  # forks reading this stream's data
+    soft_deleted: bool = False
+    messages: int = 0
+
+    @property
+    def tail_offset(self) -> str:
+        return offsets.encode(self.tail_chunk, self.tail)
+
+    def deadline(self, touched: float | None = None) -> float | None:
+        """When the stream expires (TTL slides with reads and writes), or None."""
+        candidates: list[float] = []
+        if self.expires_at is not None:
+            candidates.append(self.expires_at)
+        if self.ttl is not None:
+            candidates.append(max(self.last_access, touched or 0.0) + self.ttl)
+        return min(candidates) if candidates else None
+
+    def expired(self, now: float, touched: float | None = None) -> bool:
+        d = self.deadline(touched)
+        return d is not None and now >= d
+
+    def encode(self) -> bytes:
+        return orjson.dumps(self)
+
+    @staticmethod
+    def decode(raw: bytes | memoryview) -> StreamMeta:
+        return StreamMeta(**orjson.loads(raw))
+
+
+@dataclass(slots=True)
+class ProducerState:
+    epoch: int
+    last_seq: int
+    updated_at: float
+
+    def encode(self) -> bytes:
+        return orjson.dumps([self.epoch, self.last_seq, self.updated_at])
+
+    @staticmethod
+    def decode(raw: bytes | memoryview) -> ProducerState:
+        epoch, last_seq, updated_at = orjson.loads(raw)
+        return ProducerState(int(epoch), int(last_seq), float(updated_at))
+
+
+@dataclass(slots=True)
+class Record:
+    """A message as read back: [start, end) in stream positions."""
+
+    end: int
+    chunk: int
+    flags: int
+    data: bytes = field(repr=False)
+
+    @property
+    def start(self) -> int:
+        return self.end - len(self.data)
+
+
+def record_key(sid: int, end: int) -> bytes:
+    return KEY.pack(sid, end)
+
+
+def producer_key(sid: int, producer_id: str) -> bytes:
+    return SID.pack(sid) + producer_id.encode("utf-8")
+
+
+def encode_record(chunk: int, flags: int, data: bytes) -> bytes:
+    return RECORD_HEADER.pack(chunk, flags) + data
+
+
+def decode_record(key: bytes | memoryview, value: bytes | memoryview) -> Record:
+    _sid, end = KEY.unpack(key)
+    chunk, flags = RECORD_HEADER.unpack_from(value)
+    return Record(end, chunk, flags, bytes(value[RECORD_HEADER.size :]))

@@ -1,0 +1,449 @@
+"""Write operations on streams, run on the WAL writer thread (see wal.GroupCommitter).
+
+Every operation validates first and mutates after, so a DS3Error leaves nothing behind.
+Metadata is cached here (the writer is the only mutator); a stream's metadata is written
+once per batch however many appends it took. A record and the producer state that
+admitted it are written in the same transaction, so a crash can never keep one without
+the other: an idempotent producer retrying after a restart is deduplicated exactly.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import lmdb
+
+from ingester.chain import chain_records, chunk_at, is_message_boundary, record_at
+from ingester.records import (
+    FLAG_END_OF_APPEND,
+    SID,
+    ProducerState,
+    StreamMeta,
+    encode_record,
+    producer_key,
+    record_key,
+)
+from ingester.wal import WalEnv
+from shared import jsonmode, offsets
+from shared.errors import (
+    BadRequest,
+    Conflict,
+    Gone,
+    NotFound,
+    ProducerSeqGap,
+    StaleProducerEpoch,
+    StreamClosed,
+)
+from shared.protocol import DEFAULT_CONTENT_TYPE, ProducerHeaders, is_json, media_type
+
+PRODUCER_STATE_TTL_S = 7 * 24 * 3600
+
+
+@dataclass(frozen=True, slots=True)
+class CreateRequest:
+    path: str
+    content_type: str | None  # None: the default, or the source's for a fork
+    ttl: int | None = None
+    expires_at: float | None = None
+    expires_at_text: str | None = None
+    closed: bool = False
+    body: bytes = b""
+    fork_from: str | None = None
+    fork_offset: str | None = None
+    fork_sub_offset: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class AppendRequest:
+    path: str
+    content_type: str | None
+    body: bytes
+    messages: list[bytes] | None  # JSON messages split on the loop, when the request is JSON
+    close: bool = False
+    stream_seq: str | None = None
+    producer: ProducerHeaders | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class StreamView:
+    """What a write response reports about the stream after the write."""
+
+    content_type: str
+    tail_offset: str
+    closed: bool
+
+
+@dataclass(frozen=True, slots=True)
+class CreateResult:
+    created: bool
+    stream: StreamView
+
+
+@dataclass(frozen=True, slots=True)
+class AppendResult:
+    stream: StreamView
+    duplicate: bool = False  # idempotent producer retry, or close of a closed stream
+    producer_epoch: int | None = None
+    producer_seq: int | None = None
+
+
+def _view(meta: StreamMeta) -> StreamView:
+    return StreamView(meta.content_type, meta.tail_offset, meta.closed)
+
+
+class Store:
+    def __init__(self, wal: WalEnv, clock: Callable[[], float] = time.time) -> None:
+        self.wal = wal
+        self.clock = clock
+        # Reads record TTL renewals here (from the event loop); the writer folds them in.
+        self.touches: dict[str, float] = {}
+        self._metas: dict[str, StreamMeta | None] = {}
+        self._producers: dict[tuple[int, str], ProducerState | None] = {}
+        self._dirty: dict[str, StreamMeta] = {}
+        self._changed: set[str] = set()
+        self._expiry: list[tuple[float, str]] = []  # (deadline hint, path) min-heap
+
+    # --- committer hooks -------------------------------------------------------------
+
+    def flush(self, txn: lmdb.Transaction) -> set[str]:
+        """Write dirty metadata into the batch's transaction; return the changed paths."""
+        for path, meta in self._dirty.items():
+            txn.put(path.encode(), meta.encode(), db=self.wal.streams)
+        self._dirty.clear()
+        changed, self._changed = self._changed, set()
+        return changed
+
+    def reset(self) -> None:
+        """A batch aborted: forget everything cached, reload from the WAL on demand."""
+        self._metas.clear()
+        self._producers.clear()
+        self._dirty.clear()
+        self._changed.clear()
+
+    # --- metadata --------------------------------------------------------------------
+
+    def _load(self, txn: lmdb.Transaction, path: str) -> StreamMeta | None:
+        if path in self._metas:
+            return self._metas[path]
+        raw = txn.get(path.encode(), db=self.wal.streams)
+        meta = StreamMeta.decode(raw) if raw is not None else None
+        self._metas[path] = meta
+        return meta
+
+    def _save(self, meta: StreamMeta) -> None:
+        self._metas[meta.path] = meta
+        self._dirty[meta.path] = meta
+        self._changed.add(meta.path)
+
+    def _live(self, txn: lmdb.Transaction, path: str, now: float) -> StreamMeta | None:
+        """The stream at `path`, expiring it first if its time is up (soft-deleted included)."""
+        meta = self._load(txn, path)
+        if meta is None or meta.soft_deleted:
+            return meta
+        if meta.expired(now, self.touches.get(path)):
+            self._remove(txn, meta)
+            return self._load(txn, path)
+        return meta
+
+    def _next_sid(self, txn: lmdb.Transaction) -> int:
+        raw = txn.get(b"next_sid", db=self.wal.sys)
+        sid = SID.unpack(raw)[0] if raw else 1
+        txn.put(b"next_sid", SID.pack(sid + 1), db=self.wal.sys)
+        return sid
+
+    def _track_expiry(self, meta: StreamMeta) -> None:
+        d = meta.deadline()
+        if d is not None:
+            heapq.heappush(self._expiry, (d, meta.path))
+
+    def _lookup(self, txn: lmdb.Transaction) -> Callable[[str], StreamMeta | None]:
+        return lambda path: self._load(txn, path)
+
+    # --- removal ---------------------------------------------------------------------
+
+    def _remove(self, txn: lmdb.Transaction, meta: StreamMeta) -> None:
+        """Delete a stream; if forks still read it, keep its data (soft delete, 410)."""
+        if meta.refcount > 0:
+            meta.soft_deleted = True
+            self._save(meta)
+            return
+        self._drop_prefix(txn, self.wal.records, SID.pack(meta.sid))
+        self._drop_prefix(txn, self.wal.producers, SID.pack(meta.sid))
+        self._producers = {k: v for k, v in self._producers.items() if k[0] != meta.sid}
+        txn.delete(meta.path.encode(), db=self.wal.streams)
+        self._metas[meta.path] = None
+        self._dirty.pop(meta.path, None)
+        self._changed.add(meta.path)
+        if meta.fork_source is not None:
+            source = self._load(txn, meta.fork_source)
+            if source is not None and source.sid == meta.fork_source_sid:
+                source.refcount = max(0, source.refcount - 1)
+                self._save(source)
+                if source.refcount == 0 and source.soft_deleted:
+                    self._remove(txn, source)
+
+    @staticmethod
+    def _drop_prefix(txn: lmdb.Transaction, db: lmdb._Database, prefix: bytes) -> None:
+        cur = txn.cursor(db)
+        if not cur.set_range(prefix):
+            return
+        while cur.key()[: len(prefix)] == prefix:
+            if not cur.delete():
+                break
+
+    # --- operations ------------------------------------------------------------------
+
+    def create(self, txn: lmdb.Transaction, req: CreateRequest) -> CreateResult:
+        now = self.clock()
+        existing = self._live(txn, req.path, now)
+        if existing is not None:
+            if existing.soft_deleted:
+                raise Conflict(
+                    "stream was deleted but forks still read it: the path cannot be reused "
+                    "until every fork is deleted"
+                )
+            if self._same_config(existing, req):
+                return CreateResult(False, _view(existing))
+            raise Conflict("stream already exists with a different configuration")
+
+        meta = StreamMeta(
+            path=req.path, sid=0, content_type=req.content_type or DEFAULT_CONTENT_TYPE,
+            created_at=now, last_access=now, ttl=req.ttl, expires_at=req.expires_at,
+            expires_at_text=req.expires_at_text,
+        )
+        source: StreamMeta | None = None
+        if req.fork_from is not None:
+            source = self._fork_source(txn, req, meta, now)
+        messages = self._messages(meta.content_type, req.body, None, create=True)
+        meta.sid = self._next_sid(txn)
+        if source is not None:
+            source.refcount += 1
+            self._save(source)
+        self._write_messages(txn, meta, messages)
+        meta.closed = req.closed
+        self._save(meta)
+        self._track_expiry(meta)
+        return CreateResult(True, _view(meta))
+
+    def _fork_source(self, txn: lmdb.Transaction, req: CreateRequest, meta: StreamMeta, now: float) -> StreamMeta:
+        assert req.fork_from is not None
+        source = self._live(txn, req.fork_from, now)
+        if source is None:
+            raise NotFound("fork source stream not found")
+        if source.soft_deleted:
+            raise Conflict("fork source stream was deleted (forks of it still exist)")
+        if req.content_type is None:
+            meta.content_type = source.content_type
+        elif media_type(req.content_type) != media_type(source.content_type):
+            raise Conflict("fork content type does not match the source stream's")
+        lookup = self._lookup(txn)
+        db = self.wal.records
+        if req.fork_offset is not None:
+            try:
+                position = offsets.parse(req.fork_offset).position
+            except offsets.OffsetSyntaxError as e:
+                raise BadRequest(f"invalid Stream-Fork-Offset: {e}") from e
+            if position > source.tail:
+                raise BadRequest("Stream-Fork-Offset is beyond the end of the source stream")
+            if is_json(source.content_type) and not is_message_boundary(txn, db, source, lookup, position):
+                raise BadRequest("Stream-Fork-Offset is not at a message boundary")
+        else:
+            position = source.tail
+        sub = req.fork_sub_offset or 0
+        if sub > 0:
+            if req.fork_offset is None:
+                raise BadRequest("Stream-Fork-Sub-Offset > 0 requires Stream-Fork-Offset")
+            position = self._resolve_sub_offset(txn, source, position, sub)
+        if req.ttl is None and req.expires_at is None:
+            meta.ttl, meta.expires_at, meta.expires_at_text = source.ttl, source.expires_at, source.expires_at_text
+        meta.fork_source = source.path
+        meta.fork_source_sid = source.sid
+        meta.fork_position = position
+        meta.fork_offset = req.fork_offset
+        meta.fork_sub_offset = sub
+        meta.tail = position
+        meta.tail_chunk = chunk_at(txn, db, source, lookup, position)
+        meta.chunk = meta.tail_chunk + 1  # the fork's own chunks sort after every inherited one
+        return source
+
+    def _resolve_sub_offset(self, txn: lmdb.Transaction, source: StreamMeta, position: int, sub: int) -> int:
+        """Sub-offset N past `position`: N bytes of the append there, or N of its JSON messages."""
+        lookup = self._lookup(txn)
+        first = record_at(txn, self.wal.records, source, lookup, position)
+        if first is None:
+            raise BadRequest("invalid Stream-Fork-Sub-Offset: the source has no message at that offset")
+        if not is_json(source.content_type):
+            if sub > first.end - position:
+                raise BadRequest("invalid Stream-Fork-Sub-Offset: larger than the append at that offset")
+            return position + sub
+        for count, rec in enumerate(chain_records(txn, self.wal.records, source, lookup, position, source.tail), 1):
+            if count == sub:
+                return rec.end
+            if rec.flags & FLAG_END_OF_APPEND:
+                break
+        raise BadRequest("invalid Stream-Fork-Sub-Offset: more messages than the append at that offset")
+
+    @staticmethod
+    def _same_config(meta: StreamMeta, req: CreateRequest) -> bool:
+        if req.content_type is not None or req.fork_from is None:
+            wanted = media_type(req.content_type or DEFAULT_CONTENT_TYPE)
+            if wanted != media_type(meta.content_type):
+                return False
+        if req.fork_from is None:
+            ttl_ok = req.ttl == meta.ttl and req.expires_at == meta.expires_at
+        else:  # a fork without expiry headers inherited its source's
+            ttl_ok = (req.ttl is None and req.expires_at is None) or (
+                req.ttl == meta.ttl and req.expires_at == meta.expires_at
+            )
+        return (
+            ttl_ok
+            and req.closed == meta.closed
+            and req.fork_from == meta.fork_source
+            and (req.fork_offset is None or req.fork_offset == meta.fork_offset)
+            and (req.fork_sub_offset or 0) == meta.fork_sub_offset
+        )
+
+    def append(self, txn: lmdb.Transaction, req: AppendRequest) -> AppendResult:
+        now = self.clock()
+        meta = self._live(txn, req.path, now)
+        if meta is None:
+            raise NotFound("stream not found")
+        if meta.soft_deleted:
+            raise Gone("stream was deleted")
+        p = req.producer
+        if meta.closed:
+            if p is not None and meta.closed_by == [p.producer_id, p.epoch, p.seq]:
+                return AppendResult(_view(meta), True, p.epoch, p.seq)
+            if req.close and not req.body and p is None:
+                return AppendResult(_view(meta), True)
+            raise StreamClosed(meta.tail_offset)
+        if req.body and media_type(req.content_type) != media_type(meta.content_type):
+            raise Conflict(
+                f"content type {media_type(req.content_type)!r} does not match the stream's "
+                f"{media_type(meta.content_type)!r}"
+            )
+        state: ProducerState | None = None
+        if p is not None:
+            state = self._check_producer(txn, meta, p)
+            if state is None:  # duplicate
+                last = self._producer(txn, meta.sid, p.producer_id)
+                return AppendResult(_view(meta), True, p.epoch, last.last_seq if last else p.seq)
+        if req.stream_seq is not None and meta.stream_seq is not None and req.stream_seq <= meta.stream_seq:
+            raise Conflict(f"Stream-Seq {req.stream_seq!r} is not greater than {meta.stream_seq!r}")
+        messages = self._messages(meta.content_type, req.body, req.messages, create=False)
+        # --- validated: mutate ---
+        self._write_messages(txn, meta, messages)
+        if p is not None and state is not None:
+            self._producers[(meta.sid, p.producer_id)] = state
+            txn.put(producer_key(meta.sid, p.producer_id), state.encode(), db=self.wal.producers)
+        if req.stream_seq is not None:
+            meta.stream_seq = req.stream_seq
+        if req.close:
+            meta.closed = True
+            meta.closed_by = [p.producer_id, p.epoch, p.seq] if p is not None else None
+        meta.last_access = now
+        self._save(meta)
+        return AppendResult(_view(meta), False, p.epoch if p else None, p.seq if p else None)
+
+    def _messages(self, content_type: str, body: bytes, split: list[bytes] | None, *, create: bool) -> list[bytes]:
+        if not is_json(content_type):
+            return [body] if body else []
+        if split is not None:
+            return split
+        if not body:
+            return []
+        return jsonmode.split_messages(body, allow_empty_array=create)
+
+    def _write_messages(self, txn: lmdb.Transaction, meta: StreamMeta, messages: list[bytes]) -> None:
+        last = len(messages) - 1
+        for i, data in enumerate(messages):
+            meta.tail += len(data)
+            flags = FLAG_END_OF_APPEND if i == last else 0
+            txn.put(record_key(meta.sid, meta.tail), encode_record(meta.chunk, flags, data),
+                    db=self.wal.records, append=False)
+        if messages:
+            meta.tail_chunk = meta.chunk
+            meta.messages += len(messages)
+
+    def _producer(self, txn: lmdb.Transaction, sid: int, producer_id: str) -> ProducerState | None:
+        key = (sid, producer_id)
+        if key not in self._producers:
+            raw = txn.get(producer_key(sid, producer_id), db=self.wal.producers)
+            self._producers[key] = ProducerState.decode(raw) if raw is not None else None
+        return self._producers[key]
+
+    def _check_producer(self, txn: lmdb.Transaction, meta: StreamMeta, p: ProducerHeaders) -> ProducerState | None:
+        """The producer's next state if the append is accepted; None for a duplicate."""
+        now = self.clock()
+        state = self._producer(txn, meta.sid, p.producer_id)
+        if state is not None and now - state.updated_at > PRODUCER_STATE_TTL_S and p.epoch >= state.epoch:
+            state = None  # forgotten after a week of silence, as the protocol allows
+        if state is None or p.epoch > state.epoch:
+            if p.seq != 0:
+                if state is None:
+                    raise ProducerSeqGap(0, p.seq)
+                raise BadRequest("a new producer epoch must start at Producer-Seq 0")
+            return ProducerState(p.epoch, 0, now)
+        if p.epoch < state.epoch:
+            raise StaleProducerEpoch(state.epoch)
+        if p.seq <= state.last_seq:
+            return None
+        if p.seq != state.last_seq + 1:
+            raise ProducerSeqGap(state.last_seq + 1, p.seq)
+        return ProducerState(p.epoch, p.seq, now)
+
+    def delete(self, txn: lmdb.Transaction, path: str) -> None:
+        meta = self._live(txn, path, self.clock())
+        if meta is None:
+            raise NotFound("stream not found")
+        if meta.soft_deleted:
+            raise Gone("stream was already deleted")
+        self._remove(txn, meta)
+
+    # --- housekeeping ------------------------------------------------------------------
+
+    def fold_touches(self, txn: lmdb.Transaction) -> int:
+        """Persist TTL renewals that reads recorded, so they survive a restart."""
+        n = 0
+        for path, t in list(self.touches.items()):
+            meta = self._load(txn, path)
+            if meta is not None and not meta.soft_deleted and t > meta.last_access:
+                meta.last_access = t
+                self._dirty[path] = meta
+                n += 1
+            if self.touches.get(path) == t:
+                del self.touches[path]
+        return n
+
+    def sweep_expired(self, txn: lmdb.Transaction, limit: int = 1000) -> int:
+        """Delete streams whose time is up (soft-delete those that forks still read)."""
+        now = self.clock()
+        removed = 0
+        while self._expiry and self._expiry[0][0] <= now and removed < limit:
+            _, path = heapq.heappop(self._expiry)
+            meta = self._load(txn, path)
+            if meta is None or meta.soft_deleted:
+                continue
+            if meta.expired(now, self.touches.get(path)):
+                self._remove(txn, meta)
+                removed += 1
+            else:
+                d = meta.deadline(self.touches.get(path))
+                if d is not None:
+                    heapq.heappush(self._expiry, (d, path))
+        return removed
+
+    def load_expiry_index(self, txn: lmdb.Transaction) -> int:
+        """At start: find every stream with a TTL or expiry time."""
+        n = 0
+        for _key, raw in txn.cursor(db=self.wal.streams):
+            meta = StreamMeta.decode(raw)
+            if not meta.soft_deleted and meta.deadline() is not None:
+                self._track_expiry(meta)
+                n += 1
+        return n
+
+

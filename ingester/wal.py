@@ -1,0 +1,214 @@
+"""The LMDB write-ahead log: the environment, and the single writer thread that
+group-commits every operation that arrived while the previous commit was syncing.
+
+The event loop never runs a write transaction: it submits an operation (a callable taking
+the write transaction) and awaits a future that resolves only after the transaction that
+applied it is durable (LMDB `sync=True`: data pages, fdatasync, meta page, fdatasync).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future as ConcurrentFuture
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Generic, TypeVar
+
+import lmdb
+
+from shared.errors import DS3Error, Unavailable
+
+log = logging.getLogger("ds3.wal")
+T = TypeVar("T")
+
+
+class WalEnv:
+    """One LMDB environment with the named databases of records.py."""
+
+    def __init__(self, path: Path, map_size: int) -> None:
+        path.mkdir(parents=True, exist_ok=True)
+        self.env = lmdb.open(
+            str(path), map_size=map_size, max_dbs=8, sync=True, metasync=True,
+            max_readers=512, readahead=False, lock=True,
+        )
+        self.streams = self.env.open_db(b"streams")
+        self.records = self.env.open_db(b"records")
+        self.producers = self.env.open_db(b"producers")
+        self.sys = self.env.open_db(b"sys")
+
+    def close(self) -> None:
+        self.env.close()
+
+    def stats(self) -> dict[str, int]:
+        with self.env.begin() as txn:
+            return {
+                "streams": int(txn.stat(self.streams)["entries"]),
+                "records": int(txn.stat(self.records)["entries"]),
+            }
+
+
+Op = Callable[[lmdb.Transaction], Any]
+
+
+@dataclass(slots=True)
+class _Pending(Generic[T]):
+    op: Callable[[lmdb.Transaction], T]
+    future: asyncio.Future[T] | ConcurrentFuture[T]
+
+
+class GroupCommitter:
+    """Runs write operations on one thread, many per durable transaction.
+
+    Operations must validate before they mutate: a DS3Error raised by an operation fails
+    only that operation (it changed nothing). Any other exception aborts the batch, the
+    caller's caches are reset through `on_abort`, the operation is failed and the rest of
+    the batch runs again. `on_commit` returns what changed (stream paths), handed to
+    `on_durable` on the event loop after the sync.
+    """
+
+    def __init__(
+        self,
+        wal: WalEnv,
+        loop: asyncio.AbstractEventLoop,
+        *,
+        on_abort: Callable[[], None],
+        on_commit: Callable[[lmdb.Transaction], set[str]],
+        on_durable: Callable[[set[str]], None],
+        max_batch: int = 4096,
+    ) -> None:
+        self.wal = wal
+        self.loop = loop
+        self._on_abort = on_abort
+        self._on_commit = on_commit
+        self._on_durable = on_durable
+        self._max_batch = max_batch
+        self._queue: deque[_Pending[Any]] = deque()
+        self._cv = threading.Condition()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="ds3-wal-writer", daemon=True)
+        self.batches = 0
+        self.ops = 0
+        self.last_batch_size = 0
+        self.commit_seconds = 0.0
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        with self._cv:
+            self._stopping = True
+            self._cv.notify()
+        self._thread.join(timeout=30)
+
+    def submit(self, op: Callable[[lmdb.Transaction], T]) -> asyncio.Future[T]:
+        fut: asyncio.Future[T] = self.loop.create_future()
+        with self._cv:
+            if self._stopping:
+                raise Unavailable("the ingester is shutting down")
+            self._queue.append(_Pending(op, fut))
+            if len(self._queue) == 1:
+                self._cv.notify()
+        return fut
+
+    def run_sync(self, op: Callable[[lmdb.Transaction], T]) -> T:
+        """Run one operation from a non-loop thread (startup, tests) and wait for it."""
+        fut: ConcurrentFuture[T] = ConcurrentFuture()
+        with self._cv:
+            self._queue.append(_Pending(op, fut))
+            self._cv.notify()
+        return fut.result()
+
+    # --- writer thread ---------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._queue and not self._stopping:
+                    self._cv.wait()
+                if not self._queue and self._stopping:
+                    return
+                n = min(len(self._queue), self._max_batch)
+                batch = [self._queue.popleft() for _ in range(n)]
+            self._run_batch(batch)
+
+    def _run_batch(self, batch: list[_Pending[Any]]) -> None:
+        results: list[tuple[_Pending[Any], Any, bool]] = []
+        todo = batch
+        changed: set[str] = set()
+        while todo:
+            failed_at: int | None = None
+            outcome: list[tuple[_Pending[Any], Any, bool]] = []
+            t0 = time.perf_counter()
+            try:
+                with self.wal.env.begin(write=True) as txn:
+                    for i, p in enumerate(todo):
+                        try:
+                            outcome.append((p, p.op(txn), True))
+                        except DS3Error as e:
+                            outcome.append((p, e, False))
+                        except Exception as e:
+                            log.exception("write operation failed; aborting its batch")
+                            failed_at = i
+                            outcome.append((p, e, False))
+                            raise _AbortBatch from e
+                    changed = self._on_commit(txn)
+                # the `with` committed: durable now
+                self.commit_seconds += time.perf_counter() - t0
+                results.extend(outcome)
+                todo = []
+            except _AbortBatch:
+                self._on_abort()
+                assert failed_at is not None
+                bad = todo[failed_at]
+                results.append((bad, Unavailable("internal error while writing; nothing was stored"), False))
+                todo = todo[:failed_at] + todo[failed_at + 1 :]
+            except lmdb.MapFullError:
+                self._on_abort()
+                log.error("write-ahead log map is full (raise --wal-map-size)")
+                results.extend((p, Unavailable("write-ahead log is full", 30), False) for p in todo)
+                todo = []
+            except lmdb.Error:
+                self._on_abort()
+                log.exception("write-ahead log commit failed")
+                results.extend((p, Unavailable("write-ahead log commit failed", 5), False) for p in todo)
+                todo = []
+        self.batches += 1
+        self.ops += len(batch)
+        self.last_batch_size = len(batch)
+        self._deliver_threadsafe(results, changed)
+
+    def _deliver_threadsafe(self, results: Iterable[tuple[_Pending[Any], Any, bool]], changed: set[str]) -> None:
+        loop_items: list[tuple[asyncio.Future[Any], Any, bool]] = []
+        for p, value, ok in results:
+            if isinstance(p.future, ConcurrentFuture):
+                if ok:
+                    p.future.set_result(value)
+                else:
+                    p.future.set_exception(value)
+            else:
+                loop_items.append((p.future, value, ok))
+        if loop_items or changed:
+            try:
+                self.loop.call_soon_threadsafe(self._deliver, loop_items, changed)
+            except RuntimeError:  # loop closed during shutdown
+                pass
+
+    def _deliver(self, items: list[tuple[asyncio.Future[Any], Any, bool]], changed: set[str]) -> None:
+        for fut, value, ok in items:
+            if fut.done():
+                continue
+            if ok:
+                fut.set_result(value)
+            else:
+                fut.set_exception(value)
+        if changed:
+            self._on_durable(changed)
+
+
+class _AbortBatch(Exception):
+    pass

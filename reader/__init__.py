@@ -1,0 +1,1 @@
+"""Stateless reader: serves sealed chunks from object storage (issue 3)."""

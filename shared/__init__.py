@@ -1,0 +1,1 @@
+"""Code both ds3 processes use: protocol rules, offsets, errors, config."""

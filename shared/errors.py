@@ -1,0 +1,64 @@
+"""Domain errors. Services map them to HTTP statuses in one function each (see http_errors)."""
+
+from __future__ import annotations
+
+
+class DS3Error(Exception):
+    """Base class; `message` is safe to show to the client."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class BadRequest(DS3Error):
+    """Malformed input: headers, offsets, paths, bodies (400)."""
+
+
+class NotFound(DS3Error):
+    """No such stream (or it expired) (404)."""
+
+
+class Gone(DS3Error):
+    """The stream was deleted but forks still read its data (410)."""
+
+
+class Conflict(DS3Error):
+    """The request conflicts with the stream's state or configuration (409)."""
+
+
+class StreamClosed(Conflict):
+    """Append to a closed stream (409 with Stream-Closed and the final offset)."""
+
+    def __init__(self, final_offset: str) -> None:
+        super().__init__("stream is closed")
+        self.final_offset = final_offset
+
+
+class PayloadTooLarge(DS3Error):
+    """Request body over the configured limit (413)."""
+
+
+class StaleProducerEpoch(DS3Error):
+    """Zombie fencing: the producer's epoch is older than the server's (403)."""
+
+    def __init__(self, current_epoch: int) -> None:
+        super().__init__(f"stale producer epoch; current epoch is {current_epoch}")
+        self.current_epoch = current_epoch
+
+
+class ProducerSeqGap(Conflict):
+    """Producer-Seq skipped ahead (409 with expected/received)."""
+
+    def __init__(self, expected: int, received: int) -> None:
+        super().__init__(f"producer sequence gap: expected {expected}, received {received}")
+        self.expected = expected
+        self.received = received
+
+
+class Unavailable(DS3Error):
+    """The server cannot take this request now; retry later (503)."""
+
+    def __init__(self, message: str, retry_after: int = 1) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after

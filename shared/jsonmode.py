@@ -1,0 +1,78 @@
+"""JSON mode (protocol §7.1): validate a body and split it into messages.
+
+A POST body that is an array contributes each element as one message (one level of
+flattening); any other JSON value is one message. Each message keeps its original text
+(surrounding whitespace trimmed), so stored bytes are exactly what the client sent.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Final
+
+from shared.errors import BadRequest
+
+_WS: Final = " \t\r\n"
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+_DECODER: Final = json.JSONDecoder(parse_constant=_reject_constant)
+
+
+def split_messages(body: bytes, *, allow_empty_array: bool) -> list[bytes]:
+    """Return the messages a JSON body contributes (raises BadRequest when invalid)."""
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise BadRequest("invalid JSON: body is not UTF-8") from e
+    n = len(text)
+    i = _skip_ws(text, 0)
+    if i == n:
+        raise BadRequest("invalid JSON: empty body")
+    try:
+        if text[i] != "[":
+            _value, end = _DECODER.raw_decode(text, i)
+            if _skip_ws(text, end) != n:
+                raise BadRequest("invalid JSON: trailing characters after the value")
+            return [text[i:end].encode("utf-8")]
+        messages: list[bytes] = []
+        i = _skip_ws(text, i + 1)
+        if i < n and text[i] == "]":
+            if _skip_ws(text, i + 1) != n:
+                raise BadRequest("invalid JSON: trailing characters after the array")
+            if not allow_empty_array:
+                raise BadRequest("empty JSON array: an append must contain at least one message")
+            return []
+        while True:
+            _value, end = _DECODER.raw_decode(text, i)
+            messages.append(text[i:end].encode("utf-8"))
+            i = _skip_ws(text, end)
+            if i < n and text[i] == ",":
+                i = _skip_ws(text, i + 1)
+                continue
+            if i < n and text[i] == "]":
+                if _skip_ws(text, i + 1) != n:
+                    raise BadRequest("invalid JSON: trailing characters after the array")
+                return messages
+            raise BadRequest("invalid JSON: expected ',' or ']' in array")
+    except json.JSONDecodeError as e:
+        raise BadRequest(f"invalid JSON: {e.msg} at character {e.pos}") from e
+    except ValueError as e:  # NaN / Infinity, or recursion limits
+        raise BadRequest(f"invalid JSON: {e}") from e
+    except RecursionError as e:
+        raise BadRequest("invalid JSON: nested too deeply") from e
+
+
+def _skip_ws(text: str, i: int) -> int:
+    n = len(text)
+    while i < n and text[i] in _WS:
+        i += 1
+    return i
+
+
+def render_array(messages: list[bytes]) -> bytes:
+    """GET body for a JSON stream: the messages as one array."""
+    return b"[" + b",".join(messages) + b"]"

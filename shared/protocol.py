@@ -1,0 +1,195 @@
+"""Durable Streams protocol rules shared by the ingester and the reader: header names,
+header and path validation, content types, cursors. Pure: no aiohttp, no lmdb."""
+
+from __future__ import annotations
+
+import random
+import re
+import time
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Final
+
+from shared.errors import BadRequest
+
+STREAM_PREFIX: Final = "/v1/stream/"
+
+# Header names (HTTP headers are case-insensitive; these are the canonical spellings).
+NEXT_OFFSET: Final = "Stream-Next-Offset"
+UP_TO_DATE: Final = "Stream-Up-To-Date"
+CLOSED: Final = "Stream-Closed"
+CURSOR: Final = "Stream-Cursor"
+TTL: Final = "Stream-TTL"
+EXPIRES_AT: Final = "Stream-Expires-At"
+SEQ: Final = "Stream-Seq"
+SSE_ENCODING: Final = "Stream-SSE-Data-Encoding"
+FORKED_FROM: Final = "Stream-Forked-From"
+FORK_OFFSET: Final = "Stream-Fork-Offset"
+FORK_SUB_OFFSET: Final = "Stream-Fork-Sub-Offset"
+PRODUCER_ID: Final = "Producer-Id"
+PRODUCER_EPOCH: Final = "Producer-Epoch"
+PRODUCER_SEQ: Final = "Producer-Seq"
+PRODUCER_EXPECTED_SEQ: Final = "Producer-Expected-Seq"
+PRODUCER_RECEIVED_SEQ: Final = "Producer-Received-Seq"
+
+DEFAULT_CONTENT_TYPE: Final = "application/octet-stream"
+MAX_SAFE_INTEGER: Final = 2**53 - 1
+MAX_TTL_SECONDS: Final = 100 * 365 * 24 * 3600
+
+CORS_ALLOW_HEADERS: Final = ", ".join(
+    [
+        "Content-Type", "Authorization", "If-None-Match", "Last-Event-ID", "Cache-Control",
+        SEQ, TTL, EXPIRES_AT, CLOSED, PRODUCER_ID, PRODUCER_EPOCH, PRODUCER_SEQ,
+        FORKED_FROM, FORK_OFFSET, FORK_SUB_OFFSET,
+    ]
+)
+CORS_EXPOSE_HEADERS: Final = ", ".join(
+    [
+        NEXT_OFFSET, CURSOR, UP_TO_DATE, CLOSED, TTL, EXPIRES_AT, SSE_ENCODING,
+        PRODUCER_EPOCH, PRODUCER_SEQ, PRODUCER_EXPECTED_SEQ, PRODUCER_RECEIVED_SEQ,
+        "ETag", "Content-Type", "Content-Encoding", "Vary", "Location", "Retry-After",
+    ]
+)
+CORS_ALLOW_METHODS: Final = "GET, POST, PUT, DELETE, HEAD, OPTIONS"
+
+DECIMAL_RE: Final = re.compile(r"\A(0|[1-9][0-9]*)\Z")
+_DIGITS_RE: Final = re.compile(r"\A[0-9]+\Z")
+_MEDIA_TYPE_RE: Final = re.compile(r"\A[A-Za-z0-9!#$&^_.+-]+/[A-Za-z0-9!#$&^_.+-]+\Z")
+_RFC3339_RE: Final = re.compile(
+    r"\A\d{4}-\d{2}-\d{2}[Tt ]\d{2}:\d{2}:\d{2}(\.\d{1,9})?([Zz]|[+-]\d{2}:\d{2})\Z"
+)
+
+
+# --- paths -------------------------------------------------------------------------------
+
+
+def validate_stream_path(path: str, max_bytes: int) -> str:
+    """Check the part of the URL after /v1/stream/ and return it unchanged."""
+    if not path:
+        raise BadRequest("stream path is empty")
+    if len(path.encode("utf-8", "surrogatepass")) > max_bytes:
+        raise BadRequest(f"stream path is longer than {max_bytes} bytes")
+    for segment in path.split("/"):
+        if segment == "":
+            raise BadRequest("stream path has an empty segment")
+        if segment in (".", ".."):
+            raise BadRequest("stream path segments '.' and '..' are not allowed")
+    if "\x00" in path:
+        raise BadRequest("stream path contains a NUL character")
+    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in path):
+        raise BadRequest("stream path contains a control character")
+    try:
+        path.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise BadRequest("stream path is not valid UTF-8") from e
+    return path
+
+
+# --- content types -----------------------------------------------------------------------
+
+
+def media_type(content_type: str | None) -> str:
+    """`Application/JSON; charset=utf-8` -> `application/json` (for comparisons only)."""
+    if not content_type:
+        return ""
+    return content_type.split(";", 1)[0].strip().lower()
+
+
+def is_valid_content_type(content_type: str) -> bool:
+    return bool(_MEDIA_TYPE_RE.match(media_type(content_type)))
+
+
+def is_json(content_type: str | None) -> bool:
+    return media_type(content_type) == "application/json"
+
+
+def is_text_for_sse(content_type: str | None) -> bool:
+    mt = media_type(content_type)
+    return mt.startswith("text/") or mt == "application/json"
+
+
+# --- headers -----------------------------------------------------------------------------
+
+
+def flag_true(value: str | None) -> bool:
+    """Stream-Closed: present only when exactly `true` (case-insensitive); else ignored."""
+    return value is not None and value.strip().lower() == "true"
+
+
+def parse_ttl(value: str) -> int:
+    if not DECIMAL_RE.match(value):
+        raise BadRequest(
+            "invalid Stream-TTL: must be a non-negative decimal integer without sign, "
+            "leading zeros, decimal point or exponent"
+        )
+    ttl = int(value)
+    if ttl > MAX_TTL_SECONDS:
+        raise BadRequest(f"invalid Stream-TTL: at most {MAX_TTL_SECONDS} seconds")
+    return ttl
+
+
+def parse_expires_at(value: str) -> float:
+    """RFC 3339 timestamp -> epoch seconds."""
+    if not _RFC3339_RE.match(value.strip()):
+        raise BadRequest("invalid Stream-Expires-At: must be an RFC 3339 timestamp")
+    text = value.strip().replace("z", "Z").replace("t", "T")
+    try:
+        dt = datetime.fromisoformat(text)
+    except ValueError as e:
+        raise BadRequest(f"invalid Stream-Expires-At: {e}") from e
+    if dt.tzinfo is None:
+        dt = dt.replace(tzinfo=UTC)
+    return dt.timestamp()
+
+
+def format_rfc3339(epoch: float) -> str:
+    return datetime.fromtimestamp(epoch, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def parse_safe_int(name: str, value: str) -> int:
+    if not _DIGITS_RE.match(value):
+        raise BadRequest(f"invalid {name}: must be a non-negative integer")
+    n = int(value)
+    if n > MAX_SAFE_INTEGER:
+        raise BadRequest(f"invalid {name}: must be at most 2^53-1")
+    return n
+
+
+@dataclass(frozen=True, slots=True)
+class ProducerHeaders:
+    producer_id: str
+    epoch: int
+    seq: int
+
+
+def parse_producer(pid: str | None, epoch: str | None, seq: str | None) -> ProducerHeaders | None:
+    given = [v is not None for v in (pid, epoch, seq)]
+    if not any(given):
+        return None
+    if not all(given):
+        raise BadRequest("Producer-Id, Producer-Epoch and Producer-Seq must be sent together")
+    assert pid is not None and epoch is not None and seq is not None
+    if pid == "":
+        raise BadRequest("invalid Producer-Id: must not be empty")
+    if len(pid.encode()) > 256:
+        raise BadRequest("invalid Producer-Id: at most 256 bytes")
+    return ProducerHeaders(pid, parse_safe_int("Producer-Epoch", epoch), parse_safe_int("Producer-Seq", seq))
+
+
+# --- cursors (protocol §8.1) ---------------------------------------------------------------
+
+CURSOR_EPOCH: Final = datetime(2024, 10, 9, tzinfo=UTC).timestamp()
+CURSOR_INTERVAL_S: Final = 20
+
+
+def response_cursor(client_cursor: str | None, now: float | None = None) -> str:
+    """Interval number since the cursor epoch; never at or behind the client's cursor."""
+    now = time.time() if now is None else now
+    current = int((now - CURSOR_EPOCH) // CURSOR_INTERVAL_S)
+    if client_cursor is None or not _DIGITS_RE.match(client_cursor) or len(client_cursor) > 18:
+        return str(current)
+    theirs = int(client_cursor)
+    if theirs < current:
+        return str(current)
+    jitter_s = random.randint(1, 3600)
+    return str(theirs + max(1, -(-jitter_s // CURSOR_INTERVAL_S)))

@@ -1,0 +1,80 @@
+"""Start and stop real ds3 processes for tests (127.0.0.1 only; callers stop what they start)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+DS3 = str(Path(sys.executable).with_name("ds3"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Proc:
+    """A ds3 subcommand running as a child process."""
+
+    args: list[str]
+    port: int
+    log_path: Path
+    popen: subprocess.Popen[bytes] | None = None
+    env: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 20.0) -> Proc:
+        log = open(self.log_path, "ab")  # noqa: SIM115 - owned by the child
+        env = {**os.environ, **self.env}
+        self.popen = subprocess.Popen(
+            [DS3, *self.args], stdout=log, stderr=subprocess.STDOUT, env=env,
+            start_new_session=True,
+        )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.popen.poll() is not None:
+                raise RuntimeError(f"{self.args} exited early:\n{self.log_path.read_text()}")
+            try:
+                with urllib.request.urlopen(f"{self.url}/healthz", timeout=1) as r:
+                    if r.status == 200:
+                        return self
+            except (urllib.error.URLError, ConnectionError, OSError):
+                pass
+            time.sleep(0.05)
+        self.stop()
+        raise RuntimeError(f"{self.args} not ready in {timeout}s:\n{self.log_path.read_text()}")
+
+    def kill(self) -> None:
+        """SIGKILL: no shutdown hooks run, like a power cut for the process."""
+        if self.popen and self.popen.poll() is None:
+            os.killpg(self.popen.pid, signal.SIGKILL)
+            self.popen.wait(10)
+
+    def stop(self) -> None:
+        if self.popen and self.popen.poll() is None:
+            os.killpg(self.popen.pid, signal.SIGTERM)
+            try:
+                self.popen.wait(10)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
+def ingester(data_dir: Path, *extra: str, port: int | None = None) -> Proc:
+    """An unstarted `ds3 ingester` on 127.0.0.1 with its log beside the data dir."""
+    port = port or free_port()
+    data_dir.mkdir(parents=True, exist_ok=True)
+    args = ["ingester", "--host", "127.0.0.1", "--port", str(port), "--data-dir", str(data_dir), *extra]
+    return Proc(args=args, port=port, log_path=data_dir.parent / f"ingester-{port}.log")

@@ -1,0 +1,121 @@
+"""The public Durable Streams conformance suite against a real `ds3 ingester`.
+
+Runs tests/conformance/run-conformance.sh (vitest + @durable-streams/server-conformance-tests)
+with a 3 s long-poll timeout on both sides. Needs Node/npm; installs tests/conformance/node_modules
+when it is missing or package*.json changed (same stamp as scripts/test). About 1-3 minutes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.procs import ingester
+
+pytestmark = [pytest.mark.conformance, pytest.mark.slow]
+
+CONF = Path(__file__).parent / "conformance"
+EXPECTED_PASSED = 332  # the whole base suite (the opt-in subscription group is not run)
+SUMMARY = re.compile(r"^conformance: (\d+) passed, (\d+) failed, (\d+) skipped$")
+RUN_TIMEOUT_S = 900
+NOT_FAILED = {"passed", "pending", "skipped", "todo", "disabled"}
+MAX_LISTED = 100  # failing tests named in the assertion message
+
+
+def _ensure_npm_deps() -> None:
+    if shutil.which("node") is None or shutil.which("npm") is None:
+        pytest.skip("node/npm not found on PATH: install Node.js (>= 20) to run the conformance suite")
+    want = hashlib.sha256(
+        (CONF / "package.json").read_bytes() + (CONF / "package-lock.json").read_bytes()
+    ).hexdigest()
+    modules = CONF / "node_modules"
+    stamp = modules / ".ds3-stamp"
+    if modules.is_dir() and stamp.is_file() and stamp.read_text().strip() == want:
+        return
+    r = subprocess.run(
+        ["npm", "install", "--no-audit", "--no-fund", "--loglevel=error"],
+        cwd=CONF,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert r.returncode == 0, f"npm install in {CONF} failed:\n{r.stdout}\n{r.stderr}"
+    stamp.write_text(want + "\n")
+
+
+def _failing_tests(report: Path) -> list[str]:
+    """'full name: first line of the failure' for every test the vitest JSON report did not pass."""
+    try:
+        data = json.loads(report.read_text())
+    except (OSError, ValueError) as e:
+        return [f"(no usable JSON report at {report}: {e})"]
+    out = []
+    for f in data.get("testResults", []):
+        if f.get("status") == "failed" and not f.get("assertionResults"):
+            out.append(f"FILE ERROR {f.get('name')}: {(f.get('message') or '').strip()[:300]}")
+        for a in f.get("assertionResults", []):
+            if a.get("status") in NOT_FAILED:
+                continue
+            msgs = a.get("failureMessages") or [""]
+            first = (msgs[0].strip().splitlines() or [""])[0]
+            out.append(f"{a.get('fullName') or a.get('title')}: {first[:200]}")
+    if len(out) > MAX_LISTED:
+        out[MAX_LISTED:] = [f"... and {len(out) - MAX_LISTED} more (see {report})"]
+    return out
+
+
+def _tail(path: Path, lines: int = 40) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return f"(no log at {path})"
+
+
+def test_conformance_suite(tmp_path: Path) -> None:
+    _ensure_npm_deps()
+    report = tmp_path / "conformance.json"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CONFORMANCE_")}
+    env.update(
+        CONFORMANCE_LONG_POLL_MS="3000",
+        CONFORMANCE_TIMEOUT_S=str(RUN_TIMEOUT_S - 60),  # the runner's own cap fires first
+    )
+    server = ingester(tmp_path / "data", "--long-poll-timeout", "3")
+    try:
+        server.start()
+        proc = subprocess.Popen(
+            ["bash", str(CONF / "run-conformance.sh"), server.url, str(report)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+            start_new_session=True,
+        )
+        try:
+            output, _ = proc.communicate(timeout=RUN_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            output, _ = proc.communicate()
+            pytest.fail(f"conformance run exceeded {RUN_TIMEOUT_S}s:\n{output[-3000:]}")
+    finally:
+        server.stop()
+
+    last = (output.strip().splitlines() or [""])[-1]
+    m = SUMMARY.match(last)
+    assert proc.returncode == 0 and m, (
+        f"run-conformance.sh exited {proc.returncode} without a summary line:\n{output[-3000:]}\n"
+        f"--- ingester log ({server.log_path}):\n{_tail(server.log_path)}"
+    )
+    passed, failed, _skipped = (int(g) for g in m.groups())
+    assert failed == 0, f"{last}\n{failed} conformance test(s) failed (report: {report}):\n  " + "\n  ".join(
+        _failing_tests(report)
+    )
+    assert passed == EXPECTED_PASSED, f"{last} (expected {EXPECTED_PASSED} passed)\n{output[-3000:]}"
