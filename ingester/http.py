@@ -313,9 +313,8 @@ def _read_headers(res: ReadResult) -> dict[str, str]:
 
 
 def _body(res: ReadResult) -> bytes:
-    if P.is_json(res.meta.content_type):
-        return jsonmode.render_array(res.messages)
-    return b"".join(res.messages)
+    data = b"".join(res.messages)
+    return jsonmode.render_stored(data) if P.is_json(res.meta.content_type) else data
 
 
 def tail_response(res: ReadResult) -> web.Response:
@@ -378,7 +377,7 @@ async def stream_sse(
                 if binary:
                     payload = sse.encode_binary(b"".join(res.messages))
                 elif json_mode:
-                    payload = jsonmode.render_array(res.messages).decode("utf-8", "replace")
+                    payload = jsonmode.render_stored(b"".join(res.messages)).decode("utf-8", "replace")
                 else:
                     payload = b"".join(res.messages).decode("utf-8", "replace")
                 await resp.write(sse.data_event(payload))

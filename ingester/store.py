@@ -351,11 +351,9 @@ class Store:
     def _messages(self, content_type: str, body: bytes, split: list[bytes] | None, *, create: bool) -> list[bytes]:
         if not is_json(content_type):
             return [body] if body else []
-        if split is not None:
-            return split
-        if not body:
-            return []
-        return jsonmode.split_messages(body, allow_empty_array=create)
+        if split is None:
+            split = jsonmode.split_messages(body, allow_empty_array=create) if body else []
+        return [jsonmode.frame(m) for m in split]
 
     def _write_messages(self, txn: lmdb.Transaction, meta: StreamMeta, messages: list[bytes]) -> None:
         last = len(messages) - 1

@@ -3,6 +3,10 @@
 A POST body that is an array contributes each element as one message (one level of
 flattening); any other JSON value is one message. Each message keeps its original text
 (surrounding whitespace trimmed), so stored bytes are exactly what the client sent.
+
+Stored framing: every JSON message is stored followed by one `,` (DELIMITER) and stream
+positions count it, so any message-aligned range of a JSON stream is one contiguous byte
+slice `m1,m2,...,mn,` and the GET body is `[` + slice without its last byte + `]`.
 """
 
 from __future__ import annotations
@@ -73,6 +77,21 @@ def _skip_ws(text: str, i: int) -> int:
     return i
 
 
-def render_array(messages: list[bytes]) -> bytes:
-    """GET body for a JSON stream: the messages as one array."""
-    return b"[" + b",".join(messages) + b"]"
+DELIMITER: Final = b","
+
+
+def frame(message: bytes) -> bytes:
+    """A message as stored: its text and the delimiter."""
+    return message + DELIMITER
+
+
+def unframe(stored: bytes) -> bytes:
+    """A stored message back to the client's text."""
+    return stored[:-1] if stored.endswith(DELIMITER) else stored
+
+
+def render_stored(stored: bytes) -> bytes:
+    """GET body for a message-aligned slice of a JSON stream: one array."""
+    if not stored:
+        return b"[]"
+    return b"[" + unframe(stored) + b"]"
