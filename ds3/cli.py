@@ -5,13 +5,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import click
 from aiohttp import web
 
-from shared.config import ConfigError, GiB, IngesterConfig, MiB
+from shared.config import ConfigError, GiB, IngesterConfig, MiB, ReaderConfig
+
+SWITCH_INTERVAL_S = 0.0005
+log = logging.getLogger("ds3")
 
 
 def _setup_logging(level: str) -> None:
@@ -31,61 +35,81 @@ def _install_uvloop() -> None:
     asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
 
 
-def _ingester_options(f: Any) -> Any:
-    opts = [
-        click.option("--host", envvar="DS3_HOST", default="127.0.0.1", show_default=True,
-                     show_envvar=True, help="Address to listen on."),
-        click.option("--port", envvar="DS3_PORT", type=int, default=4437, show_default=True,
-                     show_envvar=True, help="TCP port (4437 is the protocol's default)."),
-        click.option("--data-dir", envvar="DS3_DATA_DIR", type=click.Path(path_type=Path),
-                     default=Path(".ds3"), show_default=True, show_envvar=True,
-                     help="Directory for the LMDB write-ahead log (created if missing)."),
-        click.option("--long-poll-timeout", envvar="DS3_LONG_POLL_TIMEOUT", type=float, default=30.0,
-                     show_default=True, show_envvar=True,
-                     help="Seconds a long-poll waits for data before answering 204."),
-        click.option("--sse-max-seconds", envvar="DS3_SSE_MAX_SECONDS", type=float, default=60.0,
-                     show_default=True, show_envvar=True,
-                     help="SSE connections are closed after this long so CDNs can collapse them."),
-        click.option("--max-body-bytes", envvar="DS3_MAX_BODY_BYTES", type=int, default=64 * MiB,
-                     show_default=True, show_envvar=True, help="Largest request body (413 above)."),
-        click.option("--max-read-bytes", envvar="DS3_MAX_READ_BYTES", type=int, default=1 * MiB,
-                     show_default=True, show_envvar=True,
-                     help="Largest catch-up response; longer reads are paged by Stream-Next-Offset."),
-        click.option("--max-path-bytes", envvar="DS3_MAX_PATH_BYTES", type=int, default=480,
-                     show_default=True, show_envvar=True, help="Longest stream path in bytes (400 above)."),
-        click.option("--wal-map-size", envvar="DS3_WAL_MAP_SIZE", type=int, default=256 * GiB,
-                     show_default=True, show_envvar=True,
-                     help="LMDB map size in bytes (address space reserved, not disk used)."),
-        click.option("--log-level", envvar="DS3_LOG_LEVEL", default="info", show_default=True,
-                     show_envvar=True, type=click.Choice(["debug", "info", "warning", "error"])),
-    ]
+FC = TypeVar("FC", bound=Callable[..., Any])
+
+
+def _opt(*names: str, env: str, **kw: Any) -> Callable[[FC], FC]:
+    return click.option(*names, envvar=env, show_envvar=True, show_default="default" in kw, **kw)
+
+
+def _apply(f: FC, opts: list[Callable[[FC], FC]]) -> FC:
     for opt in reversed(opts):
         f = opt(f)
     return f
 
 
-def _config(**kw: Any) -> IngesterConfig:
-    kw.pop("log_level", None)
+def _server_options(f: FC) -> FC:
+    return _apply(f, [
+        _opt("--host", env="DS3_HOST", default="127.0.0.1", help="Address to listen on."),
+        _opt("--port", env="DS3_PORT", type=int, default=4437,
+             help="TCP port (4437 is the protocol's default)."),
+        _opt("--long-poll-timeout", env="DS3_LONG_POLL_TIMEOUT", type=float, default=30.0,
+             help="Seconds a long-poll waits for data before answering 204."),
+        _opt("--max-body-bytes", env="DS3_MAX_BODY_BYTES", type=int, default=64 * MiB,
+             help="Largest request body (413 above)."),
+        _opt("--max-path-bytes", env="DS3_MAX_PATH_BYTES", type=int, default=480,
+             help="Longest stream path in bytes (400 above)."),
+        _opt("--s3-endpoint", env="DS3_S3_ENDPOINT", default=None,
+             help="S3 endpoint URL (MinIO, moto). Default: AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL, else AWS."),
+        _opt("--log-level", env="DS3_LOG_LEVEL", default="info",
+             type=click.Choice(["debug", "info", "warning", "error"])),
+    ])
+
+
+def _ingester_options(f: FC) -> FC:
+    return _apply(f, [
+        _opt("--data-dir", env="DS3_DATA_DIR", type=click.Path(path_type=Path), default=Path(".ds3"),
+             help="Directory for the LMDB write-ahead log (created if missing)."),
+        _opt("--store", env="DS3_STORE", default=None,
+             help="Object store for sealed chunks: s3://bucket/prefix or file:///path. "
+                  "Without it the WAL keeps everything and nothing is sealed."),
+        _opt("--seal-bytes", env="DS3_SEAL_BYTES", type=int, default=8 * MiB,
+             help="Seal a stream's open chunk when it reaches this size."),
+        _opt("--seal-age", env="DS3_SEAL_AGE", type=float, default=60.0,
+             help="Seal a stream's open chunk when it is this many seconds old."),
+        _opt("--wal-max-bytes", env="DS3_WAL_MAX_BYTES", type=int, default=4 * GiB,
+             help="Unsealed data the WAL may hold while the store is down; past it appends get 503."),
+        _opt("--uploads", env="DS3_UPLOADS", type=int, default=4, help="Concurrent chunk uploads."),
+        _opt("--sse-max-seconds", env="DS3_SSE_MAX_SECONDS", type=float, default=60.0,
+             help="SSE connections are closed after this long so CDNs can collapse them."),
+        _opt("--max-read-bytes", env="DS3_MAX_READ_BYTES", type=int, default=1 * MiB,
+             help="Largest catch-up response from the WAL; longer reads page by Stream-Next-Offset."),
+        _opt("--wal-map-size", env="DS3_WAL_MAP_SIZE", type=int, default=256 * GiB,
+             help="LMDB map size in bytes (address space reserved, not disk used)."),
+    ])
+
+
+def _ingester_config(kw: dict[str, Any]) -> IngesterConfig:
+    names = set(IngesterConfig.names())
     try:
-        return IngesterConfig(**kw)
+        return IngesterConfig(**{k: v for k, v in kw.items() if k in names})
     except ConfigError as e:
         raise click.UsageError(str(e)) from e
 
 
-def _serve_ingester(config: IngesterConfig, banner: str) -> None:
-    from ingester.app import create_app
-
+def _run(app: web.Application, host: str, port: int, banner: str) -> None:
     _install_uvloop()
-    log = logging.getLogger("ds3")
+    # The WAL writer thread needs the GIL back the moment its fsync returns; with the default
+    # 5 ms switch interval a busy event loop keeps it waiting, and every append in the next
+    # group commit waits too.
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
 
     async def on_startup(app: web.Application) -> None:
-        log.info("%s listening on http://%s:%d (data in %s)", banner, config.host, config.port,
-                 config.data_dir.resolve())
+        log.info("%s listening on http://%s:%d", banner, host, port)
 
-    app = create_app(config)
     app.on_startup.append(on_startup)
-    web.run_app(app, host=config.host, port=config.port, print=None, access_log=None,
-                handle_signals=True, shutdown_timeout=5)
+    web.run_app(app, host=host, port=port, print=None, access_log=None, handle_signals=True,
+                shutdown_timeout=5)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -95,19 +119,57 @@ def main() -> None:
 
 
 @main.command()
+@_server_options
 @_ingester_options
 def ingester(**kw: Any) -> None:
-    """Run the ingester: the write path and live tail over an LMDB write-ahead log."""
+    """Run the ingester: writes and the live tail over an LMDB write-ahead log; seals chunks
+    into the object store when --store is given."""
     _setup_logging(kw["log_level"])
-    _serve_ingester(_config(**kw), "ds3 ingester")
+    config = _ingester_config(kw)
+    from ingester.app import create_app
+
+    _run(create_app(config), config.host, config.port, f"ds3 ingester (data in {config.data_dir.resolve()})")
 
 
 @main.command()
-@_ingester_options
-def dev(**kw: Any) -> None:
-    """Run everything on one machine with local storage (today: the ingester alone)."""
+@_server_options
+@_opt("--ingester", env="DS3_INGESTER", required=True, help="Base URL of the ingester.")
+@_opt("--store", env="DS3_STORE", required=True, help="Object store: s3://bucket/prefix or file:///path.")
+@_opt("--max-read-bytes", env="DS3_MAX_READ_BYTES", type=int, default=8 * MiB,
+      help="Most bytes of a sealed chunk one response carries.")
+@_opt("--descriptor-ttl", env="DS3_DESCRIPTOR_TTL", type=float, default=1.0,
+      help="Seconds a stream descriptor read from the store is trusted.")
+def reader(**kw: Any) -> None:
+    """Run a stateless reader: sealed history straight from the object store, the rest
+    (tail, long-poll, SSE, writes) through the ingester."""
     _setup_logging(kw["log_level"])
-    _serve_ingester(_config(**kw), "ds3 dev")
+    names = set(ReaderConfig.__dataclass_fields__)
+    try:
+        config = ReaderConfig(**{k: v for k, v in kw.items() if k in names})
+    except ConfigError as e:
+        raise click.UsageError(str(e)) from e
+    from reader.app import create_app
+
+    _run(create_app(config), config.host, config.port, "ds3 reader")
+
+
+@main.command()
+@_opt("--host", env="DS3_HOST", default="127.0.0.1", help="Address the reader listens on.")
+@_opt("--port", env="DS3_PORT", type=int, default=4437, help="Public port (the reader's).")
+@_opt("--data-dir", env="DS3_DATA_DIR", type=click.Path(path_type=Path), default=Path(".ds3"),
+      help="WAL in DIR/wal, sealed chunks in DIR/objects.")
+@_opt("--long-poll-timeout", env="DS3_LONG_POLL_TIMEOUT", type=float, default=30.0,
+      help="Seconds a long-poll waits for data.")
+@_opt("--seal-bytes", env="DS3_SEAL_BYTES", type=int, default=8 * MiB, help="Chunk size that triggers a seal.")
+@_opt("--seal-age", env="DS3_SEAL_AGE", type=float, default=60.0, help="Chunk age that triggers a seal.")
+@_opt("--log-level", env="DS3_LOG_LEVEL", default="info", type=click.Choice(["debug", "info", "warning", "error"]))
+def dev(**kw: Any) -> None:
+    """Run an ingester and a reader on this machine with a local-directory object store
+    (no S3 needed). The reader is public; the ingester listens on a private port."""
+    _setup_logging(kw["log_level"])
+    from ds3.supervise import run_dev
+
+    sys.exit(run_dev(**kw))
 
 
 if __name__ == "__main__":  # pragma: no cover

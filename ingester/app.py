@@ -6,9 +6,10 @@ from collections.abc import AsyncIterator
 
 from aiohttp import web
 
-from ingester.http import SERVICE, add_routes, common_headers, errors_middleware
+from ingester.http import SERVICE, add_routes
 from ingester.service import IngesterService
 from shared.config import IngesterConfig
+from shared.web import common_headers, errors_middleware
 
 
 def create_app(config: IngesterConfig) -> web.Application:

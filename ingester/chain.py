@@ -1,90 +1,155 @@
-"""Reading a stream's messages from the WAL, across fork boundaries.
+"""Reading a stream's messages from the WAL, across fork boundaries and sealed chunks.
 
 A fork reads positions below its fork position from its source (recursively, the source
-may itself be a fork), capped at the fork position, and its own records above it. Used by
-read transactions (catch-up, live) and by the writer (fork sub-offset resolution)."""
+may itself be a fork), capped at the fork position, and its own records above it. Records
+of sealed chunks are no longer in the WAL: where a read reaches one, it yields a `Sealed`
+marker naming the chunk object and stops, and the caller fetches that range from the
+object store. Used by read transactions and by the writer (fork sub-offsets)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Protocol
 
 import lmdb
 
-from ingester.records import SID, Record, StreamMeta, decode_record, record_key
+from ingester.records import SEALED, SID, ChunkInfo, Record, StreamMeta, chunk_key, decode_record, record_key
 
 MetaLookup = Callable[[str], StreamMeta | None]
 
 
-def own_records(txn: lmdb.Transaction, db: lmdb._Database, sid: int, start: int, end: int) -> Iterator[Record]:
+class Dbs(Protocol):
+    records: lmdb._Database
+    chunks: lmdb._Database
+
+
+@dataclass(frozen=True, slots=True)
+class Sealed:
+    """Positions [start, end) of `uid`'s chunk `chunk` live only in the object store."""
+
+    uid: str
+    chunk: int
+    start: int
+    end: int
+    info: ChunkInfo
+
+
+def sealed_chunk_at(txn: lmdb.Transaction, dbs: Dbs, meta: StreamMeta, position: int) -> tuple[int, ChunkInfo] | None:
+    """The sealed chunk holding `position` (chunk ids and positions rise together)."""
+    prefix = SID.pack(meta.sid)
+    cur = txn.cursor(dbs.chunks)
+    if not cur.set_range(chunk_key(meta.sid, 0)):
+        return None
+    for key, raw in cur:
+        if key[:8] != prefix:
+            return None
+        info = ChunkInfo.decode(raw)
+        if info.start <= position < info.end:
+            return (SID.unpack(key[8:16])[0], info) if info.state == SEALED else None
+        if info.start > position:
+            return None
+    return None
+
+
+def _sealed(txn: lmdb.Transaction, dbs: Dbs, meta: StreamMeta, position: int, end: int) -> Sealed:
+    found = sealed_chunk_at(txn, dbs, meta, position)
+    if found is None:
+        raise LookupError(f"position {position} of {meta.path!r} is neither in the WAL nor sealed")
+    chunk, info = found
+    return Sealed(meta.uid, chunk, position, min(end, info.end), info)
+
+
+def own_records(
+    txn: lmdb.Transaction, dbs: Dbs, meta: StreamMeta, start: int, end: int
+) -> Iterator[Record | Sealed]:
     """Records of one stream overlapping [start, end), the first sliced to begin at start."""
     if start >= end:
         return
+    sid = meta.sid
     prefix = SID.pack(sid)
-    cur = txn.cursor(db)
-    if not cur.set_range(record_key(sid, start + 1)):
-        return
-    for key, value in cur:
-        if key[:8] != prefix:
-            return
-        rec = decode_record(key, value)
-        if rec.start >= end:
-            return
-        if rec.start < start:
-            rec = Record(rec.end, rec.chunk, rec.flags, rec.data[start - rec.start :])
-        if rec.end > end:
-            rec = Record(end, rec.chunk, rec.flags, rec.data[: len(rec.data) - (rec.end - end)])
-        yield rec
+    cur = txn.cursor(dbs.records)
+    pos = start
+    if cur.set_range(record_key(sid, start + 1)):
+        for key, value in cur:
+            if key[:8] != prefix:
+                break
+            rec = decode_record(key, value)
+            if rec.start > pos:
+                yield _sealed(txn, dbs, meta, pos, end)
+                return
+            if rec.start < pos:
+                rec = Record(rec.end, rec.chunk, rec.flags, rec.data[pos - rec.start :])
+            if rec.end > end:
+                rec = Record(end, rec.chunk, rec.flags, rec.data[: len(rec.data) - (rec.end - end)])
+            yield rec
+            pos = rec.end
+            if pos >= end:
+                return
+    if pos < end:
+        yield _sealed(txn, dbs, meta, pos, end)
 
 
 def chain_records(
-    txn: lmdb.Transaction, db: lmdb._Database, meta: StreamMeta, lookup: MetaLookup, start: int, end: int
-) -> Iterator[Record]:
+    txn: lmdb.Transaction, dbs: Dbs, meta: StreamMeta, lookup: MetaLookup, start: int, end: int
+) -> Iterator[Record | Sealed]:
     """Messages of `meta`'s stream in [start, end), inherited ones included."""
     if meta.fork_source is not None and start < meta.fork_position:
         source = lookup(meta.fork_source)
         if source is not None and source.sid == meta.fork_source_sid:
-            yield from chain_records(txn, db, source, lookup, start, min(end, meta.fork_position))
+            for item in chain_records(txn, dbs, source, lookup, start, min(end, meta.fork_position)):
+                yield item
+                if isinstance(item, Sealed):
+                    return
         start = meta.fork_position
-    yield from own_records(txn, db, meta.sid, start, end)
+    yield from own_records(txn, dbs, meta, start, end)
 
 
 def record_at(
-    txn: lmdb.Transaction, db: lmdb._Database, meta: StreamMeta, lookup: MetaLookup, position: int
-) -> Record | None:
+    txn: lmdb.Transaction, dbs: Dbs, meta: StreamMeta, lookup: MetaLookup, position: int
+) -> Record | Sealed | None:
     """The whole message holding the byte at `position`, as `meta`'s stream sees it."""
     if meta.fork_source is not None and position < meta.fork_position:
         source = lookup(meta.fork_source)
         if source is None or source.sid != meta.fork_source_sid:
             return None
-        rec = record_at(txn, db, source, lookup, position)
-        if rec is not None and rec.end > meta.fork_position:
+        rec = record_at(txn, dbs, source, lookup, position)
+        if isinstance(rec, Record) and rec.end > meta.fork_position:
             cut = rec.end - meta.fork_position
             rec = Record(meta.fork_position, rec.chunk, rec.flags, rec.data[: len(rec.data) - cut])
         return rec
-    cur = txn.cursor(db)
-    if not cur.set_range(record_key(meta.sid, position + 1)):
-        return None
-    key, value = cur.item()
-    if key[:8] != SID.pack(meta.sid):
-        return None
-    rec = decode_record(key, value)
-    return rec if rec.start <= position else None
+    cur = txn.cursor(dbs.records)
+    if cur.set_range(record_key(meta.sid, position + 1)):
+        key, value = cur.item()
+        if key[:8] == SID.pack(meta.sid):
+            rec = decode_record(key, value)
+            if rec.start <= position:
+                return rec
+    found = sealed_chunk_at(txn, dbs, meta, position)
+    if found is not None:
+        return Sealed(meta.uid, found[0], position, found[1].end, found[1])
+    return None
 
 
-def chunk_at(txn: lmdb.Transaction, db: lmdb._Database, meta: StreamMeta, lookup: MetaLookup, position: int) -> int:
+def chunk_at(txn: lmdb.Transaction, dbs: Dbs, meta: StreamMeta, lookup: MetaLookup, position: int) -> int:
     """The chunk id that names `position` (the chunk holding the byte before it)."""
     if position <= 0:
         return 0
     if position == meta.tail:
         return meta.tail_chunk
-    rec = record_at(txn, db, meta, lookup, position - 1)
+    rec = record_at(txn, dbs, meta, lookup, position - 1)
+    if isinstance(rec, Sealed):
+        return rec.chunk
     return rec.chunk if rec is not None else 0
 
 
 def is_message_boundary(
-    txn: lmdb.Transaction, db: lmdb._Database, meta: StreamMeta, lookup: MetaLookup, position: int
-) -> bool:
+    txn: lmdb.Transaction, dbs: Dbs, meta: StreamMeta, lookup: MetaLookup, position: int
+) -> bool | None:
+    """Whether a message ends at `position`; None when only the sealed chunk's index knows."""
     if position in (0, meta.tail) or (meta.fork_source is not None and position == meta.fork_position):
         return True
-    rec = record_at(txn, db, meta, lookup, position - 1)
+    rec = record_at(txn, dbs, meta, lookup, position - 1)
+    if isinstance(rec, Sealed):
+        return True if position in (rec.info.start, rec.info.end) else None
     return rec is not None and rec.end == position

@@ -6,9 +6,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
 from typing import Final
-from urllib.parse import unquote
 
 from aiohttp import web
 
@@ -17,107 +15,12 @@ from ingester.service import IngesterService
 from ingester.store import AppendRequest, AppendResult, CreateRequest
 from shared import jsonmode, offsets, sse
 from shared import protocol as P
-from shared.errors import (
-    BadRequest,
-    DS3Error,
-    Gone,
-    NotFound,
-    PayloadTooLarge,
-    ProducerSeqGap,
-    StaleProducerEpoch,
-    StreamClosed,
-    Unavailable,
-)
+from shared.errors import BadRequest, Gone, NotFound
+from shared.web import live_mode, method_not_allowed, preflight, read_body, start_offset, stream_path
 
 log = logging.getLogger("ds3.http")
 SERVICE: Final = web.AppKey("ingester_service", IngesterService)
 PUBLIC_CACHE: Final = "public, max-age=60, stale-while-revalidate=300"
-
-
-# --- errors: the one place domain errors become HTTP statuses -------------------------------
-
-
-def error_response(e: DS3Error) -> web.Response:
-    headers: dict[str, str] = {}
-    if isinstance(e, BadRequest):
-        status = 400
-    elif isinstance(e, NotFound):
-        status = 404
-    elif isinstance(e, Gone):
-        status = 410
-    elif isinstance(e, StaleProducerEpoch):
-        status = 403
-        headers[P.PRODUCER_EPOCH] = str(e.current_epoch)
-    elif isinstance(e, StreamClosed):
-        status = 409
-        headers[P.CLOSED] = "true"
-        headers[P.NEXT_OFFSET] = e.final_offset
-    elif isinstance(e, ProducerSeqGap):
-        status = 409
-        headers[P.PRODUCER_EXPECTED_SEQ] = str(e.expected)
-        headers[P.PRODUCER_RECEIVED_SEQ] = str(e.received)
-    elif isinstance(e, PayloadTooLarge):
-        status = 413
-    elif isinstance(e, Unavailable):
-        status = 503
-        headers["Retry-After"] = str(e.retry_after)
-    else:  # Conflict and anything else a write can refuse
-        status = 409
-    return web.Response(status=status, text=e.message + "\n", headers=headers, content_type="text/plain")
-
-
-@web.middleware
-async def errors_middleware(
-    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
-) -> web.StreamResponse:
-    try:
-        return await handler(request)
-    except DS3Error as e:
-        return error_response(e)
-    except web.HTTPException:
-        raise
-    except (asyncio.CancelledError, ConnectionResetError):
-        raise
-    except Exception:
-        log.exception("internal error on %s %s", request.method, request.path)
-        return web.Response(status=500, text="internal server error; nothing was changed\n")
-
-
-async def common_headers(request: web.Request, response: web.StreamResponse) -> None:
-    h = response.headers
-    h["X-Content-Type-Options"] = "nosniff"
-    h["Cross-Origin-Resource-Policy"] = "cross-origin"
-    h["Access-Control-Allow-Origin"] = "*"
-    h["Access-Control-Expose-Headers"] = P.CORS_EXPOSE_HEADERS
-
-
-# --- request helpers -----------------------------------------------------------------------
-
-
-def stream_path(request: web.Request, max_bytes: int) -> str:
-    raw = request.raw_path.split("?", 1)[0]
-    if not raw.startswith(P.STREAM_PREFIX):
-        raise NotFound("not a stream URL")
-    try:
-        path = unquote(raw[len(P.STREAM_PREFIX) :], errors="strict")
-    except UnicodeDecodeError as e:
-        raise BadRequest("stream path is not valid UTF-8") from e
-    return P.validate_stream_path(path, max_bytes)
-
-
-async def read_body(request: web.Request, limit: int) -> bytes:
-    if request.content_length is not None and request.content_length > limit:
-        raise PayloadTooLarge(f"request body is larger than {limit} bytes")
-    buf = bytearray()
-    async for chunk in request.content.iter_any():
-        buf += chunk
-        if len(buf) > limit:
-            raise PayloadTooLarge(f"request body is larger than {limit} bytes")
-    return bytes(buf)
-
-
-def _header(request: web.Request, name: str) -> str | None:
-    return request.headers.get(name)
 
 
 # --- handlers ------------------------------------------------------------------------------
@@ -140,21 +43,7 @@ async def handle_stream(request: web.Request) -> web.StreamResponse:
     if method == "DELETE":
         await svc.delete(path)
         return web.Response(status=204)
-    return web.Response(
-        status=405, text=f"method {method} is not allowed on a stream\n",
-        headers={"Allow": P.CORS_ALLOW_METHODS},
-    )
-
-
-def preflight() -> web.Response:
-    return web.Response(
-        status=204,
-        headers={
-            "Access-Control-Allow-Methods": P.CORS_ALLOW_METHODS,
-            "Access-Control-Allow-Headers": P.CORS_ALLOW_HEADERS,
-            "Access-Control-Max-Age": "86400",
-        },
-    )
+    return method_not_allowed(method)
 
 
 async def handle_put(request: web.Request, svc: IngesterService, path: str) -> web.Response:
@@ -258,27 +147,9 @@ async def handle_head(svc: IngesterService, path: str) -> web.Response:
     return web.Response(status=200, headers=headers)
 
 
-def _start_offset(request: web.Request) -> offsets.Offset | str | None:
-    values = request.query.getall("offset", [])
-    if len(values) > 1:
-        raise BadRequest("send one offset parameter, not several")
-    if not values:
-        return None
-    if values[0] == "":
-        raise BadRequest("offset parameter is empty")
-    try:
-        return offsets.parse_query(values[0])
-    except offsets.OffsetSyntaxError as e:
-        raise BadRequest(str(e)) from e
-
-
 async def handle_get(request: web.Request, svc: IngesterService, path: str) -> web.StreamResponse:
-    given = _start_offset(request)
-    live = request.query.get("live")
-    if live not in (None, "long-poll", "sse"):
-        raise BadRequest(f"unknown live mode {live[:40]!r}: use long-poll or sse")
-    if live is not None and given is None:
-        raise BadRequest(f"live={live} requires an offset parameter")
+    given = start_offset(request)
+    live = live_mode(request, given)
     start = offsets.START if given is None else given
     cursor = request.query.get("cursor")
     if live == "sse":
@@ -426,6 +297,19 @@ async def healthz(request: web.Request) -> web.Response:
     return web.Response(text="ok\n")
 
 
+async def touch(request: web.Request) -> web.Response:
+    """A reader served this stream from the object store: renew its sliding TTL, and say
+    whether it still exists (204), expired or never did (404), or was deleted (410)."""
+    svc = request.app[SERVICE]
+    path = request.query.get("path")
+    if path is None:
+        raise BadRequest("touch: the path parameter is required")
+    meta = await svc.head(path)  # NotFound / Gone map to 404 / 410
+    svc.touch(meta)
+    return web.Response(status=204)
+
+
 def add_routes(app: web.Application) -> None:
     app.router.add_get("/healthz", healthz)
+    app.router.add_post("/_ds3/touch", touch)
     app.router.add_route("*", "/v1/stream/{path:.*}", handle_stream)

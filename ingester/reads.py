@@ -5,17 +5,21 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import lmdb
 
-from ingester.chain import chain_records, is_message_boundary
+from ingester.chain import Sealed, chain_records, is_message_boundary
 from ingester.records import StreamMeta
 from ingester.wal import WalEnv
 from shared import offsets
 from shared.errors import BadRequest, Gone, NotFound
 from shared.protocol import is_json
+
+T = TypeVar("T")
 
 
 @dataclass(slots=True)
@@ -25,6 +29,7 @@ class ReadResult:
     messages: list[bytes] = field(default_factory=list)
     end: int = 0
     next_offset: str = ""
+    sealed: Sealed | None = None  # the read starts in a sealed chunk: fetch it from the store
 
     @property
     def up_to_date(self) -> bool:
@@ -86,14 +91,18 @@ class Reads:
                 pos = start.position
                 if pos > meta.tail:
                     raise BadRequest("offset is beyond the end of the stream")
-                if is_json(meta.content_type) and not is_message_boundary(
-                    txn, self.wal.records, meta, lookup, pos
+                if is_json(meta.content_type) and (
+                    is_message_boundary(txn, self.wal, meta, lookup, pos) is False
                 ):
                     raise BadRequest("offset is not at a message boundary of this JSON stream")
             result = ReadResult(meta=meta, start=pos, end=pos)
             size = 0
             last_chunk = -1
-            for rec in chain_records(txn, self.wal.records, meta, lookup, pos, meta.tail):
+            for rec in chain_records(txn, self.wal, meta, lookup, pos, meta.tail):
+                if isinstance(rec, Sealed):
+                    if not result.messages:
+                        result.sealed = rec
+                    break
                 if result.messages and size + len(rec.data) > max_bytes:
                     break
                 result.messages.append(rec.data)
@@ -104,12 +113,15 @@ class Reads:
                 result.next_offset = meta.tail_offset
             elif last_chunk >= 0:
                 result.next_offset = offsets.encode(last_chunk, result.end)
-            else:  # nothing read and not at the tail: cannot happen for a consistent chain
-                result.next_offset = meta.tail_offset
-                result.end = meta.tail
+            elif result.sealed is None:  # nothing read and not at the tail: a broken chain
+                raise LookupError(f"stream {path!r} has no data at position {pos}")
             return result
 
     # --- async wrappers ------------------------------------------------------------------
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run a read-only function on the read pool."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
     async def head(self, path: str) -> StreamMeta:
         return await asyncio.get_running_loop().run_in_executor(self._pool, self.head_sync, path)

@@ -5,6 +5,7 @@ Named databases in one environment (`<data-dir>/wal`):
     streams    key: stream path (UTF-8)                 value: StreamMeta as JSON
     records    key: sid u64 BE | end position u64 BE    value: RecordHeader | message bytes
     producers  key: sid u64 BE | producer id (UTF-8)    value: [epoch, last_seq, updated_at] JSON
+    chunks     key: sid u64 BE | chunk id u64 BE        value: ChunkInfo as JSON (the manifest)
     sys        key: b"next_sid"                         value: u64 BE
 
 One record is one message: one append of a byte stream, or one element of a JSON append.
@@ -18,8 +19,13 @@ finds the record that contains position p. The record value starts with a 9-byte
     chunk: u64 BE id of the chunk the record belongs to (offsets name it)
     f:     flags; bit 0 = last message of its append (JSON batch boundary)
 
-`sid` is the stream's internal id: never reused, so a deleted and re-created path never
-sees old records. This module is pure (no lmdb import): it only encodes and decodes.
+`sid` is the stream's internal id in this WAL: never reused, so a deleted and re-created
+path never sees old records. `uid` (128 random bits, hex) names the stream in the object
+store, where several ingesters share one bucket.
+
+A chunk is open while records are appended to it; rolling it (size, age, or close) marks it
+`sealing` in the manifest and starts the next chunk. Once its object is uploaded and
+confirmed it is `sealed` and its records are dropped from `records`. This module is pure (no lmdb import): it only encodes and decodes.
 """
 
 from __future__ import annotations
@@ -45,9 +51,13 @@ class StreamMeta:
     content_type: str
     created_at: float
     last_access: float
+    uid: str = ""
     tail: int = 0  # committed end position
     tail_chunk: int = 0  # chunk id that names the tail offset
     chunk: int = 0  # chunk that new records go to
+    chunk_start: int = 0  # position where that chunk begins
+    chunk_records: int = 0
+    chunk_opened_at: float | None = None  # when its first record arrived (age-based sealing)
     ttl: int | None = None
     expires_at: float | None = None
     expires_at_text: str | None = None
@@ -56,6 +66,7 @@ class StreamMeta:
     stream_seq: str | None = None
     fork_source: str | None = None
     fork_source_sid: int | None = None
+    fork_source_uid: str | None = None
     fork_position: int = 0
     fork_offset: str | None = None  # as the client asked for it (idempotent re-create)
     fork_sub_offset: int = 0
@@ -86,6 +97,39 @@ class StreamMeta:
     @staticmethod
     def decode(raw: bytes | memoryview) -> StreamMeta:
         return StreamMeta(**orjson.loads(raw))
+
+
+SEALING: Final = "sealing"
+SEALED: Final = "sealed"
+
+
+@dataclass(slots=True)
+class ChunkInfo:
+    """One rolled chunk of a stream: [start, end) in stream positions."""
+
+    start: int
+    end: int
+    records: int
+    closed: bool  # the stream was closed at `end` (the stream's final chunk)
+    sealed_at: float
+    state: str = SEALING
+
+    def encode(self) -> bytes:
+        return orjson.dumps(self)
+
+    @staticmethod
+    def decode(raw: bytes | memoryview) -> ChunkInfo:
+        return ChunkInfo(**orjson.loads(raw))
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkRef:
+    """A chunk to upload: enough to find its records and name its object."""
+
+    path: str
+    sid: int
+    uid: str
+    chunk: int
 
 
 @dataclass(slots=True)
@@ -119,6 +163,10 @@ class Record:
 
 def record_key(sid: int, end: int) -> bytes:
     return KEY.pack(sid, end)
+
+
+def chunk_key(sid: int, chunk: int) -> bytes:
+    return KEY.pack(sid, chunk)
 
 
 def producer_key(sid: int, producer_id: str) -> bytes:

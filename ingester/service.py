@@ -14,10 +14,23 @@ import lmdb
 from ingester.live import Notifier
 from ingester.reads import ReadResult, Reads
 from ingester.records import StreamMeta
-from ingester.store import AppendRequest, AppendResult, CreateRequest, CreateResult, Store
+from ingester.sealing import Sealer
+from ingester.store import (
+    AppendRequest,
+    AppendResult,
+    Committed,
+    CreateRequest,
+    CreateResult,
+    SealPolicy,
+    Store,
+)
 from ingester.wal import GroupCommitter, WalEnv
 from shared import offsets
+from shared.chunkstore import ChunkReader
 from shared.config import IngesterConfig
+from shared.errors import BadRequest
+from shared.objectstore import ObjectStore, open_store
+from shared.protocol import is_json
 
 log = logging.getLogger("ds3.ingester")
 T = TypeVar("T")
@@ -27,7 +40,13 @@ class IngesterService:
     def __init__(self, config: IngesterConfig) -> None:
         self.config = config
         self.wal = WalEnv(config.wal_dir, config.wal_map_size)
-        self.store = Store(self.wal)
+        seal = None
+        if config.store is not None:
+            seal = SealPolicy(config.seal_bytes, config.seal_age, config.wal_max_bytes)
+        self.store = Store(self.wal, seal=seal)
+        self.objects: ObjectStore | None = None
+        self.sealer: Sealer | None = None
+        self.chunk_reader: ChunkReader | None = None
         self.notifier = Notifier()
         self.reads = Reads(self.wal, self.store.touches, threads=config.read_threads)
         self._committer: GroupCommitter | None = None
@@ -41,11 +60,22 @@ class IngesterService:
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
         self._committer = GroupCommitter(
-            self.wal, loop, on_abort=self.store.reset, on_commit=self.store.flush, on_durable=self.notifier.bump
+            self.wal, loop, on_abort=self.store.reset, on_commit=self.store.flush, on_durable=self._on_durable
         )
         self._committer.start()
         n = await self.committer.submit(self.store.load_expiry_index)
         log.info("write-ahead log open at %s (%d streams with an expiry)", self.config.wal_dir, n)
+        if self.config.store is not None:
+            self.objects = open_store(self.config.store, s3_endpoint=self.config.s3_endpoint)
+            self.chunk_reader = ChunkReader(self.objects)
+            self.sealer = Sealer(self.store, self.committer, self.objects, self.reads.run, self.config.uploads)
+            refs = await self.committer.submit(self.store.load_sealing_index)
+            garbage = await self.committer.submit(self.store.load_gc)
+            self.sealer.enqueue_chunks(refs)
+            self.sealer.enqueue_removed(garbage)
+            self.sealer.start()
+            log.info("sealing chunks into %s (%d to upload, %d removed streams to clean)",
+                     self.config.store, len(refs), len(garbage))
         self._tasks.append(asyncio.create_task(self._housekeeping(), name="ds3-housekeeping"))
 
     async def stop(self) -> None:
@@ -55,12 +85,24 @@ class IngesterService:
             with contextlib.suppress(asyncio.CancelledError):
                 await t
         self.notifier.wake_all()
+        if self.sealer is not None:
+            await self.sealer.stop()
+        if self.objects is not None:
+            await self.objects.close()
         if self._committer is not None:
             with contextlib.suppress(Exception):
                 await self.committer.submit(self.store.fold_touches)
             await asyncio.get_running_loop().run_in_executor(None, self.committer.stop)
         self.reads.close()
         self.wal.close()
+
+    def _on_durable(self, news: Committed) -> None:
+        self.notifier.bump(news.changed)
+        if self.sealer is not None:
+            self.sealer.enqueue_chunks(news.rolled)
+            self.sealer.enqueue_removed(news.removed)
+            if news.descriptors:
+                self.sealer.enqueue_descriptors(news.descriptors)
 
     # --- writes ------------------------------------------------------------------------
 
@@ -83,9 +125,27 @@ class IngesterService:
 
     async def read(self, path: str, start: offsets.Offset | str, *, renew: bool = True) -> ReadResult:
         res = await self.reads.read(path, start, self.config.max_read_bytes)
+        if res.sealed is not None:
+            await self._read_sealed(res)
         if renew and res.meta.ttl is not None:
             self.store.touches[path] = time.time()
         return res
+
+    async def _read_sealed(self, res: ReadResult) -> None:
+        """The read starts in a sealed chunk: serve that chunk's part from the object store."""
+        sealed = res.sealed
+        assert sealed is not None and self.chunk_reader is not None
+        piece = await self.chunk_reader.slice(
+            sealed.uid, sealed.chunk, sealed.start, self.config.max_read_bytes, cap=sealed.end
+        )
+        if is_json(res.meta.content_type) and not piece.head.is_boundary(sealed.start):
+            raise BadRequest("offset is not at a message boundary of this JSON stream")
+        res.messages = [await self.chunk_reader.read(piece)]
+        res.end = piece.end
+        res.next_offset = (
+            res.meta.tail_offset if piece.end >= res.meta.tail else offsets.encode(sealed.chunk, piece.end)
+        )
+        res.sealed = None
 
     def touch(self, meta: StreamMeta) -> None:
         if meta.ttl is not None:
@@ -95,16 +155,28 @@ class IngesterService:
 
     async def _housekeeping(self) -> None:
         """Expire streams and persist TTL renewals; back off (capped) when the WAL fails."""
-        delay = self.config.sweep_interval
+        tick = self.config.sweep_interval
+        if self.sealer is not None:  # honour the seal age to within half of it
+            tick = min(tick, self.config.seal_age / 2)
+        delay = tick
         last_fold = time.monotonic()
+        last_stats = (time.monotonic(), 0, 0)
         while True:
             await asyncio.sleep(delay)
+            t, b, o = time.monotonic(), self.committer.batches, self.committer.ops
+            if t - last_stats[0] >= 10 and o > last_stats[2]:
+                log.info("wal: %.0f ops/s in %.0f commits/s (%.1f ops per commit)",
+                         (o - last_stats[2]) / (t - last_stats[0]), (b - last_stats[1]) / (t - last_stats[0]),
+                         (o - last_stats[2]) / max(1, b - last_stats[1]))
+                last_stats = (t, b, o)
             try:
                 await self._submit(self.store.sweep_expired)
+                if self.sealer is not None:
+                    await self._submit(self.store.seal_aged)
                 if time.monotonic() - last_fold > 5:
                     await self._submit(self.store.fold_touches)
                     last_fold = time.monotonic()
-                delay = self.config.sweep_interval
+                delay = tick
             except Exception:
                 log.exception("housekeeping failed")
                 delay = min(delay * 2, 60.0)

@@ -10,18 +10,25 @@ the other: an idempotent producer retrying after a restart is deduplicated exact
 from __future__ import annotations
 
 import heapq
+import secrets
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import lmdb
 
-from ingester.chain import chain_records, chunk_at, is_message_boundary, record_at
+from ingester.chain import Sealed, chain_records, chunk_at, is_message_boundary, record_at
 from ingester.records import (
     FLAG_END_OF_APPEND,
+    SEALED,
+    SEALING,
     SID,
+    ChunkInfo,
+    ChunkRef,
     ProducerState,
     StreamMeta,
+    chunk_key,
+    decode_record,
     encode_record,
     producer_key,
     record_key,
@@ -36,6 +43,7 @@ from shared.errors import (
     ProducerSeqGap,
     StaleProducerEpoch,
     StreamClosed,
+    Unavailable,
 )
 from shared.protocol import DEFAULT_CONTENT_TYPE, ProducerHeaders, is_json, media_type
 
@@ -94,34 +102,60 @@ def _view(meta: StreamMeta) -> StreamView:
     return StreamView(meta.content_type, meta.tail_offset, meta.closed)
 
 
+@dataclass(frozen=True, slots=True)
+class SealPolicy:
+    """When open chunks roll. None: never (no object store; the WAL keeps everything)."""
+
+    seal_bytes: int
+    seal_age: float
+    wal_max_bytes: int  # past this many bytes of unsealed records, appends get 503
+
+
+@dataclass(slots=True)
+class Committed:
+    """What one durable commit changed, for the event loop to act on."""
+
+    changed: set[str] = field(default_factory=set)  # stream paths: wake their readers
+    rolled: list[ChunkRef] = field(default_factory=list)  # chunks to upload
+    removed: list[tuple[str, str]] = field(default_factory=list)  # (uid, path): delete objects
+    descriptors: dict[str, StreamMeta | None] = field(default_factory=dict)  # to publish
+
+    def __bool__(self) -> bool:
+        return bool(self.changed or self.rolled or self.removed or self.descriptors)
+
+
 class Store:
-    def __init__(self, wal: WalEnv, clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self, wal: WalEnv, clock: Callable[[], float] = time.time, seal: SealPolicy | None = None
+    ) -> None:
         self.wal = wal
         self.clock = clock
+        self.seal = seal
         # Reads record TTL renewals here (from the event loop); the writer folds them in.
         self.touches: dict[str, float] = {}
         self._metas: dict[str, StreamMeta | None] = {}
         self._producers: dict[tuple[int, str], ProducerState | None] = {}
         self._dirty: dict[str, StreamMeta] = {}
-        self._changed: set[str] = set()
+        self._news = Committed()
         self._expiry: list[tuple[float, str]] = []  # (deadline hint, path) min-heap
+        self._aging: list[tuple[float, str]] = []  # (open chunk's first record time, path)
 
     # --- committer hooks -------------------------------------------------------------
 
-    def flush(self, txn: lmdb.Transaction) -> set[str]:
-        """Write dirty metadata into the batch's transaction; return the changed paths."""
+    def flush(self, txn: lmdb.Transaction) -> Committed:
+        """Write dirty metadata into the batch's transaction; return what the batch changed."""
         for path, meta in self._dirty.items():
             txn.put(path.encode(), meta.encode(), db=self.wal.streams)
         self._dirty.clear()
-        changed, self._changed = self._changed, set()
-        return changed
+        news, self._news = self._news, Committed()
+        return news
 
     def reset(self) -> None:
         """A batch aborted: forget everything cached, reload from the WAL on demand."""
         self._metas.clear()
         self._producers.clear()
         self._dirty.clear()
-        self._changed.clear()
+        self._news = Committed()
 
     # --- metadata --------------------------------------------------------------------
 
@@ -136,7 +170,12 @@ class Store:
     def _save(self, meta: StreamMeta) -> None:
         self._metas[meta.path] = meta
         self._dirty[meta.path] = meta
-        self._changed.add(meta.path)
+        self._news.changed.add(meta.path)
+
+    def _publish(self, meta: StreamMeta | None, path: str) -> None:
+        """The stream's descriptor object must be (re)written: created, closed, deleted."""
+        if self.seal is not None:
+            self._news.descriptors[path] = meta
 
     def _live(self, txn: lmdb.Transaction, path: str, now: float) -> StreamMeta | None:
         """The stream at `path`, expiring it first if its time is up (soft-deleted included)."""
@@ -169,14 +208,21 @@ class Store:
         if meta.refcount > 0:
             meta.soft_deleted = True
             self._save(meta)
+            self._publish(meta, meta.path)
             return
         self._drop_prefix(txn, self.wal.records, SID.pack(meta.sid))
         self._drop_prefix(txn, self.wal.producers, SID.pack(meta.sid))
+        self._drop_prefix(txn, self.wal.chunks, SID.pack(meta.sid))
+        if self.seal is not None:
+            # Recorded with the removal itself, so a crash cannot leak the stream's objects.
+            txn.put(b"gc:" + meta.uid.encode(), meta.path.encode(), db=self.wal.sys)
+            self._news.removed.append((meta.uid, meta.path))
+        self._publish(None, meta.path)
         self._producers = {k: v for k, v in self._producers.items() if k[0] != meta.sid}
         txn.delete(meta.path.encode(), db=self.wal.streams)
         self._metas[meta.path] = None
         self._dirty.pop(meta.path, None)
-        self._changed.add(meta.path)
+        self._news.changed.add(meta.path)
         if meta.fork_source is not None:
             source = self._load(txn, meta.fork_source)
             if source is not None and source.sid == meta.fork_source_sid:
@@ -219,12 +265,18 @@ class Store:
             source = self._fork_source(txn, req, meta, now)
         messages = self._messages(meta.content_type, req.body, None, create=True)
         meta.sid = self._next_sid(txn)
+        meta.uid = secrets.token_hex(16)
         if source is not None:
             source.refcount += 1
             self._save(source)
-        self._write_messages(txn, meta, messages)
+        self._write_messages(txn, meta, messages, now)
         meta.closed = req.closed
+        if meta.closed:
+            self._roll(txn, meta, now)
+        else:
+            self._maybe_roll(txn, meta, now)
         self._save(meta)
+        self._publish(meta, meta.path)
         self._track_expiry(meta)
         return CreateResult(True, _view(meta))
 
@@ -240,7 +292,7 @@ class Store:
         elif media_type(req.content_type) != media_type(source.content_type):
             raise Conflict("fork content type does not match the source stream's")
         lookup = self._lookup(txn)
-        db = self.wal.records
+        db = self.wal
         if req.fork_offset is not None:
             try:
                 position = offsets.parse(req.fork_offset).position
@@ -248,7 +300,7 @@ class Store:
                 raise BadRequest(f"invalid Stream-Fork-Offset: {e}") from e
             if position > source.tail:
                 raise BadRequest("Stream-Fork-Offset is beyond the end of the source stream")
-            if is_json(source.content_type) and not is_message_boundary(txn, db, source, lookup, position):
+            if is_json(source.content_type) and is_message_boundary(txn, db, source, lookup, position) is False:
                 raise BadRequest("Stream-Fork-Offset is not at a message boundary")
         else:
             position = source.tail
@@ -261,25 +313,31 @@ class Store:
             meta.ttl, meta.expires_at, meta.expires_at_text = source.ttl, source.expires_at, source.expires_at_text
         meta.fork_source = source.path
         meta.fork_source_sid = source.sid
+        meta.fork_source_uid = source.uid
         meta.fork_position = position
         meta.fork_offset = req.fork_offset
         meta.fork_sub_offset = sub
         meta.tail = position
         meta.tail_chunk = chunk_at(txn, db, source, lookup, position)
         meta.chunk = meta.tail_chunk + 1  # the fork's own chunks sort after every inherited one
+        meta.chunk_start = position
         return source
 
     def _resolve_sub_offset(self, txn: lmdb.Transaction, source: StreamMeta, position: int, sub: int) -> int:
         """Sub-offset N past `position`: N bytes of the append there, or N of its JSON messages."""
         lookup = self._lookup(txn)
-        first = record_at(txn, self.wal.records, source, lookup, position)
+        first = record_at(txn, self.wal, source, lookup, position)
         if first is None:
             raise BadRequest("invalid Stream-Fork-Sub-Offset: the source has no message at that offset")
+        if isinstance(first, Sealed):
+            raise BadRequest("Stream-Fork-Sub-Offset into sealed history is not supported; fork at a message offset")
         if not is_json(source.content_type):
             if sub > first.end - position:
                 raise BadRequest("invalid Stream-Fork-Sub-Offset: larger than the append at that offset")
             return position + sub
-        for count, rec in enumerate(chain_records(txn, self.wal.records, source, lookup, position, source.tail), 1):
+        for count, rec in enumerate(chain_records(txn, self.wal, source, lookup, position, source.tail), 1):
+            if isinstance(rec, Sealed):
+                raise BadRequest("Stream-Fork-Sub-Offset into sealed history is not supported")
             if count == sub:
                 return rec.end
             if rec.flags & FLAG_END_OF_APPEND:
@@ -334,8 +392,10 @@ class Store:
         if req.stream_seq is not None and meta.stream_seq is not None and req.stream_seq <= meta.stream_seq:
             raise Conflict(f"Stream-Seq {req.stream_seq!r} is not greater than {meta.stream_seq!r}")
         messages = self._messages(meta.content_type, req.body, req.messages, create=False)
+        if messages and self.seal is not None and self._unsealed_bytes(txn) > self.seal.wal_max_bytes:
+            raise Unavailable("the write-ahead log is full until the object store takes uploads", 5)
         # --- validated: mutate ---
-        self._write_messages(txn, meta, messages)
+        self._write_messages(txn, meta, messages, now)
         if p is not None and state is not None:
             self._producers[(meta.sid, p.producer_id)] = state
             txn.put(producer_key(meta.sid, p.producer_id), state.encode(), db=self.wal.producers)
@@ -344,6 +404,10 @@ class Store:
         if req.close:
             meta.closed = True
             meta.closed_by = [p.producer_id, p.epoch, p.seq] if p is not None else None
+            self._roll(txn, meta, now)
+            self._publish(meta, meta.path)
+        else:
+            self._maybe_roll(txn, meta, now)
         meta.last_access = now
         self._save(meta)
         return AppendResult(_view(meta), False, p.epoch if p else None, p.seq if p else None)
@@ -355,16 +419,130 @@ class Store:
             split = jsonmode.split_messages(body, allow_empty_array=create) if body else []
         return [jsonmode.frame(m) for m in split]
 
-    def _write_messages(self, txn: lmdb.Transaction, meta: StreamMeta, messages: list[bytes]) -> None:
+    def _write_messages(self, txn: lmdb.Transaction, meta: StreamMeta, messages: list[bytes], now: float) -> None:
         last = len(messages) - 1
         for i, data in enumerate(messages):
             meta.tail += len(data)
             flags = FLAG_END_OF_APPEND if i == last else 0
-            txn.put(record_key(meta.sid, meta.tail), encode_record(meta.chunk, flags, data),
-                    db=self.wal.records, append=False)
+            txn.put(record_key(meta.sid, meta.tail), encode_record(meta.chunk, flags, data), db=self.wal.records)
         if messages:
             meta.tail_chunk = meta.chunk
             meta.messages += len(messages)
+            meta.chunk_records += len(messages)
+            if meta.chunk_opened_at is None:
+                meta.chunk_opened_at = now
+                if self.seal is not None:
+                    heapq.heappush(self._aging, (now, meta.path))
+
+    # --- sealing -------------------------------------------------------------------------
+
+    def _maybe_roll(self, txn: lmdb.Transaction, meta: StreamMeta, now: float) -> None:
+        if self.seal is not None and meta.tail - meta.chunk_start >= self.seal.seal_bytes:
+            self._roll(txn, meta, now)
+
+    def _roll(self, txn: lmdb.Transaction, meta: StreamMeta, now: float) -> None:
+        """Close the open chunk (if it holds anything) and queue it for upload."""
+        if self.seal is None or meta.tail == meta.chunk_start:
+            return
+        info = ChunkInfo(meta.chunk_start, meta.tail, meta.chunk_records, meta.closed, now)
+        txn.put(chunk_key(meta.sid, meta.chunk), info.encode(), db=self.wal.chunks)
+        self._news.rolled.append(ChunkRef(meta.path, meta.sid, meta.uid, meta.chunk))
+        meta.chunk += 1
+        meta.chunk_start = meta.tail
+        meta.chunk_records = 0
+        meta.chunk_opened_at = None
+
+    def _unsealed_bytes(self, txn: lmdb.Transaction) -> int:
+        return self.wal.db_bytes(txn, self.wal.records)
+
+    def seal_aged(self, txn: lmdb.Transaction) -> int:
+        """Roll open chunks older than the seal age."""
+        if self.seal is None:
+            return 0
+        now = self.clock()
+        rolled = 0
+        while self._aging and self._aging[0][0] + self.seal.seal_age <= now:
+            opened, path = heapq.heappop(self._aging)
+            meta = self._load(txn, path)
+            if meta is None or meta.chunk_opened_at is None or meta.chunk_opened_at != opened:
+                continue  # rolled or deleted since
+            self._roll(txn, meta, now)
+            self._save(meta)
+            rolled += 1
+        return rolled
+
+    def mark_sealed(self, txn: lmdb.Transaction, ref: ChunkRef) -> bool:
+        """The chunk's object is confirmed in the store: drop its records from the WAL."""
+        raw = txn.get(chunk_key(ref.sid, ref.chunk), db=self.wal.chunks)
+        if raw is None:
+            return False  # the stream was deleted meanwhile
+        info = ChunkInfo.decode(raw)
+        if info.state == SEALED:
+            return True
+        info.state = SEALED
+        txn.put(chunk_key(ref.sid, ref.chunk), info.encode(), db=self.wal.chunks)
+        prefix = SID.pack(ref.sid)
+        cur = txn.cursor(self.wal.records)
+        if cur.set_range(record_key(ref.sid, info.start + 1)):
+            while True:
+                key = cur.key()
+                if key[:8] != prefix or SID.unpack(key[8:16])[0] > info.end:
+                    break
+                if not cur.delete():
+                    break
+        self._news.changed.add(ref.path)
+        return True
+
+    def chunk_records(
+        self, txn: lmdb.Transaction, ref: ChunkRef
+    ) -> tuple[ChunkInfo, list[tuple[int, int, bytes]]] | None:
+        """A rolled chunk's manifest entry and records (end, flags, data), for its upload."""
+        raw = txn.get(chunk_key(ref.sid, ref.chunk), db=self.wal.chunks)
+        if raw is None:
+            return None
+        info = ChunkInfo.decode(raw)
+        out: list[tuple[int, int, bytes]] = []
+        prefix = SID.pack(ref.sid)
+        cur = txn.cursor(self.wal.records)
+        if cur.set_range(record_key(ref.sid, info.start + 1)):
+            for key, value in cur:
+                if key[:8] != prefix:
+                    break
+                rec = decode_record(key, value)
+                if rec.end > info.end:
+                    break
+                out.append((rec.end, rec.flags, rec.data))
+        return info, out
+
+    def gc_done(self, txn: lmdb.Transaction, uid: str) -> None:
+        txn.delete(b"gc:" + uid.encode(), db=self.wal.sys)
+
+    def load_gc(self, txn: lmdb.Transaction) -> list[tuple[str, str]]:
+        out: list[tuple[str, str]] = []
+        cur = txn.cursor(self.wal.sys)
+        if cur.set_range(b"gc:"):
+            for key, value in cur:
+                if not bytes(key).startswith(b"gc:"):
+                    break
+                out.append((bytes(key[3:]).decode(), bytes(value).decode()))
+        return out
+
+    def load_sealing_index(self, txn: lmdb.Transaction) -> list[ChunkRef]:
+        """At start: chunks rolled but not confirmed (to upload again); open chunks' ages."""
+        refs: list[ChunkRef] = []
+        owners: dict[int, StreamMeta] = {}
+        for _key, raw in txn.cursor(db=self.wal.streams):
+            meta = StreamMeta.decode(raw)
+            owners[meta.sid] = meta
+            if meta.chunk_opened_at is not None and self.seal is not None:
+                heapq.heappush(self._aging, (meta.chunk_opened_at, meta.path))
+        for key, raw in txn.cursor(db=self.wal.chunks):
+            if ChunkInfo.decode(raw).state == SEALING:
+                sid, chunk = SID.unpack(key[:8])[0], SID.unpack(key[8:16])[0]
+                owner = owners.get(sid)
+                if owner is not None:
+                    refs.append(ChunkRef(owner.path, sid, owner.uid, chunk))
+        return refs
 
     def _producer(self, txn: lmdb.Transaction, sid: int, producer_id: str) -> ProducerState | None:
         key = (sid, producer_id)

@@ -39,6 +39,7 @@ class WalEnv:
         self.streams = self.env.open_db(b"streams")
         self.records = self.env.open_db(b"records")
         self.producers = self.env.open_db(b"producers")
+        self.chunks = self.env.open_db(b"chunks")
         self.sys = self.env.open_db(b"sys")
 
     def close(self) -> None:
@@ -46,10 +47,18 @@ class WalEnv:
 
     def stats(self) -> dict[str, int]:
         with self.env.begin() as txn:
+            rec = txn.stat(self.records)
             return {
                 "streams": int(txn.stat(self.streams)["entries"]),
-                "records": int(txn.stat(self.records)["entries"]),
+                "records": int(rec["entries"]),
+                "record_bytes": self.db_bytes(txn, self.records),
             }
+
+    def db_bytes(self, txn: lmdb.Transaction, db: lmdb._Database) -> int:
+        """Pages a database occupies now (freed pages are reused, the file never shrinks)."""
+        st = txn.stat(db)
+        pages = int(st["branch_pages"]) + int(st["leaf_pages"]) + int(st["overflow_pages"])
+        return pages * int(st["psize"])
 
 
 Op = Callable[[lmdb.Transaction], Any]
@@ -67,8 +76,9 @@ class GroupCommitter:
     Operations must validate before they mutate: a DS3Error raised by an operation fails
     only that operation (it changed nothing). Any other exception aborts the batch, the
     caller's caches are reset through `on_abort`, the operation is failed and the rest of
-    the batch runs again. `on_commit` returns what changed (stream paths), handed to
-    `on_durable` on the event loop after the sync.
+    the batch runs again. `on_commit` writes what the caller deferred into the transaction
+    and returns what changed; that value reaches `on_durable` on the event loop after the
+    sync (or is dropped if the commit failed).
     """
 
     def __init__(
@@ -77,8 +87,8 @@ class GroupCommitter:
         loop: asyncio.AbstractEventLoop,
         *,
         on_abort: Callable[[], None],
-        on_commit: Callable[[lmdb.Transaction], set[str]],
-        on_durable: Callable[[set[str]], None],
+        on_commit: Callable[[lmdb.Transaction], Any],
+        on_durable: Callable[[Any], None],
         max_batch: int = 4096,
     ) -> None:
         self.wal = wal
@@ -139,7 +149,7 @@ class GroupCommitter:
     def _run_batch(self, batch: list[_Pending[Any]]) -> None:
         results: list[tuple[_Pending[Any], Any, bool]] = []
         todo = batch
-        changed: set[str] = set()
+        changed: Any = None
         while todo:
             failed_at: int | None = None
             outcome: list[tuple[_Pending[Any], Any, bool]] = []
@@ -182,7 +192,7 @@ class GroupCommitter:
         self.last_batch_size = len(batch)
         self._deliver_threadsafe(results, changed)
 
-    def _deliver_threadsafe(self, results: Iterable[tuple[_Pending[Any], Any, bool]], changed: set[str]) -> None:
+    def _deliver_threadsafe(self, results: Iterable[tuple[_Pending[Any], Any, bool]], changed: Any) -> None:
         loop_items: list[tuple[asyncio.Future[Any], Any, bool]] = []
         for p, value, ok in results:
             if isinstance(p.future, ConcurrentFuture):
@@ -198,7 +208,7 @@ class GroupCommitter:
             except RuntimeError:  # loop closed during shutdown
                 pass
 
-    def _deliver(self, items: list[tuple[asyncio.Future[Any], Any, bool]], changed: set[str]) -> None:
+    def _deliver(self, items: list[tuple[asyncio.Future[Any], Any, bool]], changed: Any) -> None:
         for fut, value, ok in items:
             if fut.done():
                 continue

@@ -62,3 +62,32 @@ class Unavailable(DS3Error):
     def __init__(self, message: str, retry_after: int = 1) -> None:
         super().__init__(message)
         self.retry_after = retry_after
+
+
+# ---------------------------------------------------------------- object store
+# Each ObjectStore implementation converts its own client errors into these (shared.objectstore),
+# so callers never see botocore or OSError details.
+
+
+class ObjectStoreError(DS3Error):
+    """The object store refused a request for a reason that retrying will not fix (500)."""
+
+
+class ObjectNotFound(ObjectStoreError):
+    """No object under that key (S3 NoSuchKey / 404, or no such file)."""
+
+    def __init__(self, key: str) -> None:
+        super().__init__(f"object not found: {key}")
+        self.key = key
+
+
+class PreconditionFailed(ObjectStoreError):
+    """A conditional write lost: put(if_absent=True) found the key already there (S3 412)."""
+
+    def __init__(self, key: str) -> None:
+        super().__init__(f"object already exists: {key}")
+        self.key = key
+
+
+class ObjectStoreUnavailable(Unavailable, ObjectStoreError):
+    """The store cannot be reached or answered 5xx / throttled: retry later (503)."""

@@ -27,7 +27,7 @@ from typing import Final
 
 DIGITS: Final = 16
 MAX_FIELD: Final = 10**DIGITS - 1
-_OFFSET_RE: Final = re.compile(r"\A(\d{16})_(\d{16})\Z")
+_OFFSET_RE: Final = re.compile(r"\A([0-9]{16})_([0-9]{16})\Z")
 
 START: Final = "-1"
 NOW: Final = "now"

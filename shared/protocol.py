@@ -54,9 +54,12 @@ CORS_ALLOW_METHODS: Final = "GET, POST, PUT, DELETE, HEAD, OPTIONS"
 
 DECIMAL_RE: Final = re.compile(r"\A(0|[1-9][0-9]*)\Z")
 _DIGITS_RE: Final = re.compile(r"\A[0-9]+\Z")
+# Segments of visible characters, none of them "." or "..", no empty segment.
+_PATH_OK_RE: Final = re.compile(r"\A(?!\.\.?(?:/|\Z))[^\x00-\x1f\x7f/]+(?:/(?!\.\.?(?:/|\Z))[^\x00-\x1f\x7f/]+)*\Z")
+_CONTROL_RE: Final = re.compile(r"[\x00-\x1f\x7f]")
 _MEDIA_TYPE_RE: Final = re.compile(r"\A[A-Za-z0-9!#$&^_.+-]+/[A-Za-z0-9!#$&^_.+-]+\Z")
 _RFC3339_RE: Final = re.compile(
-    r"\A\d{4}-\d{2}-\d{2}[Tt ]\d{2}:\d{2}:\d{2}(\.\d{1,9})?([Zz]|[+-]\d{2}:\d{2})\Z"
+    r"\A\d{4}-\d{2}-\d{2}[Tt ]\d{2}:\d{2}:\d{2}(\.\d{1,9})?([Zz]|[+-]\d{2}:\d{2})\Z", re.ASCII
 )
 
 
@@ -69,6 +72,8 @@ def validate_stream_path(path: str, max_bytes: int) -> str:
         raise BadRequest("stream path is empty")
     if len(path.encode("utf-8", "surrogatepass")) > max_bytes:
         raise BadRequest(f"stream path is longer than {max_bytes} bytes")
+    if _PATH_OK_RE.match(path):  # the common case, checked in one pass
+        return path
     for segment in path.split("/"):
         if segment == "":
             raise BadRequest("stream path has an empty segment")
@@ -76,7 +81,7 @@ def validate_stream_path(path: str, max_bytes: int) -> str:
             raise BadRequest("stream path segments '.' and '..' are not allowed")
     if "\x00" in path:
         raise BadRequest("stream path contains a NUL character")
-    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in path):
+    if _CONTROL_RE.search(path):
         raise BadRequest("stream path contains a control character")
     try:
         path.encode("utf-8")

@@ -78,3 +78,12 @@ def ingester(data_dir: Path, *extra: str, port: int | None = None) -> Proc:
     data_dir.mkdir(parents=True, exist_ok=True)
     args = ["ingester", "--host", "127.0.0.1", "--port", str(port), "--data-dir", str(data_dir), *extra]
     return Proc(args=args, port=port, log_path=data_dir.parent / f"ingester-{port}.log")
+
+
+def reader(work_dir: Path, ingester_url: str, store_url: str, *extra: str, port: int | None = None) -> Proc:
+    """An unstarted `ds3 reader` on 127.0.0.1 in front of `ingester_url`."""
+    port = port or free_port()
+    work_dir.mkdir(parents=True, exist_ok=True)
+    args = ["reader", "--host", "127.0.0.1", "--port", str(port), "--ingester", ingester_url,
+            "--store", store_url, *extra]
+    return Proc(args=args, port=port, log_path=work_dir / f"reader-{port}.log")

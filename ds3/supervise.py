@@ -1,0 +1,95 @@
+"""`ds3 dev`: one ingester and one reader as two supervised child processes, stopped together."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("ds3.dev")
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def _wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            return False
+        try:
+            with urllib.request.urlopen(url + "/healthz", timeout=1) as r:
+                if r.status == 200:
+                    return True
+        except OSError:
+            time.sleep(0.05)
+    return False
+
+
+def run_dev(
+    *, host: str, port: int, data_dir: Path, long_poll_timeout: float, seal_bytes: int, seal_age: float,
+    log_level: str,
+) -> int:
+    data_dir = data_dir.resolve()
+    objects = data_dir / "objects"
+    objects.mkdir(parents=True, exist_ok=True)
+    ingester_port = _free_port("127.0.0.1")
+    ingester_url = f"http://127.0.0.1:{ingester_port}"
+    ds3 = [sys.executable, "-m", "ds3.cli"]
+    common = ["--long-poll-timeout", str(long_poll_timeout), "--log-level", log_level]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DS3_")}  # flags say it all
+    ingester = subprocess.Popen(
+        [*ds3, "ingester", "--host", "127.0.0.1", "--port", str(ingester_port), "--data-dir", str(data_dir),
+         "--store", objects.as_uri(), "--seal-bytes", str(seal_bytes), "--seal-age", str(seal_age), *common],
+        env=env,
+    )
+    children = [ingester]
+    stopping = False
+
+    def stop(signum: int, _frame: Any) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    try:
+        if not _wait_ready(ingester_url, ingester):
+            log.error("the ingester did not start")
+            return 1
+        reader = subprocess.Popen(
+            [*ds3, "reader", "--host", host, "--port", str(port), "--ingester", ingester_url,
+             "--store", objects.as_uri(), *common],
+            env=env,
+        )
+        children.append(reader)
+        if not _wait_ready(f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}", reader):
+            log.error("the reader did not start")
+            return 1
+        log.info("ds3 dev ready on http://%s:%d (no auth: local development only; data in %s)",
+                 host, port, data_dir)
+        while not stopping:
+            for child in children:
+                if child.poll() is not None:
+                    log.error("a ds3 process exited (code %s); stopping the other", child.returncode)
+                    return 1
+            time.sleep(0.2)
+        return 0
+    finally:
+        for child in reversed(children):
+            if child.poll() is None:
+                child.terminate()
+        for child in children:
+            try:
+                child.wait(10)
+            except subprocess.TimeoutExpired:
+                child.kill()

@@ -1,0 +1,215 @@
+"""Moving sealed history to the object store, off the write path.
+
+- Uploader: for each rolled chunk, read its records (read transaction, thread pool), encode
+  the chunk object, PUT it, and only then ask the writer to mark it sealed and drop its
+  records. A crash anywhere in between re-uploads the same bytes after restart (the object
+  is a pure function of the records), so nothing is lost and nothing is half-visible.
+- Cleaner: deletes the objects of removed streams (their uids are recorded in the WAL in
+  the same transaction as the removal, so a crash cannot leak them).
+- Publisher: writes stream descriptors (create, close, delete) for readers.
+
+Each loop retries with capped exponential backoff while the store is down; appends keep
+being acknowledged from the WAL meanwhile (until --wal-max-bytes, then 503).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable
+from functools import partial
+from typing import Any
+
+from ingester.records import ChunkRef, StreamMeta
+from ingester.store import Store
+from ingester.wal import GroupCommitter
+from shared import chunks, keys
+from shared.descriptor import Descriptor
+from shared.errors import ObjectNotFound
+from shared.objectstore.base import ObjectStore
+
+log = logging.getLogger("ds3.sealing")
+CHUNK_CONTENT_TYPE = "application/vnd.ds3.chunk"
+
+
+def descriptor_of(meta: StreamMeta) -> Descriptor:
+    return Descriptor(
+        path=meta.path, uid=meta.uid, content_type=meta.content_type, created_at=meta.created_at,
+        ttl=meta.ttl, expires_at=meta.expires_at, closed=meta.closed,
+        final_offset=meta.tail_offset if meta.closed else None, soft_deleted=meta.soft_deleted,
+        fork_source=meta.fork_source, fork_source_uid=meta.fork_source_uid,
+        fork_position=meta.fork_position,
+    )
+
+
+class Backoff:
+    def __init__(self, first: float = 0.2, cap: float = 30.0) -> None:
+        self.first, self.cap, self.delay = first, cap, first
+
+    def reset(self) -> None:
+        self.delay = self.first
+
+    async def sleep(self) -> None:
+        await asyncio.sleep(self.delay)
+        self.delay = min(self.cap, self.delay * 2)
+
+
+class Sealer:
+    def __init__(
+        self,
+        store: Store,
+        committer: GroupCommitter,
+        objects: ObjectStore,
+        run_read: Callable[..., Awaitable[Any]],
+        uploads: int = 4,
+    ) -> None:
+        self.store = store
+        self.committer = committer
+        self.objects = objects
+        self._run_read = run_read
+        self._uploads = uploads
+        self._queue: asyncio.Queue[ChunkRef] = asyncio.Queue()
+        self._gc: asyncio.Queue[tuple[str, str]] = asyncio.Queue()
+        self._descriptors: dict[str, StreamMeta | None] = {}
+        self._descriptor_wake = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+        self.uploaded = 0
+        self.upload_failures = 0
+        self.in_flight = 0
+
+    # --- feeding -------------------------------------------------------------------------
+
+    def enqueue_chunks(self, refs: list[ChunkRef]) -> None:
+        for ref in refs:
+            self._queue.put_nowait(ref)
+
+    def enqueue_removed(self, items: list[tuple[str, str]]) -> None:
+        for item in items:
+            self._gc.put_nowait(item)
+
+    def enqueue_descriptors(self, changes: dict[str, StreamMeta | None]) -> None:
+        self._descriptors.update(changes)
+        self._descriptor_wake.set()
+
+    @property
+    def backlog(self) -> int:
+        return self._queue.qsize() + self.in_flight
+
+    def start(self) -> None:
+        for i in range(self._uploads):
+            self._tasks.append(asyncio.create_task(self._upload_loop(), name=f"ds3-upload-{i}"))
+        self._tasks.append(asyncio.create_task(self._gc_loop(), name="ds3-gc"))
+        self._tasks.append(asyncio.create_task(self._publish_loop(), name="ds3-publish"))
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+
+    async def drain(self, timeout: float = 30.0) -> None:
+        """Wait until every queued upload is done (tests, shutdown)."""
+        async with asyncio.timeout(timeout):
+            while self.backlog:
+                await asyncio.sleep(0.02)
+
+    # --- uploads -------------------------------------------------------------------------
+
+    async def upload(self, ref: ChunkRef) -> bool:
+        """One attempt: encode, PUT, confirm. False if the stream is gone."""
+        found = await self._run_read(self._read_chunk, ref)
+        if found is None:
+            return False
+        key, body = found
+        await self.objects.put(key, body, content_type=CHUNK_CONTENT_TYPE)
+        return bool(await self.committer.submit(lambda txn: self.store.mark_sealed(txn, ref)))
+
+    def _read_chunk(self, ref: ChunkRef) -> tuple[str, bytes] | None:
+        with self.store.wal.env.begin(buffers=False) as txn:
+            got = self.store.chunk_records(txn, ref)
+            meta_raw = txn.get(ref.path.encode(), db=self.store.wal.streams)
+        if got is None:
+            return None
+        info, records = got
+        content_type = StreamMeta.decode(meta_raw).content_type if meta_raw is not None else ""
+        header = chunks.ChunkHeader(
+            sid=ref.sid, chunk=ref.chunk, start=info.start, end=info.end, content_type=content_type,
+            records=len(records), closed=info.closed, created_at=info.sealed_at, path=ref.path,
+        )
+        return keys.chunk_key(ref.uid, ref.chunk), chunks.encode_chunk(header, records)
+
+    async def _upload_loop(self) -> None:
+        backoff = Backoff()
+        while True:
+            ref = await self._queue.get()
+            self.in_flight += 1
+            try:
+                while True:
+                    try:
+                        await self.upload(ref)
+                        self.uploaded += 1
+                        backoff.reset()
+                        break
+                    except asyncio.CancelledError:
+                        raise
+                    except Exception as e:
+                        self.upload_failures += 1
+                        log.warning("upload of %s chunk %d failed (%s); retrying in %.1fs",
+                                    ref.path, ref.chunk, e, backoff.delay)
+                        await backoff.sleep()
+            finally:
+                self.in_flight -= 1
+
+    # --- garbage ---------------------------------------------------------------------------
+
+    async def _gc_loop(self) -> None:
+        backoff = Backoff()
+        while True:
+            uid, path = await self._gc.get()
+            while True:
+                try:
+                    await self.objects.delete_prefix(keys.chunk_prefix(uid))
+                    await self._delete_descriptor_if(path, uid)
+                    await self.committer.submit(partial(self.store.gc_done, uid=uid))
+                    backoff.reset()
+                    break
+                except asyncio.CancelledError:
+                    raise
+                except Exception as e:
+                    log.warning("deleting objects of removed stream %s failed (%s)", uid, e)
+                    await backoff.sleep()
+
+    async def _delete_descriptor_if(self, path: str, uid: str) -> None:
+        key = keys.descriptor_key(path)
+        try:
+            current = Descriptor.decode(await self.objects.get(key))
+        except ObjectNotFound:
+            return
+        if current.uid == uid:
+            await self.objects.delete(key)
+
+    # --- descriptors -------------------------------------------------------------------------
+
+    async def _publish_loop(self) -> None:
+        backoff = Backoff()
+        while True:
+            await self._descriptor_wake.wait()
+            self._descriptor_wake.clear()
+            while self._descriptors:
+                path, meta = next(iter(self._descriptors.items()))
+                try:
+                    if meta is not None:
+                        await self.objects.put(
+                            keys.descriptor_key(path), descriptor_of(meta).encode(),
+                            content_type="application/json",
+                        )
+                    if self._descriptors.get(path) is meta:
+                        del self._descriptors[path]
+                    backoff.reset()
+                except asyncio.CancelledError:
+                    raise
+                except Exception as e:
+                    log.warning("publishing the descriptor of %s failed (%s)", path, e)
+                    await backoff.sleep()

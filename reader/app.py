@@ -1,0 +1,42 @@
+"""aiohttp application factory for the reader."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import aiohttp
+from aiohttp import web
+
+from reader.descriptors import DescriptorCache
+from reader.http import READER, ReaderState, add_routes
+from reader.proxy import IngesterClient
+from reader.sealed import SealedLocator
+from shared.chunkstore import ChunkReader
+from shared.config import ReaderConfig
+from shared.objectstore import open_store
+from shared.web import common_headers, errors_middleware
+
+
+def create_app(config: ReaderConfig) -> web.Application:
+    app = web.Application(middlewares=[errors_middleware], client_max_size=config.max_body_bytes)
+
+    async def clients_ctx(app: web.Application) -> AsyncIterator[None]:
+        objects = open_store(config.store, s3_endpoint=config.s3_endpoint)
+        session = aiohttp.ClientSession(
+            auto_decompress=False, connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30)
+        )
+        chunks = ChunkReader(objects)
+        descriptors = DescriptorCache(objects, config.descriptor_ttl)
+        app[READER] = ReaderState(
+            config=config, objects=objects, chunks=chunks, descriptors=descriptors,
+            locator=SealedLocator(descriptors, chunks, config.max_read_bytes),
+            ingester=IngesterClient(config.ingester, session, config.long_poll_timeout),
+        )
+        yield
+        await session.close()
+        await objects.close()
+
+    app.cleanup_ctx.append(clients_ctx)
+    app.on_response_prepare.append(common_headers)
+    add_routes(app)
+    return app

@@ -1,0 +1,62 @@
+"""Stream descriptors as the reader sees them: read from the object store, cached briefly.
+
+A descriptor is immutable except for closure and deletion, so a short cache is safe for
+sealed reads: a stale entry can at worst serve history of a stream deleted within the
+last `ttl` seconds (its objects are being removed), never another stream's bytes, because
+objects are keyed by the stream's uid."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from shared import keys
+from shared.descriptor import Descriptor
+from shared.errors import ObjectNotFound
+from shared.objectstore.base import ObjectStore
+
+
+class DescriptorCache:
+    def __init__(self, store: ObjectStore, ttl: float, max_entries: int = 100_000) -> None:
+        self.store = store
+        self.ttl = ttl
+        self._max = max_entries
+        self._entries: dict[str, tuple[float, Descriptor | None]] = {}
+        self._inflight: dict[str, asyncio.Future[Descriptor | None]] = {}
+        self.hits = 0
+        self.misses = 0
+
+    async def get(self, path: str) -> Descriptor | None:
+        """The stream's descriptor, or None when the store has none (unknown, or deleted)."""
+        now = time.monotonic()
+        hit = self._entries.get(path)
+        if hit is not None and now - hit[0] < self.ttl:
+            self.hits += 1
+            return hit[1]
+        pending = self._inflight.get(path)
+        if pending is not None:  # collapse concurrent misses into one GET
+            return await asyncio.shield(pending)
+        self.misses += 1
+        fut: asyncio.Future[Descriptor | None] = asyncio.get_running_loop().create_future()
+        self._inflight[path] = fut
+        try:
+            try:
+                found = Descriptor.decode(await self.store.get(keys.descriptor_key(path)))
+                # a sha256 collision would be news; never serve it
+                desc: Descriptor | None = found if found.path == path else None
+            except ObjectNotFound:
+                desc = None
+            if len(self._entries) >= self._max:
+                self._entries.clear()
+            self._entries[path] = (time.monotonic(), desc)
+            fut.set_result(desc)
+            return desc
+        except BaseException as e:
+            fut.set_exception(e)
+            fut.exception()  # retrieved: followers re-raise it, nobody logs it as lost
+            raise
+        finally:
+            del self._inflight[path]
+
+    def forget(self, path: str) -> None:
+        self._entries.pop(path, None)

@@ -1,0 +1,211 @@
+"""HTTP surface of the reader: sealed history from the object store, everything else
+forwarded to the ingester, so one public URL serves the whole protocol."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Final
+from urllib.parse import urlencode
+
+from aiohttp import web
+
+from reader.descriptors import DescriptorCache
+from reader.proxy import IngesterClient, to_response
+from reader.sealed import SealedLocator, SealedRead
+from shared import offsets
+from shared import protocol as P
+from shared.chunkstore import ChunkReader
+from shared.config import ReaderConfig
+from shared.descriptor import Descriptor
+from shared.errors import BadRequest, Gone, NotFound, ObjectStoreError, Unavailable
+from shared.objectstore.base import ObjectStore
+from shared.web import (
+    IMMUTABLE,
+    live_mode,
+    method_not_allowed,
+    preflight,
+    read_body,
+    start_offset,
+    stream_path,
+)
+
+log = logging.getLogger("ds3.reader")
+
+
+@dataclass(slots=True)
+class ReaderState:
+    config: ReaderConfig
+    objects: ObjectStore
+    chunks: ChunkReader
+    descriptors: DescriptorCache
+    locator: SealedLocator
+    ingester: IngesterClient
+    sealed_responses: int = 0
+    forwarded: int = 0
+
+
+READER: Final = web.AppKey("reader_state", ReaderState)
+
+
+async def handle_stream(request: web.Request) -> web.StreamResponse:
+    st = request.app[READER]
+    method = request.method
+    if method == "OPTIONS":
+        return preflight()
+    path = stream_path(request, st.config.max_path_bytes)
+    if method == "GET":
+        return await handle_get(request, st, path)
+    if method not in ("PUT", "POST", "DELETE", "HEAD"):
+        return method_not_allowed(method)
+    body = await read_body(request, st.config.max_body_bytes) if method in ("PUT", "POST") else None
+    headers = IngesterClient._request_headers(request)
+    st.forwarded += 1
+    up = await st.ingester.call(method, request.path_qs, headers, body)
+    if method in ("PUT", "DELETE", "POST"):
+        st.descriptors.forget(path)
+    if "Location" in up.headers:
+        up.headers["Location"] = str(request.url.with_query(None))
+    return to_response(up)
+
+
+async def handle_get(request: web.Request, st: ReaderState, path: str) -> web.StreamResponse:
+    given = start_offset(request)
+    live = live_mode(request, given)
+    if live == "sse":
+        st.forwarded += 1
+        return await st.ingester.stream_to(request, request.path_qs)
+    desc: Descriptor | None = None
+    if given is None or isinstance(given, offsets.Offset) or given == offsets.START:
+        start = given if isinstance(given, offsets.Offset) else offsets.ZERO
+        try:
+            desc = await st.descriptors.get(path)
+            if desc is not None and _servable(desc):
+                found = await st.locator.find(desc, start)
+                if found is not None:
+                    if desc.ttl is not None:
+                        await renew(st, path)
+                    return await serve_sealed(request, st, found, live)
+        except (ObjectStoreError, Unavailable) as e:
+            log.warning("object store read failed for %s (%s); asking the ingester", path, e)
+    st.forwarded += 1
+    try:
+        up = await st.ingester.get_collapsed(request.path_qs, IngesterClient._request_headers(request))
+    except Unavailable:
+        eof = _eof_from_descriptor(desc, given)
+        if eof is not None:
+            return eof
+        raise
+    return to_response(up)
+
+
+def _servable(desc: Descriptor) -> bool:
+    if desc.soft_deleted:
+        return False  # the ingester answers 410 (or the forks' reads)
+    return desc.expires_at is None or time.time() < desc.expires_at
+
+
+def _eof_from_descriptor(desc: Descriptor | None, given: offsets.Offset | str | None) -> web.Response | None:
+    """With the ingester down, the end of a closed stream is still known from its descriptor."""
+    if desc is None or not desc.closed or desc.final_offset is None:
+        return None
+    if not isinstance(given, offsets.Offset) or given.position != offsets.parse(desc.final_offset).position:
+        return None
+    body = b"[]" if P.is_json(desc.content_type) else b""
+    headers = {
+        "Content-Type": desc.content_type, P.NEXT_OFFSET: desc.final_offset, P.UP_TO_DATE: "true",
+        P.CLOSED: "true", "Cache-Control": "public, max-age=60",
+    }
+    return web.Response(status=200, body=body, headers=headers)
+
+
+async def serve_sealed(
+    request: web.Request, st: ReaderState, found: SealedRead, live: str | None
+) -> web.StreamResponse:
+    desc, piece = found.descriptor, found.piece
+    json_mode = P.is_json(desc.content_type)
+    if json_mode and not piece.head.is_boundary(piece.start):
+        raise BadRequest("offset is not at a message boundary of this JSON stream")
+    st.sealed_responses += 1
+    etag = f'"{found.owner_uid}.{found.chunk}.{piece.start}.{piece.end}"'
+    headers = {
+        "Content-Type": desc.content_type, P.NEXT_OFFSET: found.next_offset, "ETag": etag,
+        "Cache-Control": IMMUTABLE,
+    }
+    if found.final:
+        headers[P.CLOSED] = "true"
+        headers[P.UP_TO_DATE] = "true"
+    if live == "long-poll":
+        headers[P.CURSOR] = P.response_cursor(request.query.get("cursor"))
+    inm = request.headers.get("If-None-Match")
+    if inm is not None and etag in (t.strip() for t in inm.split(",")):
+        return web.Response(status=304, headers={"ETag": etag, "Cache-Control": IMMUTABLE})
+    size = piece.obj_end - piece.obj_start
+    if json_mode:
+        headers["Content-Length"] = str(size + 1 if size else 2)  # '[' + slice - ',' + ']'
+    else:
+        headers["Content-Length"] = str(size)
+    resp = web.StreamResponse(status=200, headers=headers)
+    await resp.prepare(request)
+    if request.method == "HEAD":
+        return resp
+    if json_mode:
+        await resp.write(b"[")
+        held = b""
+        async for part in st.chunks.stream(piece):
+            if part:
+                await resp.write(held + part[:-1])
+                held = part[-1:]
+        await resp.write(b"]")
+    else:
+        async for part in st.chunks.stream(piece):
+            await resp.write(part)
+    await resp.write_eof()
+    return resp
+
+
+async def renew(st: ReaderState, path: str) -> None:
+    """A stream with a sliding TTL: reads renew it, and only the ingester knows whether it
+    has expired. Ask it (one request shared by concurrent readers of the stream); with the
+    ingester down, keep serving the sealed history rather than fail."""
+    qs = "/_ds3/touch?" + urlencode({"path": path})
+    try:
+        up = await st.ingester.collapsed_call("POST", qs, {}, key="touch\x00" + path)
+    except Unavailable:
+        return
+    if up.status == 404:
+        st.descriptors.forget(path)
+        raise NotFound("stream not found")
+    if up.status == 410:
+        st.descriptors.forget(path)
+        raise Gone("stream was deleted")
+
+
+async def healthz(request: web.Request) -> web.Response:
+    return web.Response(text="ok\n")
+
+
+async def metrics(request: web.Request) -> web.Response:
+    st = request.app[READER]
+    lines = [
+        "# HELP ds3_reader_sealed_responses_total Catch-up reads answered from the object store.",
+        "# TYPE ds3_reader_sealed_responses_total counter",
+        f"ds3_reader_sealed_responses_total {st.sealed_responses}",
+        "# HELP ds3_reader_ingester_requests_total Requests forwarded to the ingester.",
+        "# TYPE ds3_reader_ingester_requests_total counter",
+        f"ds3_reader_ingester_requests_total {st.ingester.requests}",
+        "# HELP ds3_reader_collapsed_total Requests that shared another client's upstream request.",
+        "# TYPE ds3_reader_collapsed_total counter",
+        f"ds3_reader_collapsed_total {st.ingester.collapsed}",
+        "# HELP ds3_reader_descriptor_cache_hits_total Descriptor lookups served from memory.",
+        "# TYPE ds3_reader_descriptor_cache_hits_total counter",
+        f"ds3_reader_descriptor_cache_hits_total {st.descriptors.hits}",
+    ]
+    return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_route("*", "/v1/stream/{path:.*}", handle_stream)

@@ -1,0 +1,120 @@
+"""Forwarding to the ingester: writes, the open tail, long-poll and SSE.
+
+One aiohttp ClientSession per process. Identical GETs in flight at the same time (same
+path and query: clients waiting on the same stream, offset and cursor) share one upstream
+request, so ingester connections grow with readers × active streams, not with clients."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass
+from typing import Final
+
+import aiohttp
+from aiohttp import web
+from multidict import CIMultiDict
+
+from shared.errors import Unavailable
+
+log = logging.getLogger("ds3.reader.proxy")
+
+# Hop-by-hop headers (RFC 9110 §7.6.1) and ones the reader sets itself.
+DROP_REQUEST: Final = frozenset(
+    {"host", "connection", "keep-alive", "proxy-connection", "te", "trailer", "transfer-encoding",
+     "upgrade", "content-length", "accept-encoding"}
+)
+DROP_RESPONSE: Final = frozenset(
+    {"connection", "keep-alive", "transfer-encoding", "content-length", "date", "server", "trailer"}
+)
+
+# The client's request goes on as it came: no Content-Type or User-Agent of aiohttp's own
+# (a POST without Content-Type must still get its 400 from the ingester).
+SKIP_AUTO: Final = frozenset({"Content-Type", "User-Agent", "Accept", "Accept-Encoding"})
+
+
+@dataclass(frozen=True, slots=True)
+class Upstream:
+    status: int
+    headers: CIMultiDict[str]
+    body: bytes
+
+
+class IngesterClient:
+    def __init__(self, base_url: str, session: aiohttp.ClientSession, long_poll_timeout: float) -> None:
+        self.base = base_url.rstrip("/")
+        self.session = session
+        self._timeout = aiohttp.ClientTimeout(total=None, connect=5, sock_read=long_poll_timeout + 30)
+        self._inflight: dict[str, asyncio.Future[Upstream]] = {}
+        self.requests = 0
+        self.collapsed = 0
+
+    @staticmethod
+    def _request_headers(request: web.Request) -> dict[str, str]:
+        return {k: v for k, v in request.headers.items() if k.lower() not in DROP_REQUEST}
+
+    async def call(self, method: str, path_qs: str, headers: dict[str, str], body: bytes | None) -> Upstream:
+        self.requests += 1
+        try:
+            async with self.session.request(
+                method, self.base + path_qs, headers=headers, data=body, allow_redirects=False,
+                timeout=self._timeout, skip_auto_headers=SKIP_AUTO,
+            ) as up:
+                data = await up.read()
+                out = CIMultiDict((k, v) for k, v in up.headers.items() if k.lower() not in DROP_RESPONSE)
+                return Upstream(up.status, out, data)
+        except (aiohttp.ClientConnectionError, TimeoutError) as e:
+            raise Unavailable(f"the ingester is unreachable ({type(e).__name__})", 2) from e
+
+    async def get_collapsed(self, path_qs: str, headers: dict[str, str]) -> Upstream:
+        """GETs with the same path and query share one upstream request while it runs."""
+        return await self.collapsed_call("GET", path_qs, headers, key=path_qs + "\x00" + headers.get("If-None-Match", ""))
+
+    async def collapsed_call(self, method: str, path_qs: str, headers: dict[str, str], *, key: str) -> Upstream:
+        """Calls with the same key share one upstream request while it runs."""
+        pending = self._inflight.get(key)
+        if pending is not None:
+            self.collapsed += 1
+            return await asyncio.shield(pending)
+        fut: asyncio.Future[Upstream] = asyncio.get_running_loop().create_future()
+        self._inflight[key] = fut
+        try:
+            result = await self.call(method, path_qs, headers, None)
+            fut.set_result(result)
+            return result
+        except BaseException as e:
+            fut.set_exception(e)
+            fut.exception()
+            raise
+        finally:
+            del self._inflight[key]
+
+    async def stream_to(self, request: web.Request, path_qs: str) -> web.StreamResponse:
+        """Relay a streaming response (SSE) as it arrives."""
+        self.requests += 1
+        try:
+            up_ctx = self.session.get(
+                self.base + path_qs, headers=self._request_headers(request), allow_redirects=False,
+                skip_auto_headers=SKIP_AUTO,
+                timeout=aiohttp.ClientTimeout(total=None, connect=5, sock_read=None),
+            )
+            up = await up_ctx.__aenter__()
+        except (aiohttp.ClientConnectionError, TimeoutError) as e:
+            raise Unavailable(f"the ingester is unreachable ({type(e).__name__})", 2) from e
+        try:
+            headers = CIMultiDict((k, v) for k, v in up.headers.items() if k.lower() not in DROP_RESPONSE)
+            resp = web.StreamResponse(status=up.status, headers=headers)
+            await resp.prepare(request)
+            with contextlib.suppress(aiohttp.ClientError, ConnectionResetError, asyncio.CancelledError):
+                async for piece in up.content.iter_any():
+                    await resp.write(piece)
+            with contextlib.suppress(Exception):
+                await resp.write_eof()
+            return resp
+        finally:
+            await up_ctx.__aexit__(None, None, None)
+
+
+def to_response(up: Upstream) -> web.Response:
+    return web.Response(status=up.status, headers=up.headers, body=up.body if up.status != 304 else None)

@@ -1,0 +1,26 @@
+"""Object keys in the store (below the store URL's prefix).
+
+    chunks/<uid[:2]>/<uid>/<chunk id, 16 digits>   one immutable sealed chunk
+    streams/<h[:2]>/<h>.json                       a stream's descriptor, h = sha256(path)
+
+Streams are keyed by `uid` (random, 128 bits) rather than by path, so a path deleted and
+created again never reaches old objects, and several ingesters can share one bucket. The
+two-character prefixes spread keys over S3 partitions.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+
+def chunk_prefix(uid: str) -> str:
+    return f"chunks/{uid[:2]}/{uid}/"
+
+
+def chunk_key(uid: str, chunk: int) -> str:
+    return f"{chunk_prefix(uid)}{chunk:016d}"
+
+
+def descriptor_key(path: str) -> str:
+    h = hashlib.sha256(path.encode("utf-8")).hexdigest()
+    return f"streams/{h[:2]}/{h}.json"

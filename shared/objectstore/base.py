@@ -1,0 +1,129 @@
+"""The ObjectStore contract that both implementations (S3, local directory) honour.
+
+Every implementation converts its own errors into the domain errors of shared.errors
+(ObjectNotFound, PreconditionFailed, ObjectStoreUnavailable, ObjectStoreError), so callers
+handle one set of exceptions whatever the store is.
+
+Keys are '/'-separated relative names ("chunks/ab/123/0000000000000003"). Both stores
+validate them the same way (validate_key), so a key that works in `ds3 dev` also works on S3
+and the other way round.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Final, Protocol, Self, runtime_checkable
+
+# Prefix of the local store's temporary files; reserved so a key can never collide with one.
+TEMP_PREFIX: Final = ".ds3tmp-"
+DEFAULT_CHUNK_SIZE: Final = 256 * 1024
+DEFAULT_LIST_PAGE_SIZE: Final = 1000  # S3's own maximum for ListObjectsV2 and DeleteObjects
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectInfo:
+    key: str
+    size: int
+    etag: str  # opaque; changes when the object is rewritten
+    content_type: str | None = None  # None from list() (S3 listings do not carry it)
+    last_modified: float | None = None  # Unix time, seconds
+
+
+@dataclass(slots=True)
+class StoreCounters:
+    """Requests and bytes per store, for metrics. Directions are seen from this process:
+    bytes_in were read from the store, bytes_out were written to it."""
+
+    gets: int = 0
+    puts: int = 0
+    heads: int = 0
+    lists: int = 0
+    deletes: int = 0
+    errors: int = 0
+    bytes_in: int = 0
+    bytes_out: int = 0
+
+
+@runtime_checkable
+class ObjectStore(Protocol):
+    url: str
+    counters: StoreCounters
+
+    async def put(
+        self, key: str, data: bytes, *, content_type: str | None = None, if_absent: bool = False
+    ) -> None:
+        """Write the whole object. if_absent: create only; PreconditionFailed if the key
+        exists (exactly one of several concurrent writers wins)."""
+
+    async def get(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
+        """Bytes [start, end) of the object, clamped like a Python slice."""
+
+    def stream(
+        self,
+        key: str,
+        start: int | None = None,
+        end: int | None = None,
+        chunk_size: int = DEFAULT_CHUNK_SIZE,
+    ) -> AsyncIterator[bytes]:
+        """Like get() but yields pieces of at most chunk_size bytes as they arrive. Errors
+        (ObjectNotFound included) surface on the first iteration."""
+
+    async def head(self, key: str) -> ObjectInfo: ...
+
+    async def delete(self, key: str) -> None:
+        """Idempotent: deleting a missing key is not an error."""
+
+    async def delete_prefix(self, prefix: str) -> int:
+        """Delete every key starting with prefix; returns how many were deleted."""
+
+    def list(
+        self, prefix: str = "", start_after: str | None = None, limit: int | None = None
+    ) -> AsyncIterator[ObjectInfo]:
+        """Keys starting with prefix, sorted (by UTF-8 bytes, as S3 does), strictly after
+        start_after, at most limit of them; pages are fetched as the caller iterates."""
+
+    async def close(self) -> None: ...
+
+    async def __aenter__(self) -> Self: ...
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None: ...
+
+
+def validate_key(key: str) -> str:
+    """Reject keys that could escape the local root or that S3 and a file system would treat
+    differently (empty segments, '.', '..', absolute, backslashes, NUL, temp-file names)."""
+    if not key or key.startswith("/") or "\\" in key or "\x00" in key:
+        raise ValueError(f"invalid object key: {key!r}")
+    for part in key.split("/"):
+        if part in ("", ".", "..") or part.startswith(TEMP_PREFIX):
+            raise ValueError(f"invalid object key: {key!r}")
+    return key
+
+
+def validate_prefix(prefix: str) -> str:
+    """A prefix may be empty or end in the middle of a name ("chunks/ab" matches
+    "chunks/abc/..."), but must not be able to name anything validate_key rejects."""
+    if prefix == "":
+        return prefix
+    if prefix.startswith("/") or "\\" in prefix or "\x00" in prefix:
+        raise ValueError(f"invalid key prefix: {prefix!r}")
+    parts = prefix.split("/")
+    # The last part may be partial ("" after a trailing slash, or a name's beginning).
+    for part in parts[:-1]:
+        if part in ("", ".", ".."):
+            raise ValueError(f"invalid key prefix: {prefix!r}")
+    if parts[-1] == "..":
+        raise ValueError(f"invalid key prefix: {prefix!r}")
+    return prefix
+
+
+def check_range(start: int | None, end: int | None) -> tuple[int, int | None]:
+    """Normalise a get()/stream() range: start defaults to 0; both must be >= 0, start <= end."""
+    lo = 0 if start is None else start
+    if lo < 0 or (end is not None and (end < 0 or end < lo)):
+        raise ValueError(f"invalid byte range: start={start}, end={end}")
+    return lo, end

@@ -1,0 +1,377 @@
+"""ObjectStore on a local directory (`file:///abs/path`): what `ds3 dev` and tests use.
+
+Each key is one plain file under the root holding exactly the object's bytes, so the tree can
+be inspected (or read by the pipeline) directly. Durability mirrors what S3 promises:
+a write goes to a temporary file in the same directory, is fsynced, then renamed (or hard
+linked, for if_absent) into place and the directory is fsynced. A crash leaves either the
+old object or the new one, plus at worst a stray temp file that list/get never show.
+
+Blocking file I/O runs in worker threads (asyncio.to_thread) so the event loop never waits
+on the disk. The content type is kept in an extended attribute of the file, which makes it
+atomic with the data; where xattrs are unsupported head() reports None.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+import os
+import tempfile
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import BinaryIO, Final, Self
+
+from shared.errors import ObjectNotFound, ObjectStoreError, ObjectStoreUnavailable, PreconditionFailed
+
+from .base import (
+    DEFAULT_CHUNK_SIZE,
+    TEMP_PREFIX,
+    ObjectInfo,
+    StoreCounters,
+    check_range,
+    validate_key,
+    validate_prefix,
+)
+
+log = logging.getLogger(__name__)
+
+XATTR_CONTENT_TYPE: Final = "user.ds3.content_type"
+# Errors that a later retry may fix (full disk, I/O trouble); anything else is a bug or config.
+_TRANSIENT_ERRNOS: Final = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EAGAIN, errno.EMFILE})
+# A key whose path runs into a file or a directory names no object (as on S3).
+_MISSING: Final = (FileNotFoundError, NotADirectoryError, IsADirectoryError)
+_PUT_ATTEMPTS: Final = 5
+
+
+@dataclass(frozen=True, slots=True)
+class _Entry:
+    name: str
+    is_dir: bool
+    size: int
+    mtime_ns: int
+    ino: int
+
+
+def _etag(ino: int, mtime_ns: int, size: int) -> str:
+    # Objects are replaced by rename, never modified in place, so inode + mtime + size
+    # changes whenever the content can have changed.
+    return f"{ino:x}-{mtime_ns:x}-{size:x}"
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _converted(key: str, exc: OSError) -> Exception:
+    if isinstance(exc, _MISSING):
+        return ObjectNotFound(key)
+    if exc.errno in _TRANSIENT_ERRNOS:
+        return ObjectStoreUnavailable(f"local object store: {key}: {exc.strerror}")
+    return ObjectStoreError(f"local object store: {key}: {exc.strerror or exc}")
+
+
+def _scan(directory: Path) -> list[_Entry]:
+    out: list[_Entry] = []
+    with os.scandir(directory) as it:
+        for d in it:
+            if d.name.startswith(TEMP_PREFIX):
+                continue  # an unfinished (or crashed) write: never an object
+            try:
+                st = d.stat()
+                is_dir = d.is_dir()
+            except FileNotFoundError:
+                continue  # deleted while we looked
+            out.append(_Entry(d.name, is_dir, st.st_size, st.st_mtime_ns, st.st_ino))
+    # Sort as the keys sort: a directory's keys all start with "name/", so it sorts as
+    # that string ("a.b" < "a/..." < "a0"), which is S3's UTF-8 byte order (code point
+    # order equals UTF-8 byte order).
+    out.sort(key=lambda e: e.name + "/" if e.is_dir else e.name)
+    return out
+
+
+class LocalStore:
+    """Objects as files under `root`. One instance per root per process (no cross-process
+    locking is needed: every write is an atomic rename or link)."""
+
+    def __init__(self, root: Path, *, url: str | None = None) -> None:
+        if not root.is_absolute():
+            raise ValueError(f"local store root must be absolute: {root}")
+        self.root = root
+        self.url = url or root.as_uri()
+        self.counters = StoreCounters()
+        self._xattrs = hasattr(os, "setxattr")
+        self._closed = False
+        root.mkdir(parents=True, exist_ok=True)
+
+    # ------------------------------------------------------------ lifecycle
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        self._closed = True
+
+    def _path(self, key: str) -> Path:
+        if self._closed:
+            raise RuntimeError("object store is closed")
+        return self.root / validate_key(key)
+
+    # ------------------------------------------------------------ writes
+    async def put(
+        self, key: str, data: bytes, *, content_type: str | None = None, if_absent: bool = False
+    ) -> None:
+        path = self._path(key)
+        try:
+            await asyncio.to_thread(self._put_sync, key, path, data, content_type, if_absent)
+        except PreconditionFailed:
+            raise  # a lost race is an answer, not an error
+        except ObjectStoreError:
+            self.counters.errors += 1
+            raise
+        finally:
+            self.counters.puts += 1
+        self.counters.bytes_out += len(data)
+
+    def _put_sync(self, key: str, path: Path, data: bytes, content_type: str | None, if_absent: bool) -> None:
+        fd, tmp = self._create_temp(key, path.parent)
+        published = False
+        try:
+            with os.fdopen(fd, "wb") as f:
+                os.fchmod(f.fileno(), 0o644)  # mkstemp makes 0600; objects are not secrets
+                f.write(data)
+                f.flush()
+                if content_type is not None:
+                    self._set_content_type(f.fileno(), content_type)
+                os.fsync(f.fileno())
+            if if_absent:
+                # link() fails with EEXIST if the name exists: of concurrent creators exactly
+                # one wins, and the winner's file is complete before anyone can see it.
+                try:
+                    os.link(tmp, path)
+                except FileExistsError:
+                    raise PreconditionFailed(key) from None
+            else:
+                os.replace(tmp, path)
+                published = True
+            _fsync_dir(path.parent)
+        except OSError as exc:
+            raise _converted(key, exc) from exc
+        finally:
+            if not published:
+                try:
+                    os.unlink(tmp)
+                except FileNotFoundError:
+                    pass
+
+    def _create_temp(self, key: str, parent: Path) -> tuple[int, str]:
+        for _ in range(_PUT_ATTEMPTS):
+            try:
+                parent.mkdir(parents=True, exist_ok=True)
+                return tempfile.mkstemp(prefix=TEMP_PREFIX, dir=parent)
+            except FileNotFoundError:
+                # A concurrent delete pruned the (empty) directory between mkdir and create.
+                continue
+            except (FileExistsError, NotADirectoryError) as exc:
+                why = "a parent is an object, not a directory"
+                raise ObjectStoreError(f"local object store: {key}: {why}") from exc
+            except OSError as exc:
+                raise _converted(key, exc) from exc
+        raise ObjectStoreUnavailable(f"local object store: {key}: its directory keeps disappearing")
+
+    def _set_content_type(self, fd: int, content_type: str) -> None:
+        if not self._xattrs:
+            return
+        try:
+            os.setxattr(fd, XATTR_CONTENT_TYPE, content_type.encode())
+        except OSError as exc:
+            if exc.errno not in (errno.ENOTSUP, errno.EOPNOTSUPP, errno.EPERM):
+                raise
+            self._xattrs = False
+            log.warning("local object store %s: no extended attributes (%s); content types are not kept",
+                        self.root, exc.strerror)
+
+    async def delete(self, key: str) -> None:
+        path = self._path(key)
+        self.counters.deletes += 1
+        await asyncio.to_thread(self._delete_sync, key, [path])
+
+    async def delete_prefix(self, prefix: str) -> int:
+        keys = [info.key async for info in self.list(prefix)]
+        paths = [self._path(k) for k in keys]
+        self.counters.deletes += len(paths)
+        return await asyncio.to_thread(self._delete_sync, prefix, paths)
+
+    def _delete_sync(self, what: str, paths: list[Path]) -> int:
+        deleted = 0
+        parents: dict[Path, None] = {}  # ordered set
+        for path in paths:
+            try:
+                os.unlink(path)
+                deleted += 1
+                parents[path.parent] = None
+            except _MISSING:
+                pass  # idempotent: already gone (or never an object)
+            except OSError as exc:
+                self.counters.errors += 1
+                raise _converted(what, exc) from exc
+        for parent in parents:
+            self._prune(parent)
+        return deleted
+
+    def _prune(self, directory: Path) -> None:
+        """Make the unlinks durable, then remove directories left empty (up to the root) so
+        deleted streams leave no litter. A put racing with this retries its mkdir."""
+        try:
+            _fsync_dir(directory)
+        except FileNotFoundError:
+            return
+        while directory != self.root and self.root in directory.parents:
+            try:
+                directory.rmdir()
+            except OSError:
+                return  # not empty (or already gone): stop climbing
+            directory = directory.parent
+
+    # ------------------------------------------------------------ reads
+    async def get(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
+        path = self._path(key)
+        lo, hi = check_range(start, end)
+        self.counters.gets += 1
+        try:
+            data = await asyncio.to_thread(self._read_sync, path, lo, hi)
+        except OSError as exc:
+            if not isinstance(exc, _MISSING):
+                self.counters.errors += 1
+            raise _converted(key, exc) from exc
+        self.counters.bytes_in += len(data)
+        return data
+
+    @staticmethod
+    def _read_sync(path: Path, lo: int, hi: int | None) -> bytes:
+        with open(path, "rb") as f:
+            f.seek(lo)
+            return f.read(-1 if hi is None else hi - lo)
+
+    async def stream(
+        self,
+        key: str,
+        start: int | None = None,
+        end: int | None = None,
+        chunk_size: int = DEFAULT_CHUNK_SIZE,
+    ) -> AsyncIterator[bytes]:
+        path = self._path(key)
+        lo, hi = check_range(start, end)
+        if chunk_size <= 0:
+            raise ValueError(f"chunk_size must be positive: {chunk_size}")
+        self.counters.gets += 1
+        try:
+            f = await asyncio.to_thread(self._open_at, path, lo)
+        except OSError as exc:
+            if not isinstance(exc, _MISSING):
+                self.counters.errors += 1
+            raise _converted(key, exc) from exc
+        try:
+            remaining = None if hi is None else hi - lo
+            while remaining is None or remaining > 0:
+                want = chunk_size if remaining is None else min(chunk_size, remaining)
+                try:
+                    piece = await asyncio.to_thread(f.read, want)
+                except OSError as exc:
+                    self.counters.errors += 1
+                    raise _converted(key, exc) from exc
+                if not piece:
+                    break
+                if remaining is not None:
+                    remaining -= len(piece)
+                self.counters.bytes_in += len(piece)
+                yield piece
+        finally:
+            # Closing a regular file does not block; doing it inline also works when the
+            # generator is finalised without an event loop turn (never awaited to the end).
+            f.close()
+
+    @staticmethod
+    def _open_at(path: Path, lo: int) -> BinaryIO:
+        f = open(path, "rb")  # noqa: SIM115 - closed by stream()'s finally
+        try:
+            f.seek(lo)
+        except BaseException:
+            f.close()
+            raise
+        return f
+
+    async def head(self, key: str) -> ObjectInfo:
+        path = self._path(key)
+        self.counters.heads += 1
+        try:
+            return await asyncio.to_thread(self._head_sync, key, path)
+        except OSError as exc:
+            if not isinstance(exc, _MISSING):
+                self.counters.errors += 1
+            raise _converted(key, exc) from exc
+
+    def _head_sync(self, key: str, path: Path) -> ObjectInfo:
+        st = path.stat()
+        if not path.is_file():
+            raise IsADirectoryError(errno.EISDIR, "is a directory", str(path))
+        content_type = None
+        if self._xattrs:
+            try:
+                content_type = os.getxattr(path, XATTR_CONTENT_TYPE).decode()
+            except OSError:
+                pass  # ENODATA: written without a content type; ENOTSUP: no xattrs here
+        etag = _etag(st.st_ino, st.st_mtime_ns, st.st_size)
+        return ObjectInfo(key, st.st_size, etag, content_type, st.st_mtime_ns / 1e9)
+
+    # ------------------------------------------------------------ listing
+    async def list(
+        self, prefix: str = "", start_after: str | None = None, limit: int | None = None
+    ) -> AsyncIterator[ObjectInfo]:
+        validate_prefix(prefix)
+        if self._closed:
+            raise RuntimeError("object store is closed")
+        if limit is not None and limit <= 0:
+            return
+        self.counters.lists += 1
+        # Start at the deepest directory that holds every match ("chunks/ab" -> "chunks/").
+        base = prefix.rpartition("/")[0]
+        left = limit
+        async for info in self._walk(base + "/" if base else "", prefix, start_after):
+            yield info
+            if left is not None:
+                left -= 1
+                if left == 0:
+                    return
+
+    async def _walk(self, dir_key: str, prefix: str, start_after: str | None) -> AsyncIterator[ObjectInfo]:
+        try:
+            entries = await asyncio.to_thread(_scan, self.root / dir_key if dir_key else self.root)
+        except OSError as exc:
+            if isinstance(exc, _MISSING):
+                return  # nothing under this prefix
+            self.counters.errors += 1
+            raise _converted(dir_key or "/", exc) from exc
+        for e in entries:
+            key = dir_key + e.name
+            if e.is_dir:
+                sub = key + "/"
+                # Skip subtrees that cannot hold a match, or whose keys all sort <= start_after.
+                if not (sub.startswith(prefix) or prefix.startswith(sub)):
+                    continue
+                if start_after is not None and sub < start_after and not start_after.startswith(sub):
+                    continue
+                async for info in self._walk(sub, prefix, start_after):
+                    yield info
+            elif key.startswith(prefix) and (start_after is None or key > start_after):
+                yield ObjectInfo(key, e.size, _etag(e.ino, e.mtime_ns, e.size), None, e.mtime_ns / 1e9)

@@ -1,0 +1,377 @@
+"""ObjectStore on S3 or an S3-compatible service (MinIO), through aiobotocore.
+
+One aiobotocore client per store, created on first use and kept for the life of the process:
+a client owns an HTTP connection pool, so one per request would pay TLS + TCP set-up every
+time and leak sockets under load.
+
+Endpoint, credentials and region follow botocore's usual chain (AWS_ENDPOINT_URL_S3 /
+AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID..., ~/.aws/config) unless given explicitly. With a custom
+endpoint the store uses path-style addressing, which MinIO and moto need.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, Final, Self
+
+import aiohttp
+from aiobotocore.config import AioConfig
+from aiobotocore.session import AioSession, get_session
+from botocore.exceptions import (
+    BotoCoreError,
+    ChecksumError,
+    ClientError,
+    ConnectionError,
+    HTTPClientError,
+    IncompleteReadError,
+)
+
+from shared.errors import ObjectNotFound, ObjectStoreError, ObjectStoreUnavailable, PreconditionFailed
+
+from .base import (
+    DEFAULT_CHUNK_SIZE,
+    DEFAULT_LIST_PAGE_SIZE,
+    ObjectInfo,
+    StoreCounters,
+    check_range,
+    validate_key,
+    validate_prefix,
+)
+
+if TYPE_CHECKING:  # the stubs are a dev dependency: needed by mypy only
+    from aiobotocore.session import ClientCreatorContext
+    from types_aiobotocore_s3.client import S3Client
+    from types_aiobotocore_s3.type_defs import ListObjectsV2RequestTypeDef, PutObjectRequestTypeDef
+
+_NOT_FOUND_CODES: Final = frozenset({"NoSuchKey", "NotFound", "404"})
+_THROTTLE_CODES: Final = frozenset({"SlowDown", "Throttling", "ThrottlingException", "RequestTimeout",
+                                    "ServiceUnavailable", "InternalError", "RequestTimeTooSkewed"})
+# Failures of the transport rather than answers from S3: retrying later may succeed.
+_TRANSPORT_ERRORS: Final = (ConnectionError, HTTPClientError, IncompleteReadError, ChecksumError,
+                            aiohttp.ClientError, asyncio.TimeoutError, OSError)
+# S3 answers 409 ConditionalRequestConflict while another conditional write of the same key
+# is in flight; retrying then yields the real outcome (success or 412).
+_CONFLICT_RETRIES: Final = 5
+
+
+@dataclass(frozen=True, slots=True)
+class S3Options:
+    """Client tuning. Defaults suit a server: short connect timeout, a few retries (botocore's
+    'standard' mode: 5xx, throttling, connection errors), a pool sized for many readers."""
+
+    connect_timeout: float = 5.0
+    read_timeout: float = 30.0
+    attempts: int = 3  # total, first try included
+    max_pool_connections: int = 64
+    path_style: bool | None = None  # None: path-style iff a custom endpoint is configured
+    list_page_size: int = DEFAULT_LIST_PAGE_SIZE  # smaller only to exercise pagination in tests
+
+
+class _RangeNotSatisfiable(ObjectStoreError):
+    """416: the range starts at or past the object's end. get() turns it into b""."""
+
+
+class _WriteConflict(ObjectStoreError):
+    """409 ConditionalRequestConflict: a concurrent conditional write of the same key."""
+
+
+# Outcomes the caller asked about, not failures: not counted as errors.
+_ANSWERS: Final = (ObjectNotFound, PreconditionFailed, _RangeNotSatisfiable, _WriteConflict)
+
+
+_loader: Any = None
+
+
+def _new_session() -> AioSession:
+    """A session per store (credentials are resolved and cached per session), but one shared
+    botocore data loader: parsing the S3 service model costs ~0.2 s per session otherwise."""
+    global _loader
+    session = get_session()
+    if _loader is None:
+        _loader = session.get_component("data_loader")
+    else:
+        session.register_component("data_loader", _loader)
+    return session
+
+
+def _status(exc: ClientError) -> int:
+    return int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0))
+
+
+def _code(exc: ClientError) -> str:
+    return str(exc.response.get("Error", {}).get("Code", ""))
+
+
+class S3Store:
+    def __init__(
+        self,
+        bucket: str,
+        prefix: str = "",
+        *,
+        endpoint: str | None = None,
+        region: str | None = None,
+        options: S3Options | None = None,
+        url: str | None = None,
+    ) -> None:
+        opts = options or S3Options()
+        if opts.list_page_size < 1 or opts.list_page_size > DEFAULT_LIST_PAGE_SIZE:
+            raise ValueError(f"list_page_size must be in 1..{DEFAULT_LIST_PAGE_SIZE}")
+        self.bucket = bucket
+        # Keys live under "<prefix>/"; callers never see the prefix.
+        self.prefix = prefix.strip("/") + "/" if prefix.strip("/") else ""
+        self.url = url or f"s3://{bucket}/{self.prefix}"
+        self.counters = StoreCounters()
+        self.options = opts
+        self._endpoint = endpoint
+        self._region = region
+        self._session = _new_session()
+        self._lock = asyncio.Lock()
+        self._ctx: ClientCreatorContext[S3Client] | None = None
+        self._s3: S3Client | None = None
+        self._closed = False
+
+    # ------------------------------------------------------------ lifecycle
+    async def __aenter__(self) -> Self:
+        await self._client()  # connect eagerly: configuration errors show at start-up
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        async with self._lock:
+            self._closed = True
+            ctx, self._ctx, self._s3 = self._ctx, None, None
+            if ctx is not None:
+                await ctx.__aexit__(None, None, None)
+
+    async def _client(self) -> S3Client:
+        if self._s3 is not None:
+            return self._s3
+        async with self._lock:
+            if self._closed:
+                raise RuntimeError("object store is closed")
+            if self._s3 is None:
+                o = self.options
+                path_style = o.path_style
+                if path_style is None:
+                    path_style = bool(self._endpoint or os.environ.get("AWS_ENDPOINT_URL_S3")
+                                      or os.environ.get("AWS_ENDPOINT_URL"))
+                config = AioConfig(
+                    connect_timeout=o.connect_timeout,
+                    read_timeout=o.read_timeout,
+                    retries={"total_max_attempts": o.attempts, "mode": "standard"},
+                    max_pool_connections=o.max_pool_connections,
+                    s3={"addressing_style": "path"} if path_style else None,
+                )
+                ctx = self._session.create_client(
+                    "s3", endpoint_url=self._endpoint, region_name=self._region, config=config
+                )
+                with self._errors(self.bucket):
+                    self._s3 = await ctx.__aenter__()
+                self._ctx = ctx
+            return self._s3
+
+    # ------------------------------------------------------------ errors
+    @contextlib.contextmanager
+    def _errors(self, key: str) -> Iterator[None]:
+        """Convert botocore / aiohttp errors into the domain's, counting the real failures."""
+        try:
+            yield
+        except ClientError as exc:
+            converted = self._client_error(key, exc)
+            if not isinstance(converted, _ANSWERS):
+                self.counters.errors += 1
+            raise converted from exc
+        except _TRANSPORT_ERRORS as exc:
+            self.counters.errors += 1
+            raise ObjectStoreUnavailable(f"object store unreachable ({self.url}): {exc}") from exc
+        except BotoCoreError as exc:  # no credentials, bad configuration, ...
+            self.counters.errors += 1
+            raise ObjectStoreError(f"object store error ({self.url}): {exc}") from exc
+
+    def _client_error(self, key: str, exc: ClientError) -> Exception:
+        status, code = _status(exc), _code(exc)
+        if code == "NoSuchBucket":
+            return ObjectStoreError(f"bucket {self.bucket!r} does not exist ({self.url})")
+        if status == 404 or code in _NOT_FOUND_CODES:
+            return ObjectNotFound(key)
+        if status == 412 or code == "PreconditionFailed":
+            return PreconditionFailed(key)
+        if status == 416:
+            return _RangeNotSatisfiable(f"range not satisfiable: {key}")
+        if status == 409 and code == "ConditionalRequestConflict":
+            return _WriteConflict(f"concurrent conditional write: {key}")
+        if status >= 500 or status == 429 or code in _THROTTLE_CODES:
+            return ObjectStoreUnavailable(f"object store unavailable ({self.url}): {status} {code}")
+        return ObjectStoreError(f"object store refused {key!r} ({self.url}): {status} {code}")
+
+    def _key(self, key: str) -> str:
+        return self.prefix + validate_key(key)
+
+    # ------------------------------------------------------------ writes
+    async def put(
+        self, key: str, data: bytes, *, content_type: str | None = None, if_absent: bool = False
+    ) -> None:
+        req: PutObjectRequestTypeDef = {"Bucket": self.bucket, "Key": self._key(key), "Body": data}
+        if content_type is not None:
+            req["ContentType"] = content_type
+        if if_absent:
+            req["IfNoneMatch"] = "*"
+        s3 = await self._client()
+        for attempt in range(_CONFLICT_RETRIES + 1):
+            self.counters.puts += 1
+            try:
+                with self._errors(key):
+                    await s3.put_object(**req)
+                break
+            except _WriteConflict:
+                if attempt == _CONFLICT_RETRIES:
+                    raise
+                await asyncio.sleep(0.05 * 2**attempt)
+        self.counters.bytes_out += len(data)
+
+    async def delete(self, key: str) -> None:
+        k = self._key(key)
+        s3 = await self._client()
+        self.counters.deletes += 1
+        with self._errors(key):
+            await s3.delete_object(Bucket=self.bucket, Key=k)  # S3 answers 204 for a missing key
+
+    async def delete_prefix(self, prefix: str) -> int:
+        validate_prefix(prefix)
+        s3 = await self._client()
+        deleted = 0
+        after: str | None = None
+        while True:
+            # List one page, delete it, list again after its last key: no continuation token
+            # is held across the deletes, so this is correct on every S3 implementation.
+            keys = [i.key async for i in self.list(prefix, after, self.options.list_page_size)]
+            if not keys:
+                return deleted
+            self.counters.deletes += 1
+            with self._errors(prefix):
+                resp = await s3.delete_objects(
+                    Bucket=self.bucket,
+                    Delete={"Objects": [{"Key": self.prefix + k} for k in keys], "Quiet": True},
+                )
+            if errors := resp.get("Errors"):
+                self.counters.errors += 1
+                first = errors[0]
+                raise ObjectStoreError(f"delete_prefix {prefix!r}: {len(errors)} keys not deleted, "
+                                       f"e.g. {first.get('Key')}: {first.get('Code')}")
+            deleted += len(keys)
+            if len(keys) < self.options.list_page_size:
+                return deleted
+            after = keys[-1]
+
+    # ------------------------------------------------------------ reads
+    def _range(self, lo: int, hi: int | None) -> dict[str, Any]:
+        if lo == 0 and hi is None:
+            return {}
+        return {"Range": f"bytes={lo}-{'' if hi is None else hi - 1}"}
+
+    async def get(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
+        k = self._key(key)
+        lo, hi = check_range(start, end)
+        if hi == lo:
+            await self.head(key)  # an empty range still says whether the object exists
+            return b""
+        s3 = await self._client()
+        self.counters.gets += 1
+        try:
+            with self._errors(key):
+                resp = await s3.get_object(Bucket=self.bucket, Key=k, **self._range(lo, hi))
+                async with resp["Body"] as body:
+                    data = await body.read()
+        except _RangeNotSatisfiable:
+            return b""  # start at or past the end: an empty slice, as in Python
+        self.counters.bytes_in += len(data)
+        return data
+
+    async def stream(
+        self,
+        key: str,
+        start: int | None = None,
+        end: int | None = None,
+        chunk_size: int = DEFAULT_CHUNK_SIZE,
+    ) -> AsyncIterator[bytes]:
+        k = self._key(key)
+        lo, hi = check_range(start, end)
+        if chunk_size <= 0:
+            raise ValueError(f"chunk_size must be positive: {chunk_size}")
+        if hi == lo:
+            await self.head(key)
+            return
+        s3 = await self._client()
+        self.counters.gets += 1
+        try:
+            with self._errors(key):
+                resp = await s3.get_object(Bucket=self.bucket, Key=k, **self._range(lo, hi))
+        except _RangeNotSatisfiable:
+            return
+        # `async with` releases the connection even when the consumer stops early (aclose).
+        async with resp["Body"] as body:
+            pieces = body.iter_chunks(chunk_size)
+            while True:
+                with self._errors(key):
+                    piece = await anext(pieces, b"")
+                if not piece:
+                    return
+                self.counters.bytes_in += len(piece)
+                yield piece
+
+    async def head(self, key: str) -> ObjectInfo:
+        k = self._key(key)
+        s3 = await self._client()
+        self.counters.heads += 1
+        with self._errors(key):
+            resp = await s3.head_object(Bucket=self.bucket, Key=k)
+        return ObjectInfo(
+            key=key,
+            size=resp["ContentLength"],
+            etag=resp["ETag"].strip('"'),
+            content_type=resp.get("ContentType"),
+            last_modified=resp["LastModified"].timestamp(),
+        )
+
+    async def list(
+        self, prefix: str = "", start_after: str | None = None, limit: int | None = None
+    ) -> AsyncIterator[ObjectInfo]:
+        validate_prefix(prefix)
+        if limit is not None and limit <= 0:
+            return
+        s3 = await self._client()
+        page = self.options.list_page_size
+        req: ListObjectsV2RequestTypeDef = {"Bucket": self.bucket, "Prefix": self.prefix + prefix}
+        if start_after is not None:
+            req["StartAfter"] = self.prefix + start_after
+        strip = len(self.prefix)
+        left = limit
+        while True:
+            req["MaxKeys"] = page if left is None else min(page, left)
+            self.counters.lists += 1
+            with self._errors(prefix):
+                resp = await s3.list_objects_v2(**req)
+            for obj in resp.get("Contents", []):
+                yield ObjectInfo(
+                    key=obj["Key"][strip:],
+                    size=obj["Size"],
+                    etag=obj["ETag"].strip('"'),
+                    last_modified=obj["LastModified"].timestamp(),
+                )
+                if left is not None:
+                    left -= 1
+                    if left == 0:
+                        return
+            token = resp.get("NextContinuationToken")
+            if not resp.get("IsTruncated") or not token:
+                return
+            req["ContinuationToken"] = token

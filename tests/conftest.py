@@ -1,0 +1,36 @@
+"""Shared pytest fixtures. Keep each one small; helpers live in their own tests/*.py modules."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from tests.s3server import CLEARED_ENV, TEST_ENV, MotoS3
+
+
+# ---------------------------------------------------------------- S3 (moto server)
+@pytest.fixture(scope="session")
+def s3_server() -> Iterator[MotoS3]:
+    """One moto S3 server for the whole run (starting one takes a moment)."""
+    with MotoS3() as server:
+        yield server
+
+
+@pytest.fixture
+def aws_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Dummy AWS credentials and region in the environment, for this test only; variables
+    that would send botocore elsewhere (profile, endpoint) are cleared."""
+    for k, v in TEST_ENV.items():
+        monkeypatch.setenv(k, v)
+    for k in CLEARED_ENV:
+        monkeypatch.delenv(k, raising=False)
+
+
+@pytest.fixture
+def s3_bucket(s3_server: MotoS3, aws_env: None) -> Iterator[str]:
+    """A fresh, empty bucket on the moto server (with aws_env). It is dropped afterwards:
+    moto holds objects in memory."""
+    bucket = s3_server.new_bucket()
+    yield bucket
+    s3_server.drop_bucket(bucket)

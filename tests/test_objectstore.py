@@ -1,0 +1,399 @@
+"""One contract for every ObjectStore: each test runs against the local directory store and
+against S3 (moto's server), then a few tests cover what only one of them has."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from shared.config import ConfigError
+from shared.errors import ObjectNotFound, ObjectStoreUnavailable, PreconditionFailed, Unavailable
+from shared.objectstore import LocalStore, ObjectStore, open_store
+from shared.objectstore.base import TEMP_PREFIX
+from shared.objectstore.s3 import S3Options, S3Store
+from tests.s3server import MotoS3
+
+MiB = 1024 * 1024
+# Small list pages so a few hundred keys span several of them: 1001 keys at S3's real page
+# size (1000) take moto over 10 s to create.
+S3_PAGE = 50
+
+
+@pytest.fixture(params=["local", "s3"])
+async def store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[ObjectStore]:
+    if request.param == "local":
+        s: ObjectStore = open_store((tmp_path / "objects").as_uri())
+    else:
+        bucket: str = request.getfixturevalue("s3_bucket")
+        server: MotoS3 = request.getfixturevalue("s3_server")
+        s = open_store(f"s3://{bucket}/some/prefix", s3_endpoint=server.endpoint,
+                       s3_options=S3Options(list_page_size=S3_PAGE))
+    async with s:
+        yield s
+
+
+def payload(n: int, seed: int = 0) -> bytes:
+    """n bytes that differ at every offset (a shifted slice would not compare equal)."""
+    block = bytes((i * 31 + seed) % 251 for i in range(251))
+    return (block * (n // 251 + 1))[:n]
+
+
+async def keys_of(store: ObjectStore, prefix: str = "", start_after: str | None = None,
+                  limit: int | None = None) -> list[str]:
+    return [i.key async for i in store.list(prefix, start_after, limit)]
+
+
+async def put_many(store: ObjectStore, keys: list[str], data: bytes = b"x") -> None:
+    sem = asyncio.Semaphore(16)
+
+    async def one(k: str) -> None:
+        async with sem:
+            await store.put(k, data)
+
+    await asyncio.gather(*(one(k) for k in keys))
+
+
+# ---------------------------------------------------------------- put / get / head
+async def test_put_get_round_trip_and_counters(store: ObjectStore) -> None:
+    data = payload(10_000)
+    await store.put("chunks/ab/abc/0000000000000001", data, content_type="application/octet-stream")
+    assert await store.get("chunks/ab/abc/0000000000000001") == data
+    await store.put("chunks/ab/abc/0000000000000001", b"replaced")  # plain put overwrites
+    assert await store.get("chunks/ab/abc/0000000000000001") == b"replaced"
+    c = store.counters
+    assert (c.puts, c.gets, c.errors) == (2, 2, 0)
+    assert c.bytes_out == len(data) + 8 and c.bytes_in == len(data) + 8
+
+
+async def test_empty_object(store: ObjectStore) -> None:
+    await store.put("empty", b"")
+    assert await store.get("empty") == b""
+    assert await store.get("empty", 0, 10) == b""
+    assert b"".join([p async for p in store.stream("empty")]) == b""
+    assert (await store.head("empty")).size == 0
+
+
+RANGES = [
+    (None, None), (0, 1), (0, 100), (5, None), (None, 7), (10, 10), (99, 100),
+    (3, 1000),      # end past the object: clamped
+    (100, None),    # start at the end: empty
+    (150, 200),     # entirely past the end: empty
+]
+
+
+@pytest.mark.parametrize(("start", "end"), RANGES)
+async def test_ranged_get_is_a_slice(store: ObjectStore, start: int | None, end: int | None) -> None:
+    data = payload(100)
+    await store.put("r", data)
+    assert await store.get("r", start, end) == data[start:end]
+    assert b"".join([p async for p in store.stream("r", start, end, chunk_size=7)]) == data[start:end]
+
+
+@pytest.mark.parametrize(("start", "end"), [(-1, None), (5, 4), (None, -1)])
+async def test_invalid_range(store: ObjectStore, start: int | None, end: int | None) -> None:
+    await store.put("r", b"abc")
+    with pytest.raises(ValueError):
+        await store.get("r", start, end)
+
+
+async def test_stream_multi_mib_in_pieces(store: ObjectStore) -> None:
+    data = payload(3 * MiB + 17, seed=5)
+    await store.put("big", data)
+    pieces = [p async for p in store.stream("big", chunk_size=256 * 1024)]
+    assert len(pieces) >= 4 and all(0 < len(p) <= 256 * 1024 for p in pieces)
+    assert b"".join(pieces) == data == await store.get("big")
+    ranged = [p async for p in store.stream("big", 1000, 2 * MiB + 5, chunk_size=64 * 1024)]
+    assert len(ranged) > 1 and b"".join(ranged) == data[1000 : 2 * MiB + 5]
+
+
+async def test_stream_stopped_early_releases_resources(store: ObjectStore) -> None:
+    await store.put("big", payload(2 * MiB))
+    for _ in range(5):
+        it = store.stream("big", chunk_size=64 * 1024)
+        assert len(await anext(it)) > 0
+        await it.aclose()  # type: ignore[attr-defined]
+    assert await store.get("big", 0, 3) == payload(3)
+
+
+async def test_head(store: ObjectStore) -> None:
+    await store.put("d/desc.json", b'{"a":1}', content_type="application/json")
+    info = await store.head("d/desc.json")
+    assert (info.key, info.size, info.content_type) == ("d/desc.json", 7, "application/json")
+    assert info.etag and info.last_modified and abs(info.last_modified - time.time()) < 600
+    await store.put("d/desc.json", b'{"a":22}', content_type="application/json")
+    again = await store.head("d/desc.json")
+    assert again.size == 8 and again.etag != info.etag
+
+
+async def test_missing_key(store: ObjectStore) -> None:
+    await store.put("present/x", b"1")
+    for key in ("nope", "present/nope", "present"):  # "present" is only a prefix
+        with pytest.raises(ObjectNotFound) as e:
+            await store.get(key)
+        assert e.value.key == key
+        with pytest.raises(ObjectNotFound):
+            await store.get(key, 0, 0)
+        with pytest.raises(ObjectNotFound):
+            await store.head(key)
+        with pytest.raises(ObjectNotFound):
+            async for _ in store.stream(key):
+                pass
+    assert store.counters.errors == 0  # a missing key is an answer, not a failure
+
+
+# ---------------------------------------------------------------- delete
+async def test_delete_is_idempotent(store: ObjectStore) -> None:
+    await store.put("a/b/c", b"1")
+    await store.put("a/b/d", b"2")
+    await store.delete("a/b/c")
+    await store.delete("a/b/c")
+    await store.delete("never/existed")
+    with pytest.raises(ObjectNotFound):
+        await store.head("a/b/c")
+    assert await keys_of(store) == ["a/b/d"]
+    await store.delete("a/b/d")
+    assert await keys_of(store) == []
+    await store.put("a/b/c", b"3")  # the pruned directories come back
+    assert await store.get("a/b/c") == b"3"
+
+
+async def test_delete_prefix(store: ObjectStore) -> None:
+    doomed = [f"chunks/ab/abc/{i:016d}" for i in range(2 * S3_PAGE + 3)]  # several list pages
+    kept = ["chunks/ab/abcd/0", "chunks/ab/ab", "chunks/b/x", "desc/abc"]
+    await put_many(store, doomed + kept)
+    assert await store.delete_prefix("chunks/ab/abc/") == len(doomed)
+    assert await keys_of(store) == sorted(kept)
+    assert await store.delete_prefix("chunks/ab/abc/") == 0
+    assert await store.delete_prefix("chunks/ab/abc") == 1  # a partial name matches "abcd/0"
+    assert await keys_of(store) == ["chunks/ab/ab", "chunks/b/x", "desc/abc"]
+
+
+# ---------------------------------------------------------------- list
+# Sorted as S3 sorts (UTF-8 bytes): '-' < '.' < '/' < '0' < 'A' < '_' < 'a' < 'é'.
+LIST_KEYS = ["a-b", "a.b", "a/b", "a/c/d", "a/c/e", "a0", "aA", "a_", "ab/z", "b", "é/1", "zz/y/x"]
+
+
+async def test_list_sorted_with_prefix_start_after_limit(store: ObjectStore) -> None:
+    await put_many(store, LIST_KEYS, b"12345")
+    assert sorted(LIST_KEYS, key=str.encode) == sorted(LIST_KEYS)  # code points = UTF-8 order
+    infos = [i async for i in store.list()]
+    assert [i.key for i in infos] == sorted(LIST_KEYS)
+    assert all(i.size == 5 and i.etag for i in infos)
+    assert await keys_of(store, "a/") == ["a/b", "a/c/d", "a/c/e"]
+    assert await keys_of(store, "a/c") == ["a/c/d", "a/c/e"]
+    assert await keys_of(store, "a") == [k for k in sorted(LIST_KEYS) if k.startswith("a")]
+    assert await keys_of(store, "nothing") == []
+    assert await keys_of(store, start_after="a/c/d") == sorted(k for k in LIST_KEYS if k > "a/c/d")
+    assert await keys_of(store, start_after="a/") == sorted(k for k in LIST_KEYS if k > "a/")
+    assert await keys_of(store, start_after="é/1") == []  # "é" sorts after "zz"
+    assert await keys_of(store, "a/", start_after="a/b") == ["a/c/d", "a/c/e"]
+    assert await keys_of(store, limit=3) == sorted(LIST_KEYS)[:3]
+    assert await keys_of(store, "a", start_after="a.b", limit=2) == ["a/b", "a/c/d"]
+    assert await keys_of(store, limit=0) == []
+
+
+async def test_list_paginates(store: ObjectStore) -> None:
+    keys = [f"s/{d}/{i:05d}" for d in ("x", "y", "z") for i in range(60)]  # 180 keys, 4 S3 pages
+    await put_many(store, keys)
+    before = store.counters.lists
+    assert await keys_of(store, "s/") == keys
+    if isinstance(store, S3Store):
+        assert store.counters.lists - before == 4
+    # start_after and limit across page boundaries
+    assert await keys_of(store, "s/", start_after=keys[45], limit=70) == keys[46:116]
+    assert await keys_of(store, "s/y/", start_after="s/x/zzz") == keys[60:120]
+
+
+# ---------------------------------------------------------------- conditional create
+async def test_if_absent_keeps_the_first(store: ObjectStore) -> None:
+    await store.put("once", b"first", if_absent=True)
+    with pytest.raises(PreconditionFailed) as e:
+        await store.put("once", b"second", if_absent=True)
+    assert e.value.key == "once"
+    assert await store.get("once") == b"first"
+    assert store.counters.errors == 0
+
+
+async def test_if_absent_concurrent_single_winner(store: ObjectStore) -> None:
+    n = 12
+
+    async def attempt(i: int) -> int | None:
+        try:
+            await store.put("race", payload(50_000, seed=i), if_absent=True)
+            return i
+        except PreconditionFailed:
+            return None
+
+    results = await asyncio.gather(*(attempt(i) for i in range(n)))
+    winners = [r for r in results if r is not None]
+    assert len(winners) == 1
+    assert await store.get("race") == payload(50_000, seed=winners[0])
+
+
+# ---------------------------------------------------------------- keys
+BAD_KEYS = ["", "/abs", "../up", "a/../b", "a/..", "..", "./a", "a/./b", "a//b", "a/", "a\\b",
+            "nul\x00", f"{TEMP_PREFIX}x", f"a/{TEMP_PREFIX}x"]
+
+
+BAD_PREFIXES = ["/abs", "../", "a/../", "..", "a//"]
+
+
+async def test_bad_keys_rejected(store: ObjectStore) -> None:
+    for key in BAD_KEYS:
+        with pytest.raises(ValueError):
+            await store.put(key, b"x")
+        with pytest.raises(ValueError):
+            await store.get(key)
+        with pytest.raises(ValueError):
+            await store.head(key)
+        with pytest.raises(ValueError):
+            async for _ in store.stream(key):
+                pass
+        with pytest.raises(ValueError):
+            await store.delete(key)
+    for prefix in BAD_PREFIXES:
+        with pytest.raises(ValueError):
+            await keys_of(store, prefix)
+        with pytest.raises(ValueError):
+            await store.delete_prefix(prefix)
+    assert await keys_of(store) == []
+
+
+# ---------------------------------------------------------------- local store only
+async def test_local_files_are_the_objects(tmp_path: Path) -> None:
+    async with open_store(tmp_path.as_uri()) as store:
+        await store.put("x/y", b"plain bytes", content_type="text/plain")
+        assert (tmp_path / "x" / "y").read_bytes() == b"plain bytes"
+        assert [p.name for p in (tmp_path / "x").iterdir()] == ["y"]  # no temp file left
+        assert (await store.head("x/y")).content_type == "text/plain"
+        await store.put("x/y", b"again")  # no content type now: none reported
+        assert (await store.head("x/y")).content_type is None
+
+
+async def test_local_crash_before_rename_leaves_no_object(tmp_path: Path) -> None:
+    async with open_store(tmp_path.as_uri()) as store:
+        await store.put("s/0001", b"sealed")
+        # What a crash between writing the temp file and renaming it leaves behind:
+        (tmp_path / "s" / f"{TEMP_PREFIX}0002abc").write_bytes(b"half a chu")
+        (tmp_path / f"{TEMP_PREFIX}zzz").write_bytes(b"")
+        assert await keys_of(store) == ["s/0001"]
+        assert await store.delete_prefix("s/") == 1
+        with pytest.raises(ObjectNotFound):
+            await store.head("s/0002abc")
+
+
+async def test_local_failed_rename_keeps_old_object(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    async with open_store(tmp_path.as_uri()) as store:
+        await store.put("k", b"old")
+
+        def broken_replace(src: str, dst: str) -> None:
+            raise OSError(5, "Input/output error")
+
+        monkeypatch.setattr(os, "replace", broken_replace)
+        with pytest.raises(ObjectStoreUnavailable):
+            await store.put("k", b"new")
+        monkeypatch.undo()
+        assert await store.get("k") == b"old"
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["k"]  # the temp file was removed
+        assert store.counters.errors == 1
+
+
+async def test_local_rejects_escape(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    async with open_store(root.as_uri()) as store:
+        for key in ("../outside", "a/../../outside", "/etc/passwd"):
+            with pytest.raises(ValueError):
+                await store.put(key, b"x")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["root"]
+
+
+async def test_local_key_under_an_object(tmp_path: Path) -> None:
+    """A file system cannot hold both "a" and "a/b" (S3 can): a clear error, not a crash."""
+    async with open_store(tmp_path.as_uri()) as store:
+        await store.put("a", b"1")
+        with pytest.raises(Exception) as e:
+            await store.put("a/b", b"2")
+        assert "not a directory" in str(e.value)
+        assert await keys_of(store) == ["a"]
+
+
+# ---------------------------------------------------------------- S3 only
+async def test_s3_prefixes_isolate_stores(s3_server: MotoS3, s3_bucket: str) -> None:
+    one = open_store(f"s3://{s3_bucket}/one", s3_endpoint=s3_server.endpoint)
+    two = open_store(f"s3://{s3_bucket}/two/", s3_endpoint=s3_server.endpoint)
+    async with one, two:
+        await one.put("k", b"1")
+        await two.put("k", b"2")
+        assert (await one.get("k"), await two.get("k")) == (b"1", b"2")
+        assert await keys_of(one) == ["k"]
+        assert await two.delete_prefix("") == 1
+        assert await keys_of(one) == ["k"]
+    objects = s3_server.client().list_objects_v2(Bucket=s3_bucket)["Contents"]
+    assert [o["Key"] for o in objects] == ["one/k"]
+
+
+@pytest.mark.usefixtures("aws_env")
+async def test_s3_unreachable_is_unavailable() -> None:
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    opts = S3Options(connect_timeout=0.5, read_timeout=1, attempts=1)
+    t0 = time.monotonic()
+    async with open_store("s3://bucket/p", s3_endpoint=f"http://127.0.0.1:{port}", s3_options=opts,
+                          region="us-east-1") as store:
+        assert isinstance(store, S3Store)
+        with pytest.raises(ObjectStoreUnavailable) as e:
+            await store.get("k")
+        assert isinstance(e.value, Unavailable) and e.value.retry_after >= 1  # maps to 503
+        with pytest.raises(ObjectStoreUnavailable):
+            await store.put("k", b"x", if_absent=True)
+        with pytest.raises(ObjectStoreUnavailable):
+            await keys_of(store)
+        assert store.counters.errors == 3
+    assert time.monotonic() - t0 < 5
+
+
+async def test_s3_one_client_per_store(s3_server: MotoS3, s3_bucket: str) -> None:
+    store = open_store(f"s3://{s3_bucket}", s3_endpoint=s3_server.endpoint)
+    assert isinstance(store, S3Store)
+    await asyncio.gather(*(store.put(f"k{i}", b"x") for i in range(10)))
+    client = store._s3
+    assert client is not None
+    await store.get("k1")
+    assert store._s3 is client
+    await store.close()
+    await store.close()  # idempotent
+    with pytest.raises(RuntimeError):
+        await store.get("k1")
+
+
+# ---------------------------------------------------------------- URLs
+@pytest.mark.parametrize(("url", "kind"), [
+    ("file:///tmp/ds3-objects", LocalStore),
+    ("file://localhost/tmp/ds3-objects/", LocalStore),
+    ("s3://my-bucket", S3Store),
+    ("s3://my-bucket/", S3Store),
+    ("s3://my.bucket-1/some/prefix/", S3Store),
+])
+def test_open_store_urls(url: str, kind: type, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    if kind is LocalStore:  # do not create directories outside tmp_path
+        url = url.replace("/tmp/", f"{tmp_path}/")
+    store = open_store(url)
+    assert isinstance(store, kind) and store.url == url
+    if isinstance(store, S3Store):
+        assert store.prefix in ("", "some/prefix/")
+
+
+@pytest.mark.parametrize("url", [
+    "", "/just/a/path", "http://bucket/x", "s3://", "s3://Upper", "s3://ab", "s3://b_ad/x",
+    "s3://bucket/a/../b", "s3://bucket/p?x=1", "file://host/path", "file:relative", "file:///",
+])
+def test_open_store_bad_urls(url: str) -> None:
+    with pytest.raises(ConfigError):
+        open_store(url)
