@@ -74,7 +74,7 @@ async def handle_put(request: web.Request, svc: IngesterService, path: str) -> w
             raise BadRequest(f"invalid Stream-Fork-Offset: {e}") from e
     sub = None
     if sub_text is not None:
-        if not P.DECIMAL_RE.match(sub_text):
+        if len(sub_text) > 16 or not P.DECIMAL_RE.match(sub_text):
             raise BadRequest("invalid Stream-Fork-Sub-Offset: must be a non-negative decimal integer")
         sub = int(sub_text)
     body = await read_body(request, svc.config.max_body_bytes)
@@ -101,6 +101,8 @@ async def handle_post(request: web.Request, svc: IngesterService, path: str) -> 
     stream_seq = h.get(P.SEQ)
     if stream_seq is not None and stream_seq == "":
         raise BadRequest("Stream-Seq must not be empty")
+    if stream_seq is not None and not P.is_utf8(stream_seq):
+        raise BadRequest("invalid Stream-Seq: not valid UTF-8")
     content_type = h.get("Content-Type")
     body = await read_body(request, svc.config.max_body_bytes)
     messages = None
@@ -312,4 +314,4 @@ async def touch(request: web.Request) -> web.Response:
 def add_routes(app: web.Application) -> None:
     app.router.add_get("/healthz", healthz)
     app.router.add_post("/_ds3/touch", touch)
-    app.router.add_route("*", "/v1/stream/{path:.*}", handle_stream)
+    app.router.add_route("*", r"/v1/stream/{path:[\s\S]*}", handle_stream)  # `.` would miss "\n"

@@ -187,6 +187,13 @@ class GroupCommitter:
                 log.exception("write-ahead log commit failed")
                 results.extend((p, Unavailable("write-ahead log commit failed", 5), False) for p in todo)
                 todo = []
+            except Exception:  # on_commit failed: nothing was committed; never let the writer die
+                self._on_abort()
+                log.exception("write-ahead log batch failed")
+                results.extend(
+                    (p, Unavailable("internal error while writing; nothing was stored"), False) for p in todo
+                )
+                todo = []
         self.batches += 1
         self.ops += len(batch)
         self.last_batch_size = len(batch)

@@ -208,4 +208,4 @@ async def metrics(request: web.Request) -> web.Response:
 def add_routes(app: web.Application) -> None:
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/metrics", metrics)
-    app.router.add_route("*", "/v1/stream/{path:.*}", handle_stream)
+    app.router.add_route("*", r"/v1/stream/{path:[\s\S]*}", handle_stream)  # `.` would miss "\n"

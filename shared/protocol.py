@@ -55,8 +55,11 @@ CORS_ALLOW_METHODS: Final = "GET, POST, PUT, DELETE, HEAD, OPTIONS"
 DECIMAL_RE: Final = re.compile(r"\A(0|[1-9][0-9]*)\Z")
 _DIGITS_RE: Final = re.compile(r"\A[0-9]+\Z")
 # Segments of visible characters, none of them "." or "..", no empty segment.
-_PATH_OK_RE: Final = re.compile(r"\A(?!\.\.?(?:/|\Z))[^\x00-\x1f\x7f/]+(?:/(?!\.\.?(?:/|\Z))[^\x00-\x1f\x7f/]+)*\Z")
+# (lone surrogates excluded: they are header bytes that were not UTF-8, see is_utf8)
+_SEGMENT: Final = r"(?!\.\.?(?:/|\Z))[^\x00-\x1f\x7f/\ud800-\udfff]+"
+_PATH_OK_RE: Final = re.compile(rf"\A{_SEGMENT}(?:/{_SEGMENT})*\Z")
 _CONTROL_RE: Final = re.compile(r"[\x00-\x1f\x7f]")
+_HEADER_TEXT_RE: Final = re.compile(r"\A[\t\x20-\x7e]*\Z")
 _MEDIA_TYPE_RE: Final = re.compile(r"\A[A-Za-z0-9!#$&^_.+-]+/[A-Za-z0-9!#$&^_.+-]+\Z")
 _RFC3339_RE: Final = re.compile(
     r"\A\d{4}-\d{2}-\d{2}[Tt ]\d{2}:\d{2}:\d{2}(\.\d{1,9})?([Zz]|[+-]\d{2}:\d{2})\Z", re.ASCII
@@ -101,7 +104,17 @@ def media_type(content_type: str | None) -> str:
 
 
 def is_valid_content_type(content_type: str) -> bool:
-    return bool(_MEDIA_TYPE_RE.match(media_type(content_type)))
+    # the whole value is stored and echoed: printable ASCII only, parameters included
+    return bool(_MEDIA_TYPE_RE.match(media_type(content_type))) and bool(_HEADER_TEXT_RE.match(content_type))
+
+
+def is_utf8(text: str) -> bool:
+    """aiohttp decodes header bytes that are not UTF-8 to lone surrogates; those cannot be stored."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def is_json(content_type: str | None) -> bool:
@@ -122,7 +135,7 @@ def flag_true(value: str | None) -> bool:
 
 
 def parse_ttl(value: str) -> int:
-    if not DECIMAL_RE.match(value):
+    if len(value) > 20 or not DECIMAL_RE.match(value):  # bounded before int(): 4300+ digits raise
         raise BadRequest(
             "invalid Stream-TTL: must be a non-negative decimal integer without sign, "
             "leading zeros, decimal point or exponent"
@@ -154,6 +167,8 @@ def format_rfc3339(epoch: float) -> str:
 def parse_safe_int(name: str, value: str) -> int:
     if not _DIGITS_RE.match(value):
         raise BadRequest(f"invalid {name}: must be a non-negative integer")
+    if len(value.lstrip("0")) > 16:  # 2^53-1 has 16 digits; int() of 4300+ digits raises ValueError
+        raise BadRequest(f"invalid {name}: must be at most 2^53-1")
     n = int(value)
     if n > MAX_SAFE_INTEGER:
         raise BadRequest(f"invalid {name}: must be at most 2^53-1")
@@ -176,6 +191,8 @@ def parse_producer(pid: str | None, epoch: str | None, seq: str | None) -> Produ
     assert pid is not None and epoch is not None and seq is not None
     if pid == "":
         raise BadRequest("invalid Producer-Id: must not be empty")
+    if not is_utf8(pid):
+        raise BadRequest("invalid Producer-Id: not valid UTF-8")
     if len(pid.encode()) > 256:
         raise BadRequest("invalid Producer-Id: at most 256 bytes")
     return ProducerHeaders(pid, parse_safe_int("Producer-Epoch", epoch), parse_safe_int("Producer-Seq", seq))

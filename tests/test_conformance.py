@@ -1,8 +1,12 @@
-"""The public Durable Streams conformance suite against a real `ds3 ingester`.
+"""The public Durable Streams conformance suite against real ds3 processes.
+
+Three topologies: the ingester alone (the WAL keeps everything), and a reader in front of an
+ingester that seals 4 KiB / 0.5 s chunks into moto's S3 or into a local directory, so the
+suite's reads cross sealed chunks, the open tail and the boundary between them.
 
 Runs tests/conformance/run-conformance.sh (vitest + @durable-streams/server-conformance-tests)
 with a 3 s long-poll timeout on both sides. Needs Node/npm; installs tests/conformance/node_modules
-when it is missing or package*.json changed (same stamp as scripts/test). About 1-3 minutes.
+when it is missing or package*.json changed (same stamp as scripts/test). About 40 s a topology.
 """
 
 from __future__ import annotations
@@ -18,7 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.procs import ingester
+from tests.procs import Proc, ingester, reader
+from tests.s3server import TEST_ENV
 
 pytestmark = [pytest.mark.conformance, pytest.mark.slow]
 
@@ -80,7 +85,32 @@ def _tail(path: Path, lines: int = 40) -> str:
         return f"(no log at {path})"
 
 
-def test_conformance_suite(tmp_path: Path) -> None:
+SEAL = ["--seal-bytes", "4096", "--seal-age", "0.5"]
+
+
+def _topology(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> tuple[list[Proc], str]:
+    """Processes to start (in order) and the URL the suite talks to."""
+    lp = ["--long-poll-timeout", "3"]
+    if kind == "ingester":
+        ing = ingester(tmp_path / "data", *lp)
+        return [ing], ing.url
+    env: dict[str, str] = {}
+    if kind == "reader-s3":
+        bucket = request.getfixturevalue("s3_bucket")
+        endpoint = request.getfixturevalue("s3_server").endpoint
+        store, extra, env = f"s3://{bucket}/conformance", ["--s3-endpoint", endpoint], dict(TEST_ENV)
+    else:
+        (tmp_path / "objects").mkdir()
+        store, extra = (tmp_path / "objects").as_uri(), []
+    ing = ingester(tmp_path / "data", *lp, "--store", store, *SEAL, *extra)
+    rdr = reader(tmp_path, ing.url, store, *lp, *extra)
+    for p in (ing, rdr):
+        p.env.update(env)
+    return [ing, rdr], rdr.url
+
+
+@pytest.mark.parametrize("kind", ["ingester", "reader-s3", "reader-local"])
+def test_conformance_suite(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> None:
     _ensure_npm_deps()
     report = tmp_path / "conformance.json"
     env = {k: v for k, v in os.environ.items() if not k.startswith("CONFORMANCE_")}
@@ -88,11 +118,12 @@ def test_conformance_suite(tmp_path: Path) -> None:
         CONFORMANCE_LONG_POLL_MS="3000",
         CONFORMANCE_TIMEOUT_S=str(RUN_TIMEOUT_S - 60),  # the runner's own cap fires first
     )
-    server = ingester(tmp_path / "data", "--long-poll-timeout", "3")
+    procs, url = _topology(kind, tmp_path, request)
     try:
-        server.start()
+        for p in procs:
+            p.start()
         proc = subprocess.Popen(
-            ["bash", str(CONF / "run-conformance.sh"), server.url, str(report)],
+            ["bash", str(CONF / "run-conformance.sh"), url, str(report)],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
@@ -106,13 +137,14 @@ def test_conformance_suite(tmp_path: Path) -> None:
             output, _ = proc.communicate()
             pytest.fail(f"conformance run exceeded {RUN_TIMEOUT_S}s:\n{output[-3000:]}")
     finally:
-        server.stop()
+        for p in reversed(procs):
+            p.stop()
 
     last = (output.strip().splitlines() or [""])[-1]
     m = SUMMARY.match(last)
     assert proc.returncode == 0 and m, (
         f"run-conformance.sh exited {proc.returncode} without a summary line:\n{output[-3000:]}\n"
-        f"--- ingester log ({server.log_path}):\n{_tail(server.log_path)}"
+        + "".join(f"\n--- log ({p.log_path}):\n{_tail(p.log_path)}" for p in procs)
     )
     passed, failed, _skipped = (int(g) for g in m.groups())
     assert failed == 0, f"{last}\n{failed} conformance test(s) failed (report: {report}):\n  " + "\n  ".join(
