@@ -108,8 +108,10 @@ def _run(app: web.Application, host: str, port: int, banner: str) -> None:
         log.info("%s listening on http://%s:%d", banner, host, port)
 
     app.on_startup.append(on_startup)
+    # handler_cancellation: a client that goes away cancels its handler (an SSE or long-poll
+    # client that disconnects must not keep upstream connections and wake-ups alive).
     web.run_app(app, host=host, port=port, print=None, access_log=None, handle_signals=True,
-                shutdown_timeout=5)
+                shutdown_timeout=5, handler_cancellation=True)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -139,6 +141,8 @@ def ingester(**kw: Any) -> None:
       help="Most bytes of a sealed chunk one response carries.")
 @_opt("--descriptor-ttl", env="DS3_DESCRIPTOR_TTL", type=float, default=1.0,
       help="Seconds a stream descriptor read from the store is trusted.")
+@_opt("--sse-max-seconds", env="DS3_SSE_MAX_SECONDS", type=float, default=60.0,
+      help="SSE connections are closed after this long so CDNs can collapse them.")
 def reader(**kw: Any) -> None:
     """Run a stateless reader: sealed history straight from the object store, the rest
     (tail, long-poll, SSE, writes) through the ingester."""

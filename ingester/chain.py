@@ -132,15 +132,22 @@ def record_at(
 
 
 def chunk_at(txn: lmdb.Transaction, dbs: Dbs, meta: StreamMeta, lookup: MetaLookup, position: int) -> int:
-    """The chunk id that names `position` (the chunk holding the byte before it)."""
-    if position <= 0:
-        return 0
+    """The chunk id that names `position` (the chunk holding the byte before it); position 0
+    is named by the first chunk of the stream at the root of the fork chain."""
     if position == meta.tail:
         return meta.tail_chunk
+    if position <= 0:
+        root = meta
+        for _ in range(64):
+            source = lookup(root.fork_source) if root.fork_source is not None else None
+            if source is None:
+                break
+            root = source
+        return root.first_chunk
     rec = record_at(txn, dbs, meta, lookup, position - 1)
     if isinstance(rec, Sealed):
         return rec.chunk
-    return rec.chunk if rec is not None else 0
+    return rec.chunk if rec is not None else meta.first_chunk
 
 
 def is_message_boundary(

@@ -30,6 +30,7 @@ confirmed it is `sealed` and its records are dropped from `records`. This module
 
 from __future__ import annotations
 
+import secrets
 import struct
 from dataclasses import dataclass, field
 from typing import Final
@@ -44,6 +45,17 @@ SID: Final = struct.Struct(">Q")
 FLAG_END_OF_APPEND: Final = 1
 
 
+FIRST_CHUNK_SPREAD: Final = 10**12
+
+
+def new_first_chunk(after: int = -1) -> int:
+    """A stream's first chunk id: random, so that a path deleted and created again issues
+    offsets its earlier incarnation never did, and no cache (CDN, browser) can answer an
+    offset URL of the new stream with the old stream's bytes. Chunk ids only need to rise
+    within a stream; a fork's start after the chunk that names its fork position."""
+    return after + 1 + secrets.randbelow(FIRST_CHUNK_SPREAD)
+
+
 @dataclass(slots=True)
 class StreamMeta:
     path: str
@@ -54,6 +66,7 @@ class StreamMeta:
     uid: str = ""
     tail: int = 0  # committed end position
     tail_chunk: int = 0  # chunk id that names the tail offset
+    first_chunk: int = 0  # this incarnation's first chunk id (random: see new_first_chunk)
     chunk: int = 0  # chunk that new records go to
     chunk_start: int = 0  # position where that chunk begins
     chunk_records: int = 0

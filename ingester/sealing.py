@@ -39,7 +39,7 @@ def descriptor_of(meta: StreamMeta) -> Descriptor:
         ttl=meta.ttl, expires_at=meta.expires_at, closed=meta.closed,
         final_offset=meta.tail_offset if meta.closed else None, soft_deleted=meta.soft_deleted,
         fork_source=meta.fork_source, fork_source_uid=meta.fork_source_uid,
-        fork_position=meta.fork_position,
+        fork_position=meta.fork_position, first_chunk=meta.first_chunk,
     )
 
 

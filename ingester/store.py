@@ -30,6 +30,7 @@ from ingester.records import (
     chunk_key,
     decode_record,
     encode_record,
+    new_first_chunk,
     producer_key,
     record_key,
 )
@@ -260,6 +261,7 @@ class Store:
             created_at=now, last_access=now, ttl=req.ttl, expires_at=req.expires_at,
             expires_at_text=req.expires_at_text,
         )
+        meta.first_chunk = meta.chunk = meta.tail_chunk = new_first_chunk()
         source: StreamMeta | None = None
         if req.fork_from is not None:
             source = self._fork_source(txn, req, meta, now)
@@ -319,7 +321,8 @@ class Store:
         meta.fork_sub_offset = sub
         meta.tail = position
         meta.tail_chunk = chunk_at(txn, db, source, lookup, position)
-        meta.chunk = meta.tail_chunk + 1  # the fork's own chunks sort after every inherited one
+        meta.first_chunk = new_first_chunk(after=meta.tail_chunk)  # after every inherited chunk
+        meta.chunk = meta.first_chunk
         meta.chunk_start = position
         return source
 

@@ -8,7 +8,8 @@ import aiohttp
 from aiohttp import web
 
 from reader.descriptors import DescriptorCache
-from reader.http import READER, ReaderState, add_routes
+from reader.fanout import Page, SseHub
+from reader.http import READER, ReaderState, add_routes, read_page
 from reader.proxy import IngesterClient
 from reader.sealed import SealedLocator
 from shared.chunkstore import ChunkReader
@@ -27,12 +28,22 @@ def create_app(config: ReaderConfig) -> web.Application:
         )
         chunks = ChunkReader(objects)
         descriptors = DescriptorCache(objects, config.descriptor_ttl)
-        app[READER] = ReaderState(
+        ingester = IngesterClient(config.ingester, session, config.long_poll_timeout)
+        state: ReaderState | None = None
+
+        async def page(path: str, offset: str) -> Page:
+            assert state is not None
+            return await read_page(state, path, offset)
+
+        state = app[READER] = ReaderState(
             config=config, objects=objects, chunks=chunks, descriptors=descriptors,
-            locator=SealedLocator(descriptors, chunks, config.max_read_bytes),
-            ingester=IngesterClient(config.ingester, session, config.long_poll_timeout),
+            locator=SealedLocator(descriptors, chunks, config.max_read_bytes), ingester=ingester,
+            sse=SseHub(ingester, page, config.sse_max_seconds, config.long_poll_timeout + 30),
         )
         yield
+        for channel in list(state.sse.channels.values()):
+            if channel.task is not None:
+                channel.task.cancel()
         await session.close()
         await objects.close()
 

@@ -7,14 +7,15 @@ import logging
 import time
 from dataclasses import dataclass
 from typing import Final
-from urllib.parse import urlencode
+from urllib.parse import quote, urlencode
 
 from aiohttp import web
 
 from reader.descriptors import DescriptorCache
+from reader.fanout import Page, SseHub
 from reader.proxy import IngesterClient, to_response
 from reader.sealed import SealedLocator, SealedRead
-from shared import offsets
+from shared import jsonmode, offsets
 from shared import protocol as P
 from shared.chunkstore import ChunkReader
 from shared.config import ReaderConfig
@@ -42,6 +43,7 @@ class ReaderState:
     descriptors: DescriptorCache
     locator: SealedLocator
     ingester: IngesterClient
+    sse: SseHub
     sealed_responses: int = 0
     forwarded: int = 0
 
@@ -74,8 +76,8 @@ async def handle_get(request: web.Request, st: ReaderState, path: str) -> web.St
     given = start_offset(request)
     live = live_mode(request, given)
     if live == "sse":
-        st.forwarded += 1
-        return await st.ingester.stream_to(request, request.path_qs)
+        assert given is not None
+        return await st.sse.serve(request, path, _offset_text(given), request.query.get("cursor"))
     desc: Descriptor | None = None
     if given is None or isinstance(given, offsets.Offset) or given == offsets.START:
         start = given if isinstance(given, offsets.Offset) else offsets.ZERO
@@ -98,6 +100,41 @@ async def handle_get(request: web.Request, st: ReaderState, path: str) -> web.St
             return eof
         raise
     return to_response(up)
+
+
+def _offset_text(given: offsets.Offset | str) -> str:
+    return str(given) if isinstance(given, offsets.Offset) else given
+
+
+async def read_page(st: ReaderState, path: str, offset: str) -> Page:
+    """One catch-up read for an SSE client catching up: sealed if possible, else forwarded."""
+    start = offsets.parse_query(offset)
+    if not isinstance(start, str) or start == offsets.START:
+        at = start if isinstance(start, offsets.Offset) else offsets.ZERO
+        try:
+            desc = await st.descriptors.get(path)
+            if desc is not None and _servable(desc):
+                found = await st.locator.find(desc, at)
+                if found is not None:
+                    data = await st.chunks.read(found.piece)
+                    body = jsonmode.render_stored(data) if P.is_json(desc.content_type) else data
+                    st.sealed_responses += 1
+                    return Page(desc.content_type, body, found.next_offset, found.final, found.final)
+        except (ObjectStoreError, Unavailable) as e:
+            log.warning("object store read failed for %s (%s); asking the ingester", path, e)
+    qs = f"{P.STREAM_PREFIX}{quote(path, safe='/')}?" + urlencode({"offset": offset})
+    st.forwarded += 1
+    up = await st.ingester.get_collapsed(qs, {})
+    if up.status == 404:
+        raise NotFound("stream not found")
+    if up.status == 410:
+        raise Gone("stream was deleted")
+    if up.status != 200:
+        raise Unavailable(f"the ingester answered {up.status} to a catch-up read", 1)
+    return Page(
+        up.headers.get("Content-Type", ""), up.body, up.headers.get(P.NEXT_OFFSET, offset),
+        up.headers.get(P.UP_TO_DATE) == "true", up.headers.get(P.CLOSED) == "true",
+    )
 
 
 def _servable(desc: Descriptor) -> bool:
@@ -198,6 +235,12 @@ async def metrics(request: web.Request) -> web.Response:
         "# HELP ds3_reader_collapsed_total Requests that shared another client's upstream request.",
         "# TYPE ds3_reader_collapsed_total counter",
         f"ds3_reader_collapsed_total {st.ingester.collapsed}",
+        "# HELP ds3_reader_sse_shared_total SSE clients that joined an existing upstream subscription.",
+        "# TYPE ds3_reader_sse_shared_total counter",
+        f"ds3_reader_sse_shared_total {st.sse.shared}",
+        "# HELP ds3_reader_sse_upstreams Upstream SSE subscriptions open now.",
+        "# TYPE ds3_reader_sse_upstreams gauge",
+        f"ds3_reader_sse_upstreams {len(st.sse.channels)}",
         "# HELP ds3_reader_descriptor_cache_hits_total Descriptor lookups served from memory.",
         "# TYPE ds3_reader_descriptor_cache_hits_total counter",
         f"ds3_reader_descriptor_cache_hits_total {st.descriptors.hits}",

@@ -7,7 +7,6 @@ request, so ingester connections grow with readers × active streams, not with c
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from dataclasses import dataclass
 from typing import Final
@@ -89,31 +88,6 @@ class IngesterClient:
             raise
         finally:
             del self._inflight[key]
-
-    async def stream_to(self, request: web.Request, path_qs: str) -> web.StreamResponse:
-        """Relay a streaming response (SSE) as it arrives."""
-        self.requests += 1
-        try:
-            up_ctx = self.session.get(
-                self.base + path_qs, headers=self._request_headers(request), allow_redirects=False,
-                skip_auto_headers=SKIP_AUTO,
-                timeout=aiohttp.ClientTimeout(total=None, connect=5, sock_read=None),
-            )
-            up = await up_ctx.__aenter__()
-        except (aiohttp.ClientConnectionError, TimeoutError) as e:
-            raise Unavailable(f"the ingester is unreachable ({type(e).__name__})", 2) from e
-        try:
-            headers = CIMultiDict((k, v) for k, v in up.headers.items() if k.lower() not in DROP_RESPONSE)
-            resp = web.StreamResponse(status=up.status, headers=headers)
-            await resp.prepare(request)
-            with contextlib.suppress(aiohttp.ClientError, ConnectionResetError, asyncio.CancelledError):
-                async for piece in up.content.iter_any():
-                    await resp.write(piece)
-            with contextlib.suppress(Exception):
-                await resp.write_eof()
-            return resp
-        finally:
-            await up_ctx.__aexit__(None, None, None)
 
 
 def to_response(up: Upstream) -> web.Response:

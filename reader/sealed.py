@@ -2,8 +2,9 @@
 position (following fork chains), and slice whole messages out of it.
 
 An offset `c_p` names the chunk c holding the byte before position p, so the byte at p is
-in chunk c, or in c + 1 when p is c's end. A fork's own chunks are numbered after the
-chunk that names its fork position, so the same rule works across fork boundaries."""
+in chunk c, or in c + 1 when p is c's end. Where a stream's own data begins (position 0,
+or a fork's fork position) the first byte is in its first chunk, named by its descriptor:
+first chunk ids are random per incarnation (see ingester.records.new_first_chunk)."""
 
 from __future__ import annotations
 
@@ -50,7 +51,9 @@ class SealedLocator:
             owner = source
         else:
             return None
-        for chunk in (start.chunk, start.chunk + 1):
+        own_start = owner.fork_position if owner.fork_source is not None else 0
+        candidates = (owner.first_chunk,) if start.position == own_start else (start.chunk, start.chunk + 1)
+        for chunk in candidates:
             try:
                 head = await self.chunks.head(owner.uid, chunk)
             except ObjectNotFound:

@@ -85,6 +85,7 @@ class ReaderConfig:
     max_body_bytes: int = 64 * MiB
     max_path_bytes: int = LMDB_MAX_KEY
     descriptor_ttl: float = 1.0  # seconds a stream descriptor is trusted before re-reading it
+    sse_max_seconds: float = 60.0  # SSE client connections are closed after this long
 
     def __post_init__(self) -> None:
         def need(ok: bool, setting: str, why: str) -> None:

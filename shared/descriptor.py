@@ -22,6 +22,7 @@ class Descriptor:
     fork_source: str | None = None
     fork_source_uid: str | None = None
     fork_position: int = 0  # positions below it are read from the source
+    first_chunk: int = 0  # the chunk holding the stream's own first byte (0, or fork_position)
 
     def encode(self) -> bytes:
         return orjson.dumps(asdict(self))
