@@ -33,6 +33,7 @@ from shared.web import (
 )
 
 log = logging.getLogger("ds3.reader")
+START_URL_CACHE: Final = "public, max-age=60, stale-while-revalidate=300"
 
 
 @dataclass(slots=True)
@@ -88,7 +89,7 @@ async def handle_get(request: web.Request, st: ReaderState, path: str) -> web.St
                 if found is not None:
                     if desc.ttl is not None:
                         await renew(st, path)
-                    return await serve_sealed(request, st, found, live)
+                    return await serve_sealed(request, st, found, live, start_url=not isinstance(given, offsets.Offset))
         except (ObjectStoreError, Unavailable) as e:
             log.warning("object store read failed for %s (%s); asking the ingester", path, e)
     st.forwarded += 1
@@ -158,17 +159,20 @@ def _eof_from_descriptor(desc: Descriptor | None, given: offsets.Offset | str | 
 
 
 async def serve_sealed(
-    request: web.Request, st: ReaderState, found: SealedRead, live: str | None
+    request: web.Request, st: ReaderState, found: SealedRead, live: str | None, *, start_url: bool
 ) -> web.StreamResponse:
+    """A sealed range: immutable under its offset URL. The start URL (offset -1) is not: a
+    path deleted and created again keeps that URL, so caches may hold it only briefly."""
     desc, piece = found.descriptor, found.piece
     json_mode = P.is_json(desc.content_type)
     if json_mode and not piece.head.is_boundary(piece.start):
         raise BadRequest("offset is not at a message boundary of this JSON stream")
     st.sealed_responses += 1
     etag = f'"{found.owner_uid}.{found.chunk}.{piece.start}.{piece.end}"'
+    cache = START_URL_CACHE if start_url else IMMUTABLE
     headers = {
         "Content-Type": desc.content_type, P.NEXT_OFFSET: found.next_offset, "ETag": etag,
-        "Cache-Control": IMMUTABLE,
+        "Cache-Control": cache,
     }
     if found.final:
         headers[P.CLOSED] = "true"
@@ -177,7 +181,7 @@ async def serve_sealed(
         headers[P.CURSOR] = P.response_cursor(request.query.get("cursor"))
     inm = request.headers.get("If-None-Match")
     if inm is not None and etag in (t.strip() for t in inm.split(",")):
-        return web.Response(status=304, headers={"ETag": etag, "Cache-Control": IMMUTABLE})
+        return web.Response(status=304, headers={"ETag": etag, "Cache-Control": cache})
     size = piece.obj_end - piece.obj_start
     if json_mode:
         headers["Content-Length"] = str(size + 1 if size else 2)  # '[' + slice - ',' + ']'
