@@ -35,6 +35,29 @@ class Sealed:
     info: ChunkInfo
 
 
+def refresh_tail(txn: lmdb.Transaction, dbs: Dbs, meta: StreamMeta, now: float) -> StreamMeta:
+    """Bring a stored StreamMeta up to date with its records.
+
+    Plain appends do not rewrite the stream's metadata (a record put is the whole write):
+    the tail is where the stream's last record ends, when that is past the stored tail.
+    """
+    cur = txn.cursor(dbs.records)
+    if cur.set_range(record_key(meta.sid + 1, 0)):
+        found = cur.prev()
+    else:
+        found = cur.last()
+    if found:
+        key, value = cur.item()
+        if key[:8] == SID.pack(meta.sid):
+            end = SID.unpack(key[8:16])[0]
+            if end > meta.tail:
+                meta.tail = end
+                meta.tail_chunk = decode_record(key, value).chunk
+    if meta.chunk_opened_at is None and meta.tail > meta.chunk_start:
+        meta.chunk_opened_at = now  # the open chunk has data; its age counts from now
+    return meta
+
+
 def sealed_chunk_at(txn: lmdb.Transaction, dbs: Dbs, meta: StreamMeta, position: int) -> tuple[int, ChunkInfo] | None:
     """The sealed chunk holding `position` (chunk ids and positions rise together)."""
     prefix = SID.pack(meta.sid)

@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 
 import lmdb
 
-from ingester.chain import Sealed, chain_records, is_message_boundary
+from ingester.chain import Sealed, chain_records, is_message_boundary, refresh_tail
 from ingester.records import StreamMeta
 from ingester.wal import WalEnv
 from shared import offsets
@@ -55,7 +55,7 @@ class Reads:
 
     def _meta(self, txn: lmdb.Transaction, path: str) -> StreamMeta | None:
         raw = txn.get(path.encode(), db=self.wal.streams)
-        return StreamMeta.decode(raw) if raw is not None else None
+        return refresh_tail(txn, self.wal, StreamMeta.decode(raw), time.time()) if raw is not None else None
 
     def _visible(self, txn: lmdb.Transaction, path: str) -> StreamMeta:
         meta = self._meta(txn, path)

@@ -69,7 +69,6 @@ class StreamMeta:
     first_chunk: int = 0  # this incarnation's first chunk id (random: see new_first_chunk)
     chunk: int = 0  # chunk that new records go to
     chunk_start: int = 0  # position where that chunk begins
-    chunk_records: int = 0
     chunk_opened_at: float | None = None  # when its first record arrived (age-based sealing)
     ttl: int | None = None
     expires_at: float | None = None
@@ -85,7 +84,6 @@ class StreamMeta:
     fork_sub_offset: int = 0
     refcount: int = 0  # forks reading this stream's data
     soft_deleted: bool = False
-    messages: int = 0
 
     @property
     def tail_offset(self) -> str:
@@ -109,7 +107,10 @@ class StreamMeta:
 
     @staticmethod
     def decode(raw: bytes | memoryview) -> StreamMeta:
-        return StreamMeta(**orjson.loads(raw))
+        fields = orjson.loads(raw)
+        fields.pop("messages", None)  # written by earlier versions
+        fields.pop("chunk_records", None)
+        return StreamMeta(**fields)
 
 
 SEALING: Final = "sealing"
@@ -122,7 +123,7 @@ class ChunkInfo:
 
     start: int
     end: int
-    records: int
+    records: int  # 0 until known (the uploader counts them)
     closed: bool  # the stream was closed at `end` (the stream's final chunk)
     sealed_at: float
     state: str = SEALING

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import lmdb
 
-from ingester.chain import Sealed, chain_records, chunk_at, is_message_boundary, record_at
+from ingester.chain import Sealed, chain_records, chunk_at, is_message_boundary, record_at, refresh_tail
 from ingester.records import (
     FLAG_END_OF_APPEND,
     SEALED,
@@ -164,13 +164,18 @@ class Store:
         if path in self._metas:
             return self._metas[path]
         raw = txn.get(path.encode(), db=self.wal.streams)
-        meta = StreamMeta.decode(raw) if raw is not None else None
+        meta = refresh_tail(txn, self.wal, StreamMeta.decode(raw), self.clock()) if raw is not None else None
         self._metas[path] = meta
         return meta
 
     def _save(self, meta: StreamMeta) -> None:
         self._metas[meta.path] = meta
         self._dirty[meta.path] = meta
+        self._news.changed.add(meta.path)
+
+    def _advanced(self, meta: StreamMeta) -> None:
+        """Only the tail moved: the records say so (see chain.refresh_tail); skip the rewrite."""
+        self._metas[meta.path] = meta
         self._news.changed.add(meta.path)
 
     def _publish(self, meta: StreamMeta | None, path: str) -> None:
@@ -402,8 +407,10 @@ class Store:
         if p is not None and state is not None:
             self._producers[(meta.sid, p.producer_id)] = state
             txn.put(producer_key(meta.sid, p.producer_id), state.encode(), db=self.wal.producers)
+        structural = req.stream_seq is not None or req.close or meta.ttl is not None
         if req.stream_seq is not None:
             meta.stream_seq = req.stream_seq
+        chunk = meta.chunk
         if req.close:
             meta.closed = True
             meta.closed_by = [p.producer_id, p.epoch, p.seq] if p is not None else None
@@ -412,7 +419,10 @@ class Store:
         else:
             self._maybe_roll(txn, meta, now)
         meta.last_access = now
-        self._save(meta)
+        if structural or meta.chunk != chunk:
+            self._save(meta)
+        else:
+            self._advanced(meta)
         return AppendResult(_view(meta), False, p.epoch if p else None, p.seq if p else None)
 
     def _messages(self, content_type: str, body: bytes, split: list[bytes] | None, *, create: bool) -> list[bytes]:
@@ -430,8 +440,6 @@ class Store:
             txn.put(record_key(meta.sid, meta.tail), encode_record(meta.chunk, flags, data), db=self.wal.records)
         if messages:
             meta.tail_chunk = meta.chunk
-            meta.messages += len(messages)
-            meta.chunk_records += len(messages)
             if meta.chunk_opened_at is None:
                 meta.chunk_opened_at = now
                 if self.seal is not None:
@@ -447,12 +455,11 @@ class Store:
         """Close the open chunk (if it holds anything) and queue it for upload."""
         if self.seal is None or meta.tail == meta.chunk_start:
             return
-        info = ChunkInfo(meta.chunk_start, meta.tail, meta.chunk_records, meta.closed, now)
+        info = ChunkInfo(meta.chunk_start, meta.tail, 0, meta.closed, now)
         txn.put(chunk_key(meta.sid, meta.chunk), info.encode(), db=self.wal.chunks)
         self._news.rolled.append(ChunkRef(meta.path, meta.sid, meta.uid, meta.chunk))
         meta.chunk += 1
         meta.chunk_start = meta.tail
-        meta.chunk_records = 0
         meta.chunk_opened_at = None
 
     def _unsealed_bytes(self, txn: lmdb.Transaction) -> int:
@@ -535,7 +542,7 @@ class Store:
         refs: list[ChunkRef] = []
         owners: dict[int, StreamMeta] = {}
         for _key, raw in txn.cursor(db=self.wal.streams):
-            meta = StreamMeta.decode(raw)
+            meta = refresh_tail(txn, self.wal, StreamMeta.decode(raw), self.clock())
             owners[meta.sid] = meta
             if meta.chunk_opened_at is not None and self.seal is not None:
                 heapq.heappush(self._aging, (meta.chunk_opened_at, meta.path))

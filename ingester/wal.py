@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import queue
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future as ConcurrentFuture
 from dataclasses import dataclass
@@ -97,8 +97,8 @@ class GroupCommitter:
         self._on_commit = on_commit
         self._on_durable = on_durable
         self._max_batch = max_batch
-        self._queue: deque[_Pending[Any]] = deque()
-        self._cv = threading.Condition()
+        # SimpleQueue: a C-level put, and the writer wakes only when it has nothing to do.
+        self._queue: queue.SimpleQueue[_Pending[Any] | None] = queue.SimpleQueue()
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="ds3-wal-writer", daemon=True)
         self.batches = 0
@@ -110,41 +110,45 @@ class GroupCommitter:
         self._thread.start()
 
     def stop(self) -> None:
-        with self._cv:
-            self._stopping = True
-            self._cv.notify()
+        self._stopping = True
+        self._queue.put(None)  # wakes the writer; everything queued before it still runs
         self._thread.join(timeout=30)
 
     def submit(self, op: Callable[[lmdb.Transaction], T]) -> asyncio.Future[T]:
+        if self._stopping:
+            raise Unavailable("the ingester is shutting down")
         fut: asyncio.Future[T] = self.loop.create_future()
-        with self._cv:
-            if self._stopping:
-                raise Unavailable("the ingester is shutting down")
-            self._queue.append(_Pending(op, fut))
-            if len(self._queue) == 1:
-                self._cv.notify()
+        self._queue.put(_Pending(op, fut))
         return fut
 
     def run_sync(self, op: Callable[[lmdb.Transaction], T]) -> T:
         """Run one operation from a non-loop thread (startup, tests) and wait for it."""
         fut: ConcurrentFuture[T] = ConcurrentFuture()
-        with self._cv:
-            self._queue.append(_Pending(op, fut))
-            self._cv.notify()
+        self._queue.put(_Pending(op, fut))
         return fut.result()
 
     # --- writer thread ---------------------------------------------------------------
 
     def _run(self) -> None:
         while True:
-            with self._cv:
-                while not self._queue and not self._stopping:
-                    self._cv.wait()
-                if not self._queue and self._stopping:
-                    return
-                n = min(len(self._queue), self._max_batch)
-                batch = [self._queue.popleft() for _ in range(n)]
-            self._run_batch(batch)
+            first = self._queue.get()
+            batch: list[_Pending[Any]] = []
+            stop = first is None
+            if first is not None:
+                batch.append(first)
+            while len(batch) < self._max_batch:
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if item is None:
+                    stop = True
+                    continue
+                batch.append(item)
+            if batch:
+                self._run_batch(batch)
+            if stop and self._queue.empty():
+                return
 
     def _run_batch(self, batch: list[_Pending[Any]]) -> None:
         results: list[tuple[_Pending[Any], Any, bool]] = []
