@@ -14,7 +14,6 @@ from aiohttp import web
 
 from shared.config import ConfigError, GiB, IngesterConfig, MiB, ReaderConfig
 
-SWITCH_INTERVAL_S = 0.0005
 log = logging.getLogger("ds3")
 
 
@@ -99,10 +98,6 @@ def _ingester_config(kw: dict[str, Any]) -> IngesterConfig:
 
 def _run(app: web.Application, host: str, port: int, banner: str) -> None:
     _install_uvloop()
-    # The WAL writer thread needs the GIL back the moment its fsync returns; with the default
-    # 5 ms switch interval a busy event loop keeps it waiting, and every append in the next
-    # group commit waits too.
-    sys.setswitchinterval(SWITCH_INTERVAL_S)
 
     async def on_startup(app: web.Application) -> None:
         log.info("%s listening on http://%s:%d", banner, host, port)
