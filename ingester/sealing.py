@@ -170,8 +170,9 @@ class Sealer:
             uid, path = await self._gc.get()
             while True:
                 try:
-                    await self.objects.delete_prefix(keys.chunk_prefix(uid))
+                    # Descriptor first: once it is gone no reader locates the chunks any more.
                     await self._delete_descriptor_if(path, uid)
+                    await self.objects.delete_prefix(keys.chunk_prefix(uid))
                     await self.committer.submit(partial(self.store.gc_done, uid=uid))
                     backoff.reset()
                     break
@@ -192,6 +193,16 @@ class Sealer:
 
     # --- descriptors -------------------------------------------------------------------------
 
+    async def published(self, path: str, timeout: float) -> bool:
+        """Wait (bounded) until the path's descriptor change has reached the store, so a
+        create or delete is visible to every reader once it is acknowledged."""
+        deadline = asyncio.get_running_loop().time() + timeout
+        while path in self._descriptors:
+            if asyncio.get_running_loop().time() > deadline:
+                return False
+            await asyncio.sleep(0.005)
+        return True
+
     async def _publish_loop(self) -> None:
         backoff = Backoff()
         while True:
@@ -205,8 +216,12 @@ class Sealer:
                             keys.descriptor_key(path), descriptor_of(meta).encode(),
                             content_type="application/json",
                         )
+                    else:  # removed: readers must stop serving it now, not after the GC
+                        with contextlib.suppress(ObjectNotFound):
+                            await self.objects.delete(keys.descriptor_key(path))
                     if self._descriptors.get(path) is meta:
                         del self._descriptors[path]
+                        await self.committer.submit(partial(self.store.published, path=path))
                     backoff.reset()
                 except asyncio.CancelledError:
                     raise

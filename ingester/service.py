@@ -73,6 +73,7 @@ class IngesterService:
             garbage = await self.committer.submit(self.store.load_gc)
             self.sealer.enqueue_chunks(refs)
             self.sealer.enqueue_removed(garbage)
+            self.sealer.enqueue_descriptors(await self.committer.submit(self.store.load_unpublished))
             self.sealer.start()
             log.info("sealing chunks into %s (%d to upload, %d removed streams to clean)",
                      self.config.store, len(refs), len(garbage))
@@ -110,6 +111,7 @@ class IngesterService:
         return self.committer.submit(fn)
 
     async def create(self, req: CreateRequest) -> CreateResult:
+        # No wait for the descriptor: until it is published readers forward to the ingester.
         return await self._submit(lambda txn: self.store.create(txn, req))
 
     async def append(self, req: AppendRequest) -> AppendResult:
@@ -117,6 +119,8 @@ class IngesterService:
 
     async def delete(self, path: str) -> None:
         await self._submit(lambda txn: self.store.delete(txn, path))
+        if self.sealer is not None:  # readers must stop serving it once the DELETE is answered
+            await self.sealer.published(path, 2.0)
 
     # --- reads -------------------------------------------------------------------------
 

@@ -178,9 +178,11 @@ class Store:
         self._metas[meta.path] = meta
         self._news.changed.add(meta.path)
 
-    def _publish(self, meta: StreamMeta | None, path: str) -> None:
-        """The stream's descriptor object must be (re)written: created, closed, deleted."""
+    def _publish(self, txn: lmdb.Transaction, meta: StreamMeta | None, path: str) -> None:
+        """The stream's descriptor object must be (re)written: created, closed, deleted. The
+        need is recorded with the change, so a crash before the publish cannot lose it."""
         if self.seal is not None:
+            txn.put(b"pub:" + path.encode(), b"", db=self.wal.sys)
             self._news.descriptors[path] = meta
 
     def _live(self, txn: lmdb.Transaction, path: str, now: float) -> StreamMeta | None:
@@ -214,7 +216,7 @@ class Store:
         if meta.refcount > 0:
             meta.soft_deleted = True
             self._save(meta)
-            self._publish(meta, meta.path)
+            self._publish(txn, meta, meta.path)
             return
         self._drop_prefix(txn, self.wal.records, SID.pack(meta.sid))
         self._drop_prefix(txn, self.wal.producers, SID.pack(meta.sid))
@@ -223,7 +225,7 @@ class Store:
             # Recorded with the removal itself, so a crash cannot leak the stream's objects.
             txn.put(b"gc:" + meta.uid.encode(), meta.path.encode(), db=self.wal.sys)
             self._news.removed.append((meta.uid, meta.path))
-        self._publish(None, meta.path)
+        self._publish(txn, None, meta.path)
         self._producers = {k: v for k, v in self._producers.items() if k[0] != meta.sid}
         txn.delete(meta.path.encode(), db=self.wal.streams)
         self._metas[meta.path] = None
@@ -283,7 +285,7 @@ class Store:
         else:
             self._maybe_roll(txn, meta, now)
         self._save(meta)
-        self._publish(meta, meta.path)
+        self._publish(txn, meta, meta.path)
         self._track_expiry(meta)
         return CreateResult(True, _view(meta))
 
@@ -415,7 +417,7 @@ class Store:
             meta.closed = True
             meta.closed_by = [p.producer_id, p.epoch, p.seq] if p is not None else None
             self._roll(txn, meta, now)
-            self._publish(meta, meta.path)
+            self._publish(txn, meta, meta.path)
         else:
             self._maybe_roll(txn, meta, now)
         meta.last_access = now
@@ -472,10 +474,13 @@ class Store:
         now = self.clock()
         rolled = 0
         while self._aging and self._aging[0][0] + self.seal.seal_age <= now:
-            opened, path = heapq.heappop(self._aging)
+            _, path = heapq.heappop(self._aging)
             meta = self._load(txn, path)
-            if meta is None or meta.chunk_opened_at is None or meta.chunk_opened_at != opened:
+            if meta is None or meta.chunk_opened_at is None:
                 continue  # rolled or deleted since
+            if meta.chunk_opened_at + self.seal.seal_age > now:  # a younger chunk opened since
+                heapq.heappush(self._aging, (meta.chunk_opened_at, path))
+                continue
             self._roll(txn, meta, now)
             self._save(meta)
             rolled += 1
@@ -537,12 +542,29 @@ class Store:
                 out.append((bytes(key[3:]).decode(), bytes(value).decode()))
         return out
 
+    def published(self, txn: lmdb.Transaction, path: str) -> None:
+        txn.delete(b"pub:" + path.encode(), db=self.wal.sys)
+
+    def load_unpublished(self, txn: lmdb.Transaction) -> dict[str, StreamMeta | None]:
+        """At start: descriptors whose change was committed but maybe not published (a crash
+        came between the two); publishing again is idempotent."""
+        out: dict[str, StreamMeta | None] = {}
+        cur = txn.cursor(self.wal.sys)
+        if cur.set_range(b"pub:"):
+            for key, _value in cur:
+                if not bytes(key).startswith(b"pub:"):
+                    break
+                path = bytes(key[4:]).decode()
+                out[path] = self._load(txn, path)
+        return out
+
     def load_sealing_index(self, txn: lmdb.Transaction) -> list[ChunkRef]:
         """At start: chunks rolled but not confirmed (to upload again); open chunks' ages."""
         refs: list[ChunkRef] = []
         owners: dict[int, StreamMeta] = {}
-        for _key, raw in txn.cursor(db=self.wal.streams):
-            meta = refresh_tail(txn, self.wal, StreamMeta.decode(raw), self.clock())
+        for key, _raw in txn.cursor(db=self.wal.streams):
+            meta = self._load(txn, bytes(key).decode())
+            assert meta is not None
             owners[meta.sid] = meta
             if meta.chunk_opened_at is not None and self.seal is not None:
                 heapq.heappush(self._aging, (meta.chunk_opened_at, meta.path))

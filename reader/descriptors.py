@@ -26,11 +26,12 @@ class DescriptorCache:
         self.hits = 0
         self.misses = 0
 
-    async def get(self, path: str) -> Descriptor | None:
-        """The stream's descriptor, or None when the store has none (unknown, or deleted)."""
+    async def get(self, path: str, max_age: float | None = None) -> Descriptor | None:
+        """The stream's descriptor, or None when the store has none (unknown, or deleted).
+        max_age: trust a cached entry only this young (default: the cache's ttl)."""
         now = time.monotonic()
         hit = self._entries.get(path)
-        if hit is not None and now - hit[0] < self.ttl:
+        if hit is not None and now - hit[0] < (self.ttl if max_age is None else max_age):
             self.hits += 1
             return hit[1]
         pending = self._inflight.get(path)

@@ -83,7 +83,9 @@ async def handle_get(request: web.Request, st: ReaderState, path: str) -> web.St
     if given is None or isinstance(given, offsets.Offset) or given == offsets.START:
         start = given if isinstance(given, offsets.Offset) else offsets.ZERO
         try:
-            desc = await st.descriptors.get(path)
+            # The start URL outlives a delete and re-create of the path: check which stream it is.
+            fresh = 0.0 if not isinstance(given, offsets.Offset) else None
+            desc = await st.descriptors.get(path, max_age=fresh)
             if desc is not None and _servable(desc):
                 found = await st.locator.find(desc, start)
                 if found is not None:
@@ -91,6 +93,8 @@ async def handle_get(request: web.Request, st: ReaderState, path: str) -> web.St
                         await renew(st, path)
                     return await serve_sealed(request, st, found, live, start_url=not isinstance(given, offsets.Offset))
         except (ObjectStoreError, Unavailable) as e:
+            if request.get("ds3_prepared"):
+                raise  # headers are out: a second response is impossible, drop the connection
             log.warning("object store read failed for %s (%s); asking the ingester", path, e)
     st.forwarded += 1
     try:
@@ -189,6 +193,7 @@ async def serve_sealed(
         headers["Content-Length"] = str(size)
     resp = web.StreamResponse(status=200, headers=headers)
     await resp.prepare(request)
+    request["ds3_prepared"] = True
     if request.method == "HEAD":
         return resp
     if json_mode:
