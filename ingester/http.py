@@ -253,10 +253,12 @@ async def stream_sse(
                     payload = jsonmode.render_stored(b"".join(res.messages)).decode("utf-8", "replace")
                 else:
                     payload = b"".join(res.messages).decode("utf-8", "replace")
-                await resp.write(sse.data_event(payload))
                 told_up_to_date = res.up_to_date
+                # One write: a data event and its control event travel together, so a client
+                # never sees the data without the control that says where it ends.
                 await resp.write(
-                    sse.control_event(
+                    sse.data_event(payload)
+                    + sse.control_event(
                         res.next_offset, cursor=P.response_cursor(cursor),
                         up_to_date=res.up_to_date, closed=res.closed_at_end,
                     )

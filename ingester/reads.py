@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 
 import lmdb
 
-from ingester.chain import Sealed, chain_records, is_message_boundary, refresh_tail
+from ingester.chain import Sealed, chain_records, is_message_boundary, record_at, refresh_tail
 from ingester.records import StreamMeta
 from ingester.wal import WalEnv
 from shared import offsets
@@ -70,6 +70,15 @@ class Reads:
         return meta
 
     # --- synchronous bodies (pool threads) ---------------------------------------------
+
+    def sealed_at(self, path: str, position: int) -> tuple[Sealed, bool] | None:
+        """The sealed chunk holding `position` of `path`'s stream (and whether it is JSON)."""
+        with self.wal.env.begin(buffers=False) as txn:
+            meta = self._meta(txn, path)
+            if meta is None or position >= meta.tail:
+                return None
+            rec = record_at(txn, self.wal, meta, lambda p: self._meta(txn, p), position)
+            return (rec, is_json(meta.content_type)) if isinstance(rec, Sealed) else None
 
     def head_sync(self, path: str) -> StreamMeta:
         with self.wal.env.begin(buffers=False) as txn:

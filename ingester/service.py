@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -13,7 +14,7 @@ import lmdb
 
 from ingester.live import Notifier
 from ingester.reads import ReadResult, Reads
-from ingester.records import StreamMeta
+from ingester.records import FLAG_END_OF_APPEND, StreamMeta
 from ingester.sealing import Sealer
 from ingester.store import (
     AppendRequest,
@@ -111,8 +112,48 @@ class IngesterService:
         return self.committer.submit(fn)
 
     async def create(self, req: CreateRequest) -> CreateResult:
-        # No wait for the descriptor: until it is published readers forward to the ingester.
-        return await self._submit(lambda txn: self.store.create(txn, req))
+        if req.fork_from is not None and req.fork_sub_offset and req.fork_offset is not None:
+            resolved = await self._sealed_sub_offset(req.fork_from, req.fork_offset, req.fork_sub_offset)
+            if resolved is not None:
+                req = dataclasses.replace(req, fork_sub_position=resolved)
+        result = await self._submit(lambda txn: self.store.create(txn, req))
+        if result.created and self.sealer is not None:
+            # The path may have held an earlier stream (deleted, or expired just now): readers
+            # must see the new descriptor before anyone can read the new stream through them.
+            await self.sealer.published(req.path, 2.0)
+        return result
+
+    async def _sealed_sub_offset(self, source_path: str, fork_offset: str, sub: int) -> int | None:
+        """A fork sub-offset into a sealed chunk of the source: resolve it with the chunk's
+        index (N bytes of the append there, or N of its JSON messages). None: not sealed."""
+        if self.chunk_reader is None:
+            return None
+        try:
+            position = offsets.parse(fork_offset).position
+        except offsets.OffsetSyntaxError:
+            return None  # the writer answers 400
+        found = await self.reads.run(self.reads.sealed_at, source_path, position)
+        if found is None:
+            return None
+        sealed, json_stream = found
+        head = await self.chunk_reader.head(sealed.uid, sealed.chunk)
+        if position >= head.header.end:
+            return None
+        first = head.record_at(position)
+        if not json_stream:
+            if sub > first.end - position:
+                raise BadRequest("invalid Stream-Fork-Sub-Offset: larger than the append at that offset")
+            return position + sub
+        count = 0
+        for span in head.spans():
+            if span.end <= position:
+                continue
+            count += 1
+            if count == sub:
+                return span.end
+            if span.flags & FLAG_END_OF_APPEND:
+                break
+        raise BadRequest("invalid Stream-Fork-Sub-Offset: more messages than the append at that offset")
 
     async def append(self, req: AppendRequest) -> AppendResult:
         return await self._submit(lambda txn: self.store.append(txn, req))

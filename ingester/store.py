@@ -63,6 +63,9 @@ class CreateRequest:
     fork_from: str | None = None
     fork_offset: str | None = None
     fork_sub_offset: int | None = None
+    # The sub-offset already resolved against a sealed chunk's index (see service.create):
+    # the writer cannot read the object store, and sealed data never changes.
+    fork_sub_position: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -317,7 +320,12 @@ class Store:
         if sub > 0:
             if req.fork_offset is None:
                 raise BadRequest("Stream-Fork-Sub-Offset > 0 requires Stream-Fork-Offset")
-            position = self._resolve_sub_offset(txn, source, position, sub)
+            if req.fork_sub_position is not None:
+                if not position < req.fork_sub_position <= source.tail:
+                    raise BadRequest("invalid Stream-Fork-Sub-Offset")
+                position = req.fork_sub_position
+            else:
+                position = self._resolve_sub_offset(txn, source, position, sub)
         if req.ttl is None and req.expires_at is None:
             meta.ttl, meta.expires_at, meta.expires_at_text = source.ttl, source.expires_at, source.expires_at_text
         meta.fork_source = source.path

@@ -247,9 +247,8 @@ class SseHub:
             if sub not in channel.subscribers:
                 # catch up with reads until this client meets the channel, then attach
                 page = await self.read_page(path, sub.offset)
-                if page.body and page.body != b"[]":
-                    await resp.write(sse.data_event(_payload(page, binary)))
-                await resp.write(self._control(sub, page.next_offset, page.up_to_date, page.closed))
+                data = sse.data_event(_payload(page, binary)) if page.body and page.body != b"[]" else b""
+                await resp.write(data + self._control(sub, page.next_offset, page.up_to_date, page.closed))
                 sub.offset = page.next_offset
                 if page.closed:
                     return
@@ -271,9 +270,8 @@ class SseHub:
             if ev.before != sub.offset and ev.after > sub.offset:
                 channel.subscribers.discard(sub)  # a gap: read it instead
                 continue
-            if ev.data is not None:
-                await resp.write(ev.data)
-            await resp.write(self._control(sub, ev.after, bool(ev.control.get("upToDate")), ev.closed))
+            control = self._control(sub, ev.after, bool(ev.control.get("upToDate")), ev.closed)
+            await resp.write((ev.data or b"") + control)  # data and its control in one write
             sub.offset = ev.after
             if ev.closed:
                 return
