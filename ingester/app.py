@@ -6,6 +6,7 @@ from collections.abc import AsyncIterator
 
 from aiohttp import web
 
+from ingester import bucket_http
 from ingester.http import SERVICE, add_routes
 from ingester.service import IngesterService
 from shared.config import IngesterConfig
@@ -25,4 +26,5 @@ def create_app(config: IngesterConfig) -> web.Application:
     app.cleanup_ctx.append(service_ctx)
     app.on_response_prepare.append(common_headers)
     add_routes(app)
+    bucket_http.add_routes(app)
     return app

@@ -15,6 +15,7 @@ from ingester.service import IngesterService
 from ingester.store import AppendRequest, AppendResult, CreateRequest
 from shared import jsonmode, offsets, sse
 from shared import protocol as P
+from shared.buckets import fork_source_path
 from shared.errors import BadRequest, Gone, NotFound
 from shared.web import live_mode, method_not_allowed, preflight, read_body, start_offset, stream_path
 
@@ -61,10 +62,8 @@ async def handle_put(request: web.Request, svc: IngesterService, path: str) -> w
     fork_from = h.get(P.FORKED_FROM)
     fork_offset = h.get(P.FORK_OFFSET)
     sub_text = h.get(P.FORK_SUB_OFFSET)
-    if fork_from is not None:
-        if not fork_from.startswith(P.STREAM_PREFIX):
-            raise BadRequest(f"Stream-Forked-From must be a stream path starting with {P.STREAM_PREFIX}")
-        fork_from = P.validate_stream_path(fork_from[len(P.STREAM_PREFIX) :], svc.config.max_path_bytes)
+    if fork_from is not None:  # a plain stream path, or a bucketed stream's URL path
+        fork_from = fork_source_path(fork_from, svc.config.max_path_bytes)
     elif fork_offset is not None or sub_text is not None:
         raise BadRequest("Stream-Fork-Offset and Stream-Fork-Sub-Offset require Stream-Forked-From")
     if fork_offset is not None:

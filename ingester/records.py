@@ -7,6 +7,7 @@ Named databases in one environment (`<data-dir>/wal`):
     producers  key: sid u64 BE | producer id (UTF-8)    value: [epoch, last_seq, updated_at] JSON
     chunks     key: sid u64 BE | chunk id u64 BE        value: ChunkInfo as JSON (the manifest)
     sys        key: b"next_sid"                         value: u64 BE
+    buckets    key: bucket id (ASCII)                   value: BucketMeta as JSON (ingester/buckets.py)
 
 One record is one message: one append of a byte stream, or one element of a JSON append.
 Its key holds the stream position just after its last byte, so `set_range(sid, p + 1)`
@@ -84,6 +85,9 @@ class StreamMeta:
     fork_sub_offset: int = 0
     refcount: int = 0  # forks reading this stream's data
     soft_deleted: bool = False
+    # Last append with data, as of the last metadata write (plain appends do not rewrite the
+    # metadata: the writer keeps newer times in memory, see Store.last_writes). None: never.
+    last_write_at: float | None = None
 
     @property
     def tail_offset(self) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -24,6 +25,7 @@ from ingester.store import (
     CreateResult,
     SealPolicy,
     Store,
+    SubOffsetSealed,
 )
 from ingester.wal import GroupCommitter, WalEnv
 from shared import offsets
@@ -94,6 +96,7 @@ class IngesterService:
         if self._committer is not None:
             with contextlib.suppress(Exception):
                 await self.committer.submit(self.store.fold_touches)
+                await self.committer.submit(self.store.fold_last_writes)
             await asyncio.get_running_loop().run_in_executor(None, self.committer.stop)
         self.reads.close()
         self.wal.close()
@@ -112,11 +115,19 @@ class IngesterService:
         return self.committer.submit(fn)
 
     async def create(self, req: CreateRequest) -> CreateResult:
-        if req.fork_from is not None and req.fork_sub_offset and req.fork_offset is not None:
-            resolved = await self._sealed_sub_offset(req.fork_from, req.fork_offset, req.fork_sub_offset)
-            if resolved is not None:
-                req = dataclasses.replace(req, fork_sub_position=resolved)
-        result = await self._submit(lambda txn: self.store.create(txn, req))
+        for attempt in range(3):
+            if req.fork_from is not None and req.fork_sub_offset and req.fork_offset is not None:
+                resolved = await self._sealed_sub_offset(req.fork_from, req.fork_offset, req.fork_sub_offset)
+                if resolved is not None:
+                    req = dataclasses.replace(req, fork_sub_position=resolved)
+            try:
+                result = await self._submit(functools.partial(self.store.create, req=req))
+                break
+            except SubOffsetSealed:
+                if attempt == 2:
+                    raise
+        else:  # pragma: no cover - the loop breaks or raises
+            raise AssertionError("unreachable")
         if result.created and self.sealer is not None:
             # The path may have held an earlier stream (deleted, or expired just now): readers
             # must see the new descriptor before anyone can read the new stream through them.

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import lmdb
 
+from ingester.buckets import Buckets
 from ingester.chain import Sealed, chain_records, chunk_at, is_message_boundary, record_at, refresh_tail
 from ingester.records import (
     FLAG_END_OF_APPEND,
@@ -49,6 +50,11 @@ from shared.errors import (
 from shared.protocol import DEFAULT_CONTENT_TYPE, ProducerHeaders, is_json, media_type
 
 PRODUCER_STATE_TTL_S = 7 * 24 * 3600
+
+
+class SubOffsetSealed(BadRequest):
+    """The chunk a fork sub-offset points into was sealed between the service resolving it
+    against the WAL and the writer applying it: resolve it again, with the chunk's index."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,6 +143,10 @@ class Store:
         self.seal = seal
         # Reads record TTL renewals here (from the event loop); the writer folds them in.
         self.touches: dict[str, float] = {}
+        # Last append time per stream, newer than its stored metadata says (plain appends do
+        # not rewrite it): read by bucket listings, persisted when the metadata is written.
+        self.last_writes: dict[str, float] = {}
+        self.buckets = Buckets(wal)
         self._metas: dict[str, StreamMeta | None] = {}
         self._producers: dict[tuple[int, str], ProducerState | None] = {}
         self._dirty: dict[str, StreamMeta] = {}
@@ -217,6 +227,7 @@ class Store:
     def _remove(self, txn: lmdb.Transaction, meta: StreamMeta) -> None:
         """Delete a stream; if forks still read it, keep its data (soft delete, 410)."""
         if meta.refcount > 0:
+            self.buckets.stream_soft_deleted(txn, meta.path)
             meta.soft_deleted = True
             self._save(meta)
             self._publish(txn, meta, meta.path)
@@ -229,6 +240,8 @@ class Store:
             txn.put(b"gc:" + meta.uid.encode(), meta.path.encode(), db=self.wal.sys)
             self._news.removed.append((meta.uid, meta.path))
         self._publish(txn, None, meta.path)
+        self.buckets.stream_removed(txn, meta.path, meta.soft_deleted)
+        self.last_writes.pop(meta.path, None)
         self._producers = {k: v for k, v in self._producers.items() if k[0] != meta.sid}
         txn.delete(meta.path.encode(), db=self.wal.streams)
         self._metas[meta.path] = None
@@ -255,6 +268,7 @@ class Store:
 
     def create(self, txn: lmdb.Transaction, req: CreateRequest) -> CreateResult:
         now = self.clock()
+        self.buckets.require(txn, req.path)
         existing = self._live(txn, req.path, now)
         if existing is not None:
             if existing.soft_deleted:
@@ -288,6 +302,7 @@ class Store:
         else:
             self._maybe_roll(txn, meta, now)
         self._save(meta)
+        self.buckets.stream_added(txn, meta.path)
         self._publish(txn, meta, meta.path)
         self._track_expiry(meta)
         return CreateResult(True, _view(meta))
@@ -348,14 +363,14 @@ class Store:
         if first is None:
             raise BadRequest("invalid Stream-Fork-Sub-Offset: the source has no message at that offset")
         if isinstance(first, Sealed):
-            raise BadRequest("Stream-Fork-Sub-Offset into sealed history is not supported; fork at a message offset")
+            raise SubOffsetSealed("the fork sub-offset lies in a chunk sealed since it was resolved")
         if not is_json(source.content_type):
             if sub > first.end - position:
                 raise BadRequest("invalid Stream-Fork-Sub-Offset: larger than the append at that offset")
             return position + sub
         for count, rec in enumerate(chain_records(txn, self.wal, source, lookup, position, source.tail), 1):
             if isinstance(rec, Sealed):
-                raise BadRequest("Stream-Fork-Sub-Offset into sealed history is not supported")
+                raise SubOffsetSealed("the fork sub-offset lies in a chunk sealed since it was resolved")
             if count == sub:
                 return rec.end
             if rec.flags & FLAG_END_OF_APPEND:
@@ -450,6 +465,7 @@ class Store:
             txn.put(record_key(meta.sid, meta.tail), encode_record(meta.chunk, flags, data), db=self.wal.records)
         if messages:
             meta.tail_chunk = meta.chunk
+            meta.last_write_at = self.last_writes[meta.path] = now
             if meta.chunk_opened_at is None:
                 meta.chunk_opened_at = now
                 if self.seal is not None:
@@ -620,6 +636,21 @@ class Store:
         self._remove(txn, meta)
 
     # --- housekeeping ------------------------------------------------------------------
+
+    def expire_due(self, txn: lmdb.Transaction, path: str) -> StreamMeta | None:
+        """The stream at `path` after removing it if its time is up (a bucket delete)."""
+        return self._live(txn, path, self.clock())
+
+    def fold_last_writes(self, txn: lmdb.Transaction) -> int:
+        """At shutdown: persist the last-append times plain appends kept in memory only."""
+        n = 0
+        for path, t in list(self.last_writes.items()):
+            meta = self._load(txn, path)  # the cached meta has the time; the stored one may not
+            if meta is not None:
+                meta.last_write_at = max(meta.last_write_at or 0.0, t)
+                self._dirty[path] = meta
+                n += 1
+        return n
 
     def fold_touches(self, txn: lmdb.Transaction) -> int:
         """Persist TTL renewals that reads recorded, so they survive a restart."""

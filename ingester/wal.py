@@ -33,7 +33,7 @@ class WalEnv:
     def __init__(self, path: Path, map_size: int) -> None:
         path.mkdir(parents=True, exist_ok=True)
         self.env = lmdb.open(
-            str(path), map_size=map_size, max_dbs=8, sync=True, metasync=True,
+            str(path), map_size=map_size, max_dbs=16, sync=True, metasync=True,
             max_readers=512, readahead=False, lock=True,
         )
         self.streams = self.env.open_db(b"streams")
@@ -41,6 +41,7 @@ class WalEnv:
         self.producers = self.env.open_db(b"producers")
         self.chunks = self.env.open_db(b"chunks")
         self.sys = self.env.open_db(b"sys")
+        self.buckets = self.env.open_db(b"buckets")
 
     def close(self) -> None:
         self.env.close()

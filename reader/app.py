@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 import aiohttp
 from aiohttp import web
 
+from reader import bucket_http
 from reader.descriptors import DescriptorCache
 from reader.fanout import Page, SseHub
 from reader.http import READER, ReaderState, add_routes, read_page
@@ -50,4 +51,5 @@ def create_app(config: ReaderConfig) -> web.Application:
     app.cleanup_ctx.append(clients_ctx)
     app.on_response_prepare.append(common_headers)
     add_routes(app)
+    bucket_http.add_routes(app)
     return app

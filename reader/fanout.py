@@ -24,9 +24,10 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from reader.proxy import SKIP_AUTO, IngesterClient
+from reader.proxy import SKIP_AUTO, IngesterClient, upstream_url
 from shared import protocol as P
 from shared import sse
+from shared.buckets import url_path
 from shared.errors import Unavailable
 
 log = logging.getLogger("ds3.reader.sse")
@@ -131,10 +132,10 @@ class Channel:
     async def _follow(self) -> bool:
         """One upstream connection; True when the stream closed."""
         client = self.hub.ingester
-        url = f"{client.base}{P.STREAM_PREFIX}{_quote(self.path)}?live=sse&offset={self.offset}"
+        url = f"{client.base}{url_path(self.path)}?live=sse&offset={self.offset}"
         client.requests += 1
         async with client.session.get(
-            url, skip_auto_headers=SKIP_AUTO,
+            upstream_url(url), skip_auto_headers=SKIP_AUTO,
             timeout=aiohttp.ClientTimeout(total=None, connect=5, sock_read=self.hub.idle_timeout),
         ) as up:
             if up.status != 200:
@@ -166,12 +167,6 @@ class Channel:
                 if not self.subscribers:
                     return False
         return False
-
-
-def _quote(path: str) -> str:
-    from urllib.parse import quote
-
-    return quote(path, safe="/")
 
 
 def _parse_block(block: bytes) -> tuple[str, bytes]:

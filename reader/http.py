@@ -7,7 +7,7 @@ import logging
 import time
 from dataclasses import dataclass
 from typing import Final
-from urllib.parse import quote, urlencode
+from urllib.parse import urlencode
 
 from aiohttp import web
 
@@ -17,6 +17,7 @@ from reader.proxy import IngesterClient, to_response
 from reader.sealed import SealedLocator, SealedRead
 from shared import jsonmode, offsets
 from shared import protocol as P
+from shared.buckets import url_path
 from shared.chunkstore import ChunkReader
 from shared.config import ReaderConfig
 from shared.descriptor import Descriptor
@@ -127,7 +128,7 @@ async def read_page(st: ReaderState, path: str, offset: str) -> Page:
                     return Page(desc.content_type, body, found.next_offset, found.final, found.final)
         except (ObjectStoreError, Unavailable) as e:
             log.warning("object store read failed for %s (%s); asking the ingester", path, e)
-    qs = f"{P.STREAM_PREFIX}{quote(path, safe='/')}?" + urlencode({"offset": offset})
+    qs = f"{url_path(path)}?" + urlencode({"offset": offset})
     st.forwarded += 1
     up = await st.ingester.get_collapsed(qs, {})
     if up.status == 404:

@@ -14,6 +14,7 @@ from typing import Final
 import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict
+from yarl import URL
 
 from shared.errors import Unavailable
 
@@ -40,6 +41,12 @@ class Upstream:
     body: bytes
 
 
+def upstream_url(url: str) -> URL | str:
+    """The client's (already encoded) target goes on unchanged: parsed as unencoded, it would
+    lose dot segments (a bucketed stream may be called '.') and have escapes rewritten."""
+    return URL(url, encoded=True) if url.isascii() else url
+
+
 class IngesterClient:
     def __init__(self, base_url: str, session: aiohttp.ClientSession, long_poll_timeout: float) -> None:
         self.base = base_url.rstrip("/")
@@ -57,7 +64,7 @@ class IngesterClient:
         self.requests += 1
         try:
             async with self.session.request(
-                method, self.base + path_qs, headers=headers, data=body, allow_redirects=False,
+                method, upstream_url(self.base + path_qs), headers=headers, data=body, allow_redirects=False,
                 timeout=self._timeout, skip_auto_headers=SKIP_AUTO,
             ) as up:
                 data = await up.read()

@@ -11,7 +11,7 @@ from urllib.parse import unquote
 
 from aiohttp import web
 
-from shared import offsets
+from shared import buckets, offsets
 from shared import protocol as P
 from shared.errors import (
     BadRequest,
@@ -109,6 +109,8 @@ def method_not_allowed(method: str) -> web.Response:
 def stream_path(request: web.Request, max_bytes: int) -> str:
     """The stream path from the raw URL (not normalized: '..' is rejected, not resolved)."""
     raw = request.raw_path.split("?", 1)[0]
+    if raw.startswith(buckets.BUCKETS_PREFIX):  # a bucketed stream: its internal path
+        return buckets.stream_path_from_url(raw)
     if not raw.startswith(P.STREAM_PREFIX):
         raise NotFound("not a stream URL")
     try:

@@ -1,0 +1,124 @@
+"""HTTP surface of buckets on the ingester (extensions §1), beside /v1/stream/{path}:
+
+    PUT    /v1/buckets/{bucket_id}            201 created; 409 exists; 400 invalid id
+    GET    /v1/buckets/{bucket_id}            200 {"bucket_id", "streams", ...}; 404
+    DELETE /v1/buckets/{bucket_id}            204; 409 not empty; 404
+    GET    /v1/buckets/{bucket_id}/streams    the listing (?prefix=&after=&limit=)
+    *      /v1/buckets/{bucket_id}/{stream}   every stream operation (ingester.http)
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+from urllib.parse import parse_qsl
+
+import lmdb
+import orjson
+from aiohttp import web
+
+from ingester import buckets
+from ingester.http import SERVICE, handle_stream
+from ingester.service import IngesterService
+from shared import buckets as B
+from shared.errors import BadRequest, NotFound
+from shared.web import method_not_allowed, preflight
+
+DEFAULT_LIMIT = 1000
+MAX_LIMIT = 1000
+
+
+def json_response(status: int, body: dict[str, Any], headers: dict[str, str] | None = None) -> web.Response:
+    return web.Response(
+        status=status, body=orjson.dumps(body), content_type="application/json",
+        headers={"Cache-Control": "no-store", **(headers or {})},
+    )
+
+
+async def handle(request: web.Request) -> web.StreamResponse:
+    svc = request.app[SERVICE]
+    if request.method == "OPTIONS":
+        return preflight()
+    bucket_id, stream_id = B.parse_url(request.raw_path.split("?", 1)[0])
+    if stream_id is None:
+        return await handle_bucket(request, svc, bucket_id)
+    if stream_id == B.RESERVED_STREAM_ID and request.method == "GET":
+        return await handle_listing(request, svc, bucket_id)
+    try:
+        return await handle_stream(request)
+    except NotFound:
+        if await svc.reads.run(_bucket_sync, svc, bucket_id) is None:
+            raise NotFound(f"bucket {bucket_id!r} not found") from None
+        raise
+
+
+def _bucket_sync(svc: IngesterService, bucket_id: str) -> buckets.BucketMeta | None:
+    with svc.wal.env.begin(buffers=False) as txn:
+        return buckets.get(txn, svc.wal, bucket_id)
+
+
+async def handle_bucket(request: web.Request, svc: IngesterService, bucket_id: str) -> web.Response:
+    method = request.method
+    if method == "PUT":
+        meta = await svc.committer.submit(lambda txn: svc.store.buckets.create(txn, bucket_id, time.time()))
+        return json_response(201, meta.describe(bucket_id), {"Location": str(request.url.with_query(None))})
+    if method in ("GET", "HEAD"):
+        found = await svc.reads.run(_bucket_sync, svc, bucket_id)
+        if found is None:
+            raise NotFound(f"bucket {bucket_id!r} not found")
+        return json_response(200, found.describe(bucket_id))
+    if method == "DELETE":
+
+        def delete(txn: lmdb.Transaction) -> None:
+            svc.store.buckets.delete(txn, bucket_id, lambda path: svc.store.expire_due(txn, path))
+
+        await svc.committer.submit(delete)
+        return web.Response(status=204)
+    return method_not_allowed(method)
+
+
+def _query(request: web.Request) -> dict[str, list[str]]:
+    """The raw query string decoded strictly (aiohttp's decoding replaces invalid UTF-8)."""
+    raw = request.raw_path.partition("?")[2]
+    try:
+        pairs = parse_qsl(raw, keep_blank_values=True, errors="strict")
+    except UnicodeDecodeError as e:
+        raise BadRequest("query parameters are not valid UTF-8") from e
+    out: dict[str, list[str]] = {}
+    for k, v in pairs:
+        out.setdefault(k, []).append(v)
+    return out
+
+
+def _one(query: dict[str, list[str]], name: str) -> str | None:
+    values = query.get(name, [])
+    if len(values) > 1:
+        raise BadRequest(f"send one {name} parameter, not several")
+    return values[0] if values else None
+
+
+def parse_limit(text: str | None) -> int:
+    if text is None:
+        return DEFAULT_LIMIT
+    if not text.isascii() or not text.isdigit() or len(text) > 6 or not 1 <= int(text) <= MAX_LIMIT:
+        raise BadRequest(f"invalid limit {text[:40]!r}: must be an integer from 1 to {MAX_LIMIT}")
+    return int(text)
+
+
+async def handle_listing(request: web.Request, svc: IngesterService, bucket_id: str) -> web.Response:
+    query = _query(request)
+    prefix, after = _one(query, "prefix"), _one(query, "after")
+    limit = parse_limit(_one(query, "limit"))
+
+    def page() -> dict[str, Any]:
+        with svc.wal.env.begin(buffers=False) as txn:
+            return buckets.list_streams(
+                txn, svc.wal, bucket_id, prefix=prefix, after=after, limit=limit, now=time.time(),
+                touches=svc.store.touches, last_writes=svc.store.last_writes,
+            )
+
+    return json_response(200, await svc.reads.run(page))
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_route("*", r"/v1/buckets/{rest:[\s\S]*}", handle)
