@@ -39,10 +39,6 @@ class ReadResult:
     def closed_at_end(self) -> bool:
         return self.meta.closed and self.end >= self.meta.tail
 
-    @property
-    def size(self) -> int:
-        return sum(len(m) for m in self.messages)
-
 
 class Reads:
     def __init__(self, wal: WalEnv, touches: dict[str, float], threads: int = 4) -> None:

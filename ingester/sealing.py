@@ -109,12 +109,6 @@ class Sealer:
             with contextlib.suppress(asyncio.CancelledError):
                 await t
 
-    async def drain(self, timeout: float = 30.0) -> None:
-        """Wait until every queued upload is done (tests, shutdown)."""
-        async with asyncio.timeout(timeout):
-            while self.backlog:
-                await asyncio.sleep(0.02)
-
     # --- uploads -------------------------------------------------------------------------
 
     async def upload(self, ref: ChunkRef) -> bool:

@@ -12,7 +12,6 @@ import asyncio
 import logging
 import queue
 import threading
-import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future as ConcurrentFuture
 from dataclasses import dataclass
@@ -105,7 +104,6 @@ class GroupCommitter:
         self.batches = 0
         self.ops = 0
         self.last_batch_size = 0
-        self.commit_seconds = 0.0
 
     def start(self) -> None:
         self._thread.start()
@@ -158,7 +156,6 @@ class GroupCommitter:
         while todo:
             failed_at: int | None = None
             outcome: list[tuple[_Pending[Any], Any, bool]] = []
-            t0 = time.perf_counter()
             try:
                 with self.wal.env.begin(write=True) as txn:
                     for i, p in enumerate(todo):
@@ -173,7 +170,6 @@ class GroupCommitter:
                             raise _AbortBatch from e
                     changed = self._on_commit(txn)
                 # the `with` committed: durable now
-                self.commit_seconds += time.perf_counter() - t0
                 results.extend(outcome)
                 todo = []
             except _AbortBatch:
