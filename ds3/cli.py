@@ -12,7 +12,16 @@ from typing import Any, TypeVar
 import click
 from aiohttp import web
 
-from shared.config import ConfigError, GiB, IngesterConfig, MiB, ReaderConfig
+from shared.config import (
+    PRIVATE_NETWORKS,
+    AuthConfig,
+    ConfigError,
+    GiB,
+    IngesterConfig,
+    LimitsConfig,
+    MiB,
+    ReaderConfig,
+)
 
 log = logging.getLogger("ds3")
 
@@ -58,6 +67,8 @@ def _server_options(f: FC) -> FC:
              help="Largest request body (413 above)."),
         _opt("--max-path-bytes", env="DS3_MAX_PATH_BYTES", type=int, default=480,
              help="Longest stream path in bytes (400 above)."),
+        _opt("--max-snapshot-bytes", env="DS3_MAX_SNAPSHOT_BYTES", type=int, default=64 * MiB,
+             help="Largest snapshot a PUT {stream}/snapshot/{offset} may publish (413 above)."),
         _opt("--s3-endpoint", env="DS3_S3_ENDPOINT", default=None,
              help="S3 endpoint URL (MinIO, moto). Default: AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL, else AWS."),
         _opt("--log-level", env="DS3_LOG_LEVEL", default="info",
@@ -88,25 +99,94 @@ def _ingester_options(f: FC) -> FC:
     ])
 
 
-def _ingester_config(kw: dict[str, Any]) -> IngesterConfig:
-    names = set(IngesterConfig.names())
+def _access_options(f: FC) -> FC:
+    """Access control and per-client limits (README "Deploying with auth"), both processes."""
+    secret = " Prefer the environment variable: command lines are visible to other local users."
+    return _apply(f, [
+        _opt("--tokens-file", env="DS3_TOKENS_FILE", type=click.Path(path_type=Path), default=None,
+             help='Static bearer tokens: a JSON list of {"token", "sub", "read": [grants], "write": [grants]}.'),
+        _opt("--tokens", env="DS3_TOKENS", default=None, help="The same JSON list, inline." + secret),
+        _opt("--jwt-secret", env="DS3_JWT_SECRET", default=None,
+             help="Accept HS256 JWTs signed with this secret (at least 32 bytes)." + secret),
+        _opt("--jwks-file", env="DS3_JWKS_FILE", type=click.Path(path_type=Path), default=None,
+             help="Accept RS256/ES256 JWTs signed by a key in this JWK Set file."),
+        _opt("--jwks-url", env="DS3_JWKS_URL", default=None,
+             help="Accept RS256/ES256 JWTs signed by a key from this JWKS URL (cached)."),
+        _opt("--jwt-issuer", env="DS3_JWT_ISSUER", default=None, help="Required `iss` of JWTs."),
+        _opt("--jwt-audience", env="DS3_JWT_AUDIENCE", default=None, help="Required `aud` of JWTs."),
+        _opt("--jwt-leeway", env="DS3_JWT_LEEWAY", type=float, default=30.0,
+             help="Seconds of clock skew allowed on exp/nbf."),
+        _opt("--jwks-cache-seconds", env="DS3_JWKS_CACHE_SECONDS", type=float, default=300.0,
+             help="How long keys fetched from --jwks-url are used before they are fetched again."),
+        _opt("--private", env="DS3_PRIVATE", multiple=True,
+             help="Reads of these need a token with read scope: stream:<prefix>, bucket:<id>[/<prefix>] or *. "
+                  "Repeat it (the variable: separated by spaces)."),
+        _opt("--internal-token", env="DS3_INTERNAL_TOKEN", default=None,
+             help="Shared by the ingester and its readers: readers send it to read private streams, call "
+                  "/_ds3/ and be exempt from the ingester's per-client limits." + secret),
+        _opt("--write-rate", env="DS3_WRITE_RATE", type=float, default=500.0,
+             help="Writes (PUT/POST/DELETE) per second per client; 0: unlimited."),
+        _opt("--write-burst", env="DS3_WRITE_BURST", type=int, default=2000, help="Writes a client may burst."),
+        _opt("--create-rate", env="DS3_CREATE_RATE", type=float, default=50.0,
+             help="Creates (PUT of a stream or bucket) per second per client; 0: unlimited."),
+        _opt("--create-burst", env="DS3_CREATE_BURST", type=int, default=500, help="Creates a client may burst."),
+        _opt("--max-live-per-client", env="DS3_MAX_LIVE_PER_CLIENT", type=int, default=100,
+             help="Long-polls + SSE connections one client may hold at once (429 beyond); 0: no cap."),
+        _opt("--body-timeout", env="DS3_BODY_TIMEOUT", type=float, default=60.0,
+             help="Seconds a request body may take to arrive (408 and the connection closes after)."),
+        _opt("--send-timeout", env="DS3_SEND_TIMEOUT", type=float, default=30.0,
+             help="A client that takes none of the data we send for this long is disconnected."),
+        _opt("--keepalive-timeout", env="DS3_KEEPALIVE_TIMEOUT", type=float, default=75.0,
+             help="Idle connections close after this long; it also bounds sending a request head."),
+        _opt("--trusted-proxies", env="DS3_TRUSTED_PROXIES", multiple=True, default=PRIVATE_NETWORKS,
+             help="Addresses/CIDRs of proxies (readers, load balancers) whose X-Forwarded-For names the client; "
+                  "their own requests are not limited. `none`: trust no one."),
+    ])
+
+
+def _access_configs(kw: dict[str, Any]) -> dict[str, Any]:
+    auth = {k: v for k, v in kw.items() if k in set(AuthConfig.names())}
+    limits = {k: v for k, v in kw.items() if k in set(LimitsConfig.names())}
+    auth["private"] = tuple(auth.get("private") or ())
+    proxies = tuple(limits.get("trusted_proxies") or ())
+    limits["trusted_proxies"] = () if proxies == ("none",) else proxies
     try:
-        return IngesterConfig(**{k: v for k, v in kw.items() if k in names})
+        return {"auth": AuthConfig(**auth), "limits": LimitsConfig(**limits)}
     except ConfigError as e:
         raise click.UsageError(str(e)) from e
 
 
-def _run(app: web.Application, host: str, port: int, banner: str) -> None:
+def _ingester_config(kw: dict[str, Any]) -> IngesterConfig:
+    names = set(IngesterConfig.names()) - {"auth", "limits"}
+    try:
+        return IngesterConfig(**{k: v for k, v in kw.items() if k in names}, **_access_configs(kw))
+    except ConfigError as e:
+        raise click.UsageError(str(e)) from e
+
+
+def _build(create: Callable[[Any], web.Application], config: Any) -> web.Application:
+    try:  # credential files and keys are loaded here
+        return create(config)
+    except ConfigError as e:
+        raise click.UsageError(str(e)) from e
+
+
+def _run(app: web.Application, host: str, port: int, banner: str, config: IngesterConfig | ReaderConfig) -> None:
     _install_uvloop()
+    from shared.authmw import describe
 
     async def on_startup(app: web.Application) -> None:
         log.info("%s listening on http://%s:%d", banner, host, port)
+        log.info("%s", describe(config.auth))
 
     app.on_startup.append(on_startup)
     # handler_cancellation: a client that goes away cancels its handler (an SSE or long-poll
     # client that disconnects must not keep upstream connections and wake-ups alive).
+    # keepalive_timeout also bounds a request head sent slowly: aiohttp's timer runs until a
+    # whole head has arrived (bodies have --body-timeout).
     web.run_app(app, host=host, port=port, print=None, access_log=None, handle_signals=True,
-                shutdown_timeout=5, handler_cancellation=True)
+                shutdown_timeout=5, handler_cancellation=True,
+                keepalive_timeout=config.limits.keepalive_timeout)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -118,6 +198,7 @@ def main() -> None:
 @main.command()
 @_server_options
 @_ingester_options
+@_access_options
 def ingester(**kw: Any) -> None:
     """Run the ingester: writes and the live tail over an LMDB write-ahead log; seals chunks
     into the object store when --store is given."""
@@ -125,7 +206,8 @@ def ingester(**kw: Any) -> None:
     config = _ingester_config(kw)
     from ingester.app import create_app
 
-    _run(create_app(config), config.host, config.port, f"ds3 ingester (data in {config.data_dir.resolve()})")
+    _run(_build(create_app, config), config.host, config.port,
+         f"ds3 ingester (data in {config.data_dir.resolve()})", config)
 
 
 @main.command()
@@ -138,18 +220,20 @@ def ingester(**kw: Any) -> None:
       help="Seconds a stream descriptor read from the store is trusted.")
 @_opt("--sse-max-seconds", env="DS3_SSE_MAX_SECONDS", type=float, default=60.0,
       help="SSE connections are closed after this long so CDNs can collapse them.")
+@_access_options
 def reader(**kw: Any) -> None:
     """Run a stateless reader: sealed history straight from the object store, the rest
     (tail, long-poll, SSE, writes) through the ingester."""
     _setup_logging(kw["log_level"])
     names = set(ReaderConfig.__dataclass_fields__)
     try:
-        config = ReaderConfig(**{k: v for k, v in kw.items() if k in names})
+        config = ReaderConfig(**{k: v for k, v in kw.items() if k in names - {"auth", "limits"}},
+                              **_access_configs(kw))
     except ConfigError as e:
         raise click.UsageError(str(e)) from e
     from reader.app import create_app
 
-    _run(create_app(config), config.host, config.port, "ds3 reader")
+    _run(_build(create_app, config), config.host, config.port, "ds3 reader", config)
 
 
 @main.command()
@@ -169,6 +253,8 @@ def dev(**kw: Any) -> None:
     from ds3.supervise import run_dev
 
     sys.exit(run_dev(**kw))
+
+
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -48,6 +49,9 @@ def run_dev(
     ds3 = [sys.executable, "-m", "ds3.cli"]
     common = ["--long-poll-timeout", str(long_poll_timeout), "--log-level", log_level]
     env = {k: v for k, v in os.environ.items() if not k.startswith("DS3_")}  # flags say it all
+    # The pair shares a fresh internal token (in the environment: not visible in `ps`), so
+    # the ingester knows its reader and leaves per-client limits to it.
+    env["DS3_INTERNAL_TOKEN"] = secrets.token_urlsafe(32)
     ingester = subprocess.Popen(
         [*ds3, "ingester", "--host", "127.0.0.1", "--port", str(ingester_port), "--data-dir", str(data_dir),
          "--store", objects.as_uri(), "--seal-bytes", str(seal_bytes), "--seal-age", str(seal_age), *common],
@@ -77,6 +81,9 @@ def run_dev(
             return 1
         log.info("ds3 dev ready on http://%s:%d (no auth: local development only; data in %s)",
                  host, port, data_dir)
+        log.info("auth is off: anyone who can reach the port may write and delete. To require tokens, run "
+                 "`ds3 ingester` and `ds3 reader` with --tokens-file, --jwt-secret, --jwks-file or --jwks-url "
+                 "(README: Deploying with auth)")
         while not stopping:
             for child in children:
                 if child.poll() is not None:

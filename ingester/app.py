@@ -7,14 +7,17 @@ from collections.abc import AsyncIterator
 from aiohttp import web
 
 from ingester import bucket_http
-from ingester.http import SERVICE, add_routes
-from ingester.service import IngesterService
+from ingester.http import add_routes
+from ingester.service import SERVICE, IngesterService
+from shared import authmw, limitmw
 from shared.config import IngesterConfig
 from shared.web import common_headers, errors_middleware
 
 
 def create_app(config: IngesterConfig) -> web.Application:
     app = web.Application(middlewares=[errors_middleware], client_max_size=config.max_body_bytes)
+    authmw.install(app, config.auth, accepts_internal=True)  # before the limits: they count per token subject
+    limitmw.install(app, config.limits)
 
     async def service_ctx(app: web.Application) -> AsyncIterator[None]:
         svc = IngesterService(config)

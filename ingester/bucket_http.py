@@ -4,7 +4,8 @@
     GET    /v1/buckets/{bucket_id}            200 {"bucket_id", "streams", ...}; 404
     DELETE /v1/buckets/{bucket_id}            204; 409 not empty; 404
     GET    /v1/buckets/{bucket_id}/streams    the listing (?prefix=&after=&limit=)
-    *      /v1/buckets/{bucket_id}/{stream}   every stream operation (ingester.http)
+    *      /v1/buckets/{bucket_id}/{stream}   every stream operation (ingester.http), and the
+           .../{stream}/snapshot[/{offset}], .../{stream}/bootstrap endpoints (extension_http)
 """
 
 from __future__ import annotations
@@ -18,9 +19,10 @@ import orjson
 from aiohttp import web
 
 from ingester import buckets
-from ingester.http import SERVICE, handle_stream
-from ingester.service import IngesterService
+from ingester.http import handle_stream
+from ingester.service import SERVICE, IngesterService
 from shared import buckets as B
+from shared import extensions
 from shared.errors import BadRequest, NotFound
 from shared.web import method_not_allowed, preflight
 
@@ -39,7 +41,8 @@ async def handle(request: web.Request) -> web.StreamResponse:
     svc = request.app[SERVICE]
     if request.method == "OPTIONS":
         return preflight()
-    bucket_id, stream_id = B.parse_url(request.raw_path.split("?", 1)[0])
+    raw, _endpoint = extensions.split(request.raw_path.split("?", 1)[0])  # {stream}/snapshot...
+    bucket_id, stream_id = B.parse_url(raw)
     if stream_id is None:
         return await handle_bucket(request, svc, bucket_id)
     if stream_id == B.RESERVED_STREAM_ID and request.method == "GET":

@@ -10,17 +10,17 @@ from typing import Final
 
 from aiohttp import web
 
+from ingester import extension_http
 from ingester.reads import ReadResult
-from ingester.service import IngesterService
+from ingester.service import SERVICE, IngesterService
 from ingester.store import AppendRequest, AppendResult, CreateRequest
-from shared import jsonmode, offsets, sse
+from shared import extensions, jsonmode, offsets, sse
 from shared import protocol as P
 from shared.buckets import fork_source_path
 from shared.errors import BadRequest, Gone, NotFound
-from shared.web import live_mode, method_not_allowed, preflight, read_body, start_offset, stream_path
+from shared.web import live_mode, method_not_allowed, preflight, read_body, start_offset, stream_path_of
 
 log = logging.getLogger("ds3.http")
-SERVICE: Final = web.AppKey("ingester_service", IngesterService)
 PUBLIC_CACHE: Final = "public, max-age=60, stale-while-revalidate=300"
 
 
@@ -32,7 +32,10 @@ async def handle_stream(request: web.Request) -> web.StreamResponse:
     method = request.method
     if method == "OPTIONS":
         return preflight()
-    path = stream_path(request, svc.config.max_path_bytes)
+    raw, endpoint = extensions.split(request.raw_path.split("?", 1)[0])
+    path = stream_path_of(raw, svc.config.max_path_bytes)
+    if endpoint is not None:
+        return await extension_http.handle(request, svc, path, endpoint)
     if method == "GET":
         return await handle_get(request, svc, path)
     if method == "POST":
@@ -141,6 +144,8 @@ async def handle_head(svc: IngesterService, path: str) -> web.Response:
     }
     if meta.closed:
         headers[P.CLOSED] = "true"
+    if meta.snapshot_offset is not None:
+        headers[P.SNAPSHOT_OFFSET] = meta.snapshot_offset
     if meta.ttl is not None:
         headers[P.TTL] = str(meta.ttl)
     if meta.expires_at is not None:
@@ -315,4 +320,5 @@ async def touch(request: web.Request) -> web.Response:
 def add_routes(app: web.Application) -> None:
     app.router.add_get("/healthz", healthz)
     app.router.add_post("/_ds3/touch", touch)
+    extension_http.add_routes(app)
     app.router.add_route("*", r"/v1/stream/{path:[\s\S]*}", handle_stream)  # `.` would miss "\n"

@@ -12,11 +12,11 @@ from typing import Any, TypeVar
 
 import lmdb
 
-from ingester.chain import Sealed, chain_records, is_message_boundary, record_at, refresh_tail
+from ingester.chain import Sealed, chain_records, chunk_at, is_message_boundary, record_at, refresh_tail
 from ingester.records import StreamMeta
 from ingester.wal import WalEnv
 from shared import offsets
-from shared.errors import BadRequest, Gone, NotFound
+from shared.errors import BadRequest, Gone, NotFound, Retained
 from shared.protocol import is_json
 
 T = TypeVar("T")
@@ -38,6 +38,25 @@ class ReadResult:
     @property
     def closed_at_end(self) -> bool:
         return self.meta.closed and self.end >= self.meta.tail
+
+
+@dataclass(slots=True)
+class MessagesPage:
+    """Whole messages from a boundary, each with the position it ends at."""
+
+    meta: StreamMeta
+    messages: list[tuple[int, bytes]] = field(default_factory=list)
+    sealed: Sealed | None = None  # the next message is in a sealed chunk: read it from the store
+
+
+@dataclass(frozen=True, slots=True)
+class Position:
+    """Where a position falls in a stream, for snapshot publishing (extensions §2.2)."""
+
+    meta: StreamMeta
+    chunk: int  # the chunk id its canonical offset names
+    boundary: bool | None  # whether a message ends there; None: ask the sealed chunk's index
+    sealed: Sealed | None  # the sealed message ending at or spanning it (when boundary is None)
 
 
 class Reads:
@@ -76,6 +95,38 @@ class Reads:
             rec = record_at(txn, self.wal, meta, lambda p: self._meta(txn, p), position)
             return (rec, is_json(meta.content_type)) if isinstance(rec, Sealed) else None
 
+    def position_sync(self, path: str, position: int) -> Position | None:
+        """None when `position` is past the tail."""
+        with self.wal.env.begin(buffers=False) as txn:
+            meta = self._visible(txn, path)
+            if position > meta.tail:
+                return None
+
+            def lookup(p: str) -> StreamMeta | None:
+                return self._meta(txn, p)
+
+            chunk = chunk_at(txn, self.wal, meta, lookup, position)
+            boundary = is_message_boundary(txn, self.wal, meta, lookup, position)
+            rec = record_at(txn, self.wal, meta, lookup, position - 1) if boundary is None else None
+            return Position(meta, chunk, boundary, rec if isinstance(rec, Sealed) else None)
+
+    def messages_sync(self, path: str, start: int, until: int, max_bytes: int) -> MessagesPage:
+        """Messages in [start, until) from the WAL, up to about max_bytes (at least one)."""
+        with self.wal.env.begin(buffers=False) as txn:
+            meta = self._visible(txn, path)
+            page = MessagesPage(meta)
+            size = 0
+            for rec in chain_records(txn, self.wal, meta, lambda p: self._meta(txn, p), start, until):
+                if isinstance(rec, Sealed):
+                    if not page.messages:
+                        page.sealed = rec
+                    break
+                if page.messages and size + len(rec.data) > max_bytes:
+                    break
+                page.messages.append((rec.end, rec.data))
+                size += len(rec.data)
+            return page
+
     def head_sync(self, path: str) -> StreamMeta:
         with self.wal.env.begin(buffers=False) as txn:
             return self._visible(txn, path)
@@ -87,6 +138,10 @@ class Reads:
             def lookup(p: str) -> StreamMeta | None:
                 return self._meta(txn, p)
 
+            if meta.snapshot_offset is not None and (
+                start == offsets.START or (isinstance(start, offsets.Offset) and start.position < meta.earliest)
+            ):
+                raise Retained(meta.snapshot_offset)
             if start == offsets.START:
                 pos = 0
             elif start == offsets.NOW:

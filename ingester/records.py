@@ -85,6 +85,12 @@ class StreamMeta:
     fork_sub_offset: int = 0
     refcount: int = 0  # forks reading this stream's data
     soft_deleted: bool = False
+    # The latest visible snapshot (extensions §2): its offset is the earliest retained one.
+    snapshot_offset: str | None = None
+    snapshot_type: str = ""
+    snapshot_size: int = 0
+    snapshot_key: str | None = None  # its object (a fork's may be its source's)
+    released: int = 0  # sealed chunks ending at or before this position were deleted (retention)
     # Last append with data, as of the last metadata write (plain appends do not rewrite the
     # metadata: the writer keeps newer times in memory, see Store.last_writes). None: never.
     last_write_at: float | None = None
@@ -92,6 +98,11 @@ class StreamMeta:
     @property
     def tail_offset(self) -> str:
         return offsets.encode(self.tail_chunk, self.tail)
+
+    @property
+    def earliest(self) -> int:
+        """The earliest retained position: reads before it answer 410."""
+        return offsets.parse(self.snapshot_offset).position if self.snapshot_offset else 0
 
     def deadline(self, touched: float | None = None) -> float | None:
         """When the stream expires (TTL slides with reads and writes), or None."""

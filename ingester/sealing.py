@@ -40,6 +40,7 @@ def descriptor_of(meta: StreamMeta) -> Descriptor:
         final_offset=meta.tail_offset if meta.closed else None, soft_deleted=meta.soft_deleted,
         fork_source=meta.fork_source, fork_source_uid=meta.fork_source_uid,
         fork_position=meta.fork_position, first_chunk=meta.first_chunk,
+        snapshot_offset=meta.snapshot_offset, snapshot_type=meta.snapshot_type, snapshot_key=meta.snapshot_key,
     )
 
 
@@ -167,6 +168,7 @@ class Sealer:
                     # Descriptor first: once it is gone no reader locates the chunks any more.
                     await self._delete_descriptor_if(path, uid)
                     await self.objects.delete_prefix(keys.chunk_prefix(uid))
+                    await self.objects.delete_prefix(keys.snapshot_prefix(uid))
                     await self.committer.submit(partial(self.store.gc_done, uid=uid))
                     backoff.reset()
                     break

@@ -9,14 +9,18 @@ import functools
 import logging
 import time
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Final, TypeVar
 
 import lmdb
+from aiohttp import web
 
+from ingester import retention
 from ingester.live import Notifier
 from ingester.reads import ReadResult, Reads
+from ingester.reaper import ObjectReaper
 from ingester.records import FLAG_END_OF_APPEND, StreamMeta
 from ingester.sealing import Sealer
+from ingester.snapshots import Snapshots
 from ingester.store import (
     AppendRequest,
     AppendResult,
@@ -32,7 +36,7 @@ from shared import offsets
 from shared.chunkstore import ChunkReader
 from shared.config import IngesterConfig
 from shared.errors import BadRequest
-from shared.objectstore import ObjectStore, open_store
+from shared.objectstore import LocalStore, ObjectStore, open_store
 from shared.protocol import is_json
 
 log = logging.getLogger("ds3.ingester")
@@ -53,12 +57,20 @@ class IngesterService:
         self.notifier = Notifier()
         self.reads = Reads(self.wal, self.store.touches, threads=config.read_threads)
         self._committer: GroupCommitter | None = None
+        self._snapshots: Snapshots | None = None
+        self._reaper: ObjectReaper | None = None
+        self._blobs: ObjectStore | None = None
         self._tasks: list[asyncio.Task[None]] = []
 
     @property
     def committer(self) -> GroupCommitter:
         assert self._committer is not None, "service not started"
         return self._committer
+
+    @property
+    def snapshots(self) -> Snapshots:
+        assert self._snapshots is not None, "service not started"
+        return self._snapshots
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -80,6 +92,15 @@ class IngesterService:
             self.sealer.start()
             log.info("sealing chunks into %s (%d to upload, %d removed streams to clean)",
                      self.config.store, len(refs), len(garbage))
+        # Snapshot blobs live in the object store; with none configured, in the data dir.
+        self._blobs = self.objects or LocalStore(self.config.data_dir.absolute() / "snapshots")
+        self._reaper = ObjectReaper(self.store, self.committer, self._blobs)
+        self._reaper.enqueue(await self.committer.submit(lambda txn: retention.pending(self.store, txn)))
+        self._reaper.start()
+        self._snapshots = Snapshots(
+            self.store, self.committer, self.reads, self._blobs, self.chunk_reader, self.sealer, self._reaper,
+            self.config.max_read_bytes,
+        )
         self._tasks.append(asyncio.create_task(self._housekeeping(), name="ds3-housekeeping"))
 
     async def stop(self) -> None:
@@ -89,8 +110,12 @@ class IngesterService:
             with contextlib.suppress(asyncio.CancelledError):
                 await t
         self.notifier.wake_all()
+        if self._reaper is not None:
+            await self._reaper.stop()
         if self.sealer is not None:
             await self.sealer.stop()
+        if self._blobs is not None and self._blobs is not self.objects:
+            await self._blobs.close()
         if self.objects is not None:
             await self.objects.close()
         if self._committer is not None:
@@ -236,3 +261,6 @@ class IngesterService:
             except Exception:
                 log.exception("housekeeping failed")
                 delay = min(delay * 2, 60.0)
+
+
+SERVICE: Final = web.AppKey("ingester_service", IngesterService)

@@ -43,6 +43,7 @@ from shared.errors import (
     Gone,
     NotFound,
     ProducerSeqGap,
+    Retained,
     StaleProducerEpoch,
     StreamClosed,
     Unavailable,
@@ -341,6 +342,11 @@ class Store:
                 position = req.fork_sub_position
             else:
                 position = self._resolve_sub_offset(txn, source, position, sub)
+        if source.snapshot_offset is not None:  # the fork's history starts at the same snapshot
+            if position < source.earliest:
+                raise Retained(source.snapshot_offset, "the fork offset is before the source's earliest retained offset")
+            meta.snapshot_offset, meta.snapshot_type = source.snapshot_offset, source.snapshot_type
+            meta.snapshot_size, meta.snapshot_key = source.snapshot_size, source.snapshot_key
         if req.ttl is None and req.expires_at is None:
             meta.ttl, meta.expires_at, meta.expires_at_text = source.ttl, source.expires_at, source.expires_at_text
         meta.fork_source = source.path

@@ -10,9 +10,11 @@ from aiohttp import web
 from reader import bucket_http
 from reader.descriptors import DescriptorCache
 from reader.fanout import Page, SseHub
-from reader.http import READER, ReaderState, add_routes, read_page
+from reader.http import add_routes, read_page
 from reader.proxy import IngesterClient
 from reader.sealed import SealedLocator
+from reader.state import READER, ReaderState
+from shared import authmw, limitmw
 from shared.chunkstore import ChunkReader
 from shared.config import ReaderConfig
 from shared.objectstore import open_store
@@ -21,6 +23,8 @@ from shared.web import common_headers, errors_middleware
 
 def create_app(config: ReaderConfig) -> web.Application:
     app = web.Application(middlewares=[errors_middleware], client_max_size=config.max_body_bytes)
+    authmw.install(app, config.auth, accepts_internal=False)  # before the limits: they count per token subject
+    limitmw.install(app, config.limits)
 
     async def clients_ctx(app: web.Application) -> AsyncIterator[None]:
         objects = open_store(config.store, s3_endpoint=config.s3_endpoint)
@@ -29,7 +33,8 @@ def create_app(config: ReaderConfig) -> web.Application:
         )
         chunks = ChunkReader(objects)
         descriptors = DescriptorCache(objects, config.descriptor_ttl)
-        ingester = IngesterClient(config.ingester, session, config.long_poll_timeout)
+        ingester = IngesterClient(config.ingester, session, config.long_poll_timeout,
+                                  internal_token=config.auth.internal_token)
         state: ReaderState | None = None
 
         async def page(path: str, offset: str) -> Page:

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from reader.http import READER, handle_stream
+from reader.http import handle_stream
 from reader.proxy import IngesterClient, to_response
+from reader.state import READER
 from shared import buckets as B
+from shared import extensions
 from shared.web import method_not_allowed, preflight, read_body
 
 
@@ -18,7 +20,8 @@ async def handle(request: web.Request) -> web.StreamResponse:
     method = request.method
     if method == "OPTIONS":
         return preflight()
-    _bucket_id, stream_id = B.parse_url(request.raw_path.split("?", 1)[0])  # 400 when invalid
+    raw, _endpoint = extensions.split(request.raw_path.split("?", 1)[0])  # {stream}/snapshot...
+    _bucket_id, stream_id = B.parse_url(raw)  # 400 when invalid
     listing = stream_id == B.RESERVED_STREAM_ID and method == "GET"
     if stream_id is not None and not listing:
         return await handle_stream(request)

@@ -135,7 +135,7 @@ class Channel:
         url = f"{client.base}{url_path(self.path)}?live=sse&offset={self.offset}"
         client.requests += 1
         async with client.session.get(
-            upstream_url(url), skip_auto_headers=SKIP_AUTO,
+            upstream_url(url), skip_auto_headers=SKIP_AUTO, headers=client.internal_headers,
             timeout=aiohttp.ClientTimeout(total=None, connect=5, sock_read=self.hub.idle_timeout),
         ) as up:
             if up.status != 200:

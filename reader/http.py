@@ -4,25 +4,22 @@ forwarded to the ingester, so one public URL serves the whole protocol."""
 from __future__ import annotations
 
 import logging
-import time
-from dataclasses import dataclass
 from typing import Final
 from urllib.parse import urlencode
 
+import orjson
 from aiohttp import web
 
-from reader.descriptors import DescriptorCache
-from reader.fanout import Page, SseHub
+from reader import extension_http
+from reader.fanout import Page
 from reader.proxy import IngesterClient, to_response
-from reader.sealed import SealedLocator, SealedRead
-from shared import jsonmode, offsets
+from reader.sealed import SealedRead
+from reader.state import READER, ReaderState, servable
+from shared import extensions, jsonmode, offsets
 from shared import protocol as P
 from shared.buckets import url_path
-from shared.chunkstore import ChunkReader
-from shared.config import ReaderConfig
 from shared.descriptor import Descriptor
-from shared.errors import BadRequest, Gone, NotFound, ObjectStoreError, Unavailable
-from shared.objectstore.base import ObjectStore
+from shared.errors import BadRequest, Gone, NotFound, ObjectStoreError, Retained, Unavailable
 from shared.web import (
     IMMUTABLE,
     live_mode,
@@ -30,27 +27,11 @@ from shared.web import (
     preflight,
     read_body,
     start_offset,
-    stream_path,
+    stream_path_of,
 )
 
 log = logging.getLogger("ds3.reader")
 START_URL_CACHE: Final = "public, max-age=60, stale-while-revalidate=300"
-
-
-@dataclass(slots=True)
-class ReaderState:
-    config: ReaderConfig
-    objects: ObjectStore
-    chunks: ChunkReader
-    descriptors: DescriptorCache
-    locator: SealedLocator
-    ingester: IngesterClient
-    sse: SseHub
-    sealed_responses: int = 0
-    forwarded: int = 0
-
-
-READER: Final = web.AppKey("reader_state", ReaderState)
 
 
 async def handle_stream(request: web.Request) -> web.StreamResponse:
@@ -58,7 +39,10 @@ async def handle_stream(request: web.Request) -> web.StreamResponse:
     method = request.method
     if method == "OPTIONS":
         return preflight()
-    path = stream_path(request, st.config.max_path_bytes)
+    raw, endpoint = extensions.split(request.raw_path.split("?", 1)[0])
+    path = stream_path_of(raw, st.config.max_path_bytes)
+    if endpoint is not None:
+        return await extension_http.handle(request, st, path, endpoint)
     if method == "GET":
         return await handle_get(request, st, path)
     if method not in ("PUT", "POST", "DELETE", "HEAD"):
@@ -87,7 +71,9 @@ async def handle_get(request: web.Request, st: ReaderState, path: str) -> web.St
             # The start URL outlives a delete and re-create of the path: check which stream it is.
             fresh = 0.0 if not isinstance(given, offsets.Offset) else None
             desc = await st.descriptors.get(path, max_age=fresh)
-            if desc is not None and _servable(desc):
+            if desc is not None:
+                check_retained(desc, given)
+            if desc is not None and servable(desc):
                 found = await st.locator.find(desc, start)
                 if found is not None:
                     if desc.ttl is not None:
@@ -119,7 +105,9 @@ async def read_page(st: ReaderState, path: str, offset: str) -> Page:
         at = start if isinstance(start, offsets.Offset) else offsets.ZERO
         try:
             desc = await st.descriptors.get(path)
-            if desc is not None and _servable(desc):
+            if desc is not None:
+                check_retained(desc, start)
+            if desc is not None and servable(desc):
                 found = await st.locator.find(desc, at)
                 if found is not None:
                     data = await st.chunks.read(found.piece)
@@ -134,6 +122,9 @@ async def read_page(st: ReaderState, path: str, offset: str) -> Page:
     if up.status == 404:
         raise NotFound("stream not found")
     if up.status == 410:
+        retained = _retained_offset(up.body)
+        if retained is not None:
+            raise Retained(retained)
         raise Gone("stream was deleted")
     if up.status != 200:
         raise Unavailable(f"the ingester answered {up.status} to a catch-up read", 1)
@@ -143,10 +134,20 @@ async def read_page(st: ReaderState, path: str, offset: str) -> Page:
     )
 
 
-def _servable(desc: Descriptor) -> bool:
-    if desc.soft_deleted:
-        return False  # the ingester answers 410 (or the forks' reads)
-    return desc.expires_at is None or time.time() < desc.expires_at
+def check_retained(desc: Descriptor, given: offsets.Offset | str | None) -> None:
+    """410 for reads before the earliest retained offset (the latest snapshot's), -1 included."""
+    if desc.snapshot_offset is None:
+        return
+    if given is None or given == offsets.START or (isinstance(given, offsets.Offset) and given.position < desc.earliest):
+        raise Retained(desc.snapshot_offset)
+
+
+def _retained_offset(body: bytes) -> str | None:
+    try:
+        found = orjson.loads(body).get("earliest_offset")
+    except (orjson.JSONDecodeError, AttributeError):
+        return None
+    return found if isinstance(found, str) else None
 
 
 def _eof_from_descriptor(desc: Descriptor | None, given: offsets.Offset | str | None) -> web.Response | None:

@@ -7,7 +7,9 @@ request, so ingester connections grow with readers × active streams, not with c
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Final
 
@@ -16,6 +18,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 from yarl import URL
 
+from shared.authmw import INTERNAL_HEADER
 from shared.errors import Unavailable
 
 log = logging.getLogger("ds3.reader.proxy")
@@ -23,7 +26,7 @@ log = logging.getLogger("ds3.reader.proxy")
 # Hop-by-hop headers (RFC 9110 §7.6.1) and ones the reader sets itself.
 DROP_REQUEST: Final = frozenset(
     {"host", "connection", "keep-alive", "proxy-connection", "te", "trailer", "transfer-encoding",
-     "upgrade", "content-length", "accept-encoding"}
+     "upgrade", "content-length", "accept-encoding", INTERNAL_HEADER.lower()}
 )
 DROP_RESPONSE: Final = frozenset(
     {"connection", "keep-alive", "transfer-encoding", "content-length", "date", "server", "trailer"}
@@ -48,9 +51,13 @@ def upstream_url(url: str) -> URL | str:
 
 
 class IngesterClient:
-    def __init__(self, base_url: str, session: aiohttp.ClientSession, long_poll_timeout: float) -> None:
+    def __init__(self, base_url: str, session: aiohttp.ClientSession, long_poll_timeout: float,
+                 internal_token: str | None = None) -> None:
         self.base = base_url.rstrip("/")
         self.session = session
+        # Sent with every request: the ingester lets this reader read private streams for
+        # callers it checked and call /_ds3/, and leaves limiting its clients to it.
+        self.internal_headers = {INTERNAL_HEADER: internal_token} if internal_token else {}
         self._timeout = aiohttp.ClientTimeout(total=None, connect=5, sock_read=long_poll_timeout + 30)
         self._inflight: dict[str, asyncio.Future[Upstream]] = {}
         self.requests = 0
@@ -58,13 +65,21 @@ class IngesterClient:
 
     @staticmethod
     def _request_headers(request: web.Request) -> dict[str, str]:
-        return {k: v for k, v in request.headers.items() if k.lower() not in DROP_REQUEST}
+        """The caller's headers (its Authorization included: the ingester checks writes again),
+        with the caller's address added to X-Forwarded-For as proxies do."""
+        out = {k: v for k, v in request.headers.items() if k.lower() not in DROP_REQUEST}
+        if request.remote:
+            prior = request.headers.get("X-Forwarded-For")
+            out = {k: v for k, v in out.items() if k.lower() != "x-forwarded-for"}
+            out["X-Forwarded-For"] = f"{prior}, {request.remote}" if prior else request.remote
+        return out
 
     async def call(self, method: str, path_qs: str, headers: dict[str, str], body: bytes | None) -> Upstream:
         self.requests += 1
         try:
             async with self.session.request(
-                method, upstream_url(self.base + path_qs), headers=headers, data=body, allow_redirects=False,
+                method, upstream_url(self.base + path_qs), headers={**headers, **self.internal_headers},
+                data=body, allow_redirects=False,
                 timeout=self._timeout, skip_auto_headers=SKIP_AUTO,
             ) as up:
                 data = await up.read()
@@ -72,6 +87,22 @@ class IngesterClient:
                 return Upstream(up.status, out, data)
         except (aiohttp.ClientConnectionError, TimeoutError) as e:
             raise Unavailable(f"the ingester is unreachable ({type(e).__name__})", 2) from e
+
+    @contextlib.asynccontextmanager
+    async def open(self, method: str, path_qs: str, headers: dict[str, str]) -> AsyncIterator[aiohttp.ClientResponse]:
+        """A request whose response body the caller streams (snapshots, bootstrap parts)."""
+        self.requests += 1
+        try:
+            up = await self.session.request(
+                method, upstream_url(self.base + path_qs), headers=headers, allow_redirects=False,
+                timeout=self._timeout, skip_auto_headers=SKIP_AUTO,
+            )
+        except (aiohttp.ClientConnectionError, TimeoutError) as e:
+            raise Unavailable(f"the ingester is unreachable ({type(e).__name__})", 2) from e
+        try:
+            yield up
+        finally:
+            up.release()
 
     async def get_collapsed(self, path_qs: str, headers: dict[str, str]) -> Upstream:
         """GETs with the same path and query share one upstream request while it runs."""
@@ -99,3 +130,18 @@ class IngesterClient:
 
 def to_response(up: Upstream) -> web.Response:
     return web.Response(status=up.status, headers=up.headers, body=up.body if up.status != 304 else None)
+
+
+async def relay(request: web.Request, up: aiohttp.ClientResponse) -> web.StreamResponse:
+    """Pass an upstream response on as it arrives (bodies that may be large)."""
+    headers = CIMultiDict((k, v) for k, v in up.headers.items() if k.lower() not in DROP_RESPONSE)
+    resp = web.StreamResponse(status=up.status, headers=headers)
+    if up.content_length is not None:
+        resp.content_length = up.content_length
+    await resp.prepare(request)
+    request["ds3_prepared"] = True
+    if request.method != "HEAD":
+        async for piece in up.content.iter_chunked(256 * 1024):
+            await resp.write(piece)
+    await resp.write_eof()
+    return resp

@@ -286,6 +286,24 @@ def iter_records(head: ChunkHead, data: bytes | memoryview) -> Iterator[Record]:
         yield Record(span.start, span.end, span.flags, bytes(view[span.start - base : span.end - base]))
 
 
+def messages_in(head: ChunkHead, start: int, end: int, data: bytes | memoryview) -> Iterator[tuple[int, bytes]]:
+    """(end position, bytes) of each message in `data`, the chunk's positions [start, end).
+    `start` must be a message boundary; a message running past `end` is cut there (a fork
+    position inside an append)."""
+    view = memoryview(data)
+    if len(view) != end - start:
+        raise ValueError(f"expected {end - start} bytes for positions [{start}, {end}), got {len(view)}")
+    if start >= end:
+        return
+    prev = start
+    for i in range(bisect_right(head.ends, start), len(head.ends)):
+        stop = min(head.ends[i], end)
+        yield stop, bytes(view[prev - start : stop - start])
+        prev = stop
+        if stop >= end:
+            break
+
+
 def decode_chunk(b: bytes | memoryview) -> tuple[ChunkHead, list[Record]]:
     """A whole object: its head and every record."""
     head = parse_head(b)

@@ -3,16 +3,116 @@ with errors that name the setting."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
+from ipaddress import ip_network
 from pathlib import Path
+from urllib.parse import urlparse
 
 MiB = 1024 * 1024
 GiB = 1024 * MiB
 LMDB_MAX_KEY = 480  # LMDB keys are at most 511 bytes; stream paths are keys
+# Peers trusted by default to name the client in X-Forwarded-For: loopback and private
+# networks, where readers and load balancers live (README "Deploying with auth").
+PRIVATE_NETWORKS = ("127.0.0.0/8", "::1/128", "10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "fc00::/7")
 
 
 class ConfigError(ValueError):
     """A setting is invalid; the message names it."""
+
+
+def _need(ok: bool, setting: str, why: str) -> None:
+    if not ok:
+        raise ConfigError(f"{setting}: {why}")
+
+
+@dataclass(frozen=True, slots=True)
+class AuthConfig:
+    """Access control (shared/auth.py; README "Deploying with auth"). Auth is on when any
+    credential source is set: then writes need a bearer token with write scope, and reads
+    of `private` prefixes/buckets need one with read scope. The files and keys are loaded
+    (and checked) by shared.auth.Authenticator at start."""
+
+    tokens_file: Path | None = None  # JSON list of static tokens with their scopes
+    tokens: str | None = None  # the same JSON, inline (DS3_TOKENS)
+    jwt_secret: str | None = None  # HS256 shared secret
+    jwks_file: Path | None = None  # RS256/ES256 public keys (a JWK Set)
+    jwks_url: str | None = None  # ... fetched from an http(s) URL and cached
+    jwt_issuer: str | None = None  # `iss` must equal this when set
+    jwt_audience: str | None = None  # `aud` must contain this when set
+    jwt_leeway: float = 30.0  # clock skew allowed on exp / nbf / iat
+    jwks_cache_seconds: float = 300.0  # how long keys fetched from jwks_url are trusted
+    private: tuple[str, ...] = ()  # grants (stream:<prefix>, bucket:<id>[/<prefix>], *) whose reads need a token
+    internal_token: str | None = None  # shared by the ingester and its readers (/_ds3/, reader identity)
+
+    def __post_init__(self) -> None:
+        _need(self.jwt_secret is None or len(self.jwt_secret.encode()) >= 32, "jwt-secret (DS3_JWT_SECRET)",
+              "must be at least 32 bytes (HS256 keys shorter than the hash are guessable)")
+        _need(self.jwks_url is None or urlparse(self.jwks_url).scheme in ("http", "https"),
+              "jwks-url (DS3_JWKS_URL)", "must be an http(s):// URL")
+        _need(self.jwks_file is None or self.jwks_file.is_file(), "jwks-file (DS3_JWKS_FILE)",
+              f"{self.jwks_file} is not a readable file")
+        _need(self.tokens_file is None or self.tokens_file.is_file(), "tokens-file (DS3_TOKENS_FILE)",
+              f"{self.tokens_file} is not a readable file")
+        _need(0 <= self.jwt_leeway <= 3600, "jwt-leeway (DS3_JWT_LEEWAY)", "must be between 0 and 3600 seconds")
+        _need(1 <= self.jwks_cache_seconds <= 86400, "jwks-cache-seconds (DS3_JWKS_CACHE_SECONDS)",
+              "must be between 1 second and a day")
+        _need(self.internal_token is None or len(self.internal_token) >= 16,
+              "internal-token (DS3_INTERNAL_TOKEN)", "must be at least 16 characters")
+        _need(not self.private or self.enabled, "private (DS3_PRIVATE)",
+              "private reads need a credential source: set tokens-file, tokens, jwt-secret, jwks-file or jwks-url")
+
+    @property
+    def enabled(self) -> bool:
+        """Some credential source is configured, so writes need a token."""
+        return any(x is not None for x in (self.tokens_file, self.tokens, self.jwt_secret, self.jwks_file,
+                                            self.jwks_url))
+
+    @classmethod
+    def names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]
+
+
+@dataclass(frozen=True, slots=True)
+class LimitsConfig:
+    """Per-client limits (shared/limits.py). A client is its token's subject, else its IP
+    address (from X-Forwarded-For when the peer is one of `trusted_proxies`). A trusted
+    proxy's own requests (no X-Forwarded-For) and those a reader makes with the internal
+    token are not limited: the proxy or reader limits its own clients. A rate of 0 turns
+    that limit off."""
+
+    write_rate: float = 500.0  # PUT/POST/DELETE per second per client (token bucket refill)
+    write_burst: int = 2000  # ... and how many may come at once
+    create_rate: float = 50.0  # PUT (stream and bucket creation) per second per client
+    create_burst: int = 500
+    max_live_per_client: int = 100  # concurrent long-polls + SSE connections per client (0: no cap)
+    body_timeout: float = 60.0  # a request body must arrive within this many seconds (else 408)
+    send_timeout: float = 30.0  # a client that takes nothing we send for this long is dropped
+    keepalive_timeout: float = 75.0  # idle connections close; also bounds sending the request head
+    trusted_proxies: tuple[str, ...] = PRIVATE_NETWORKS  # CIDRs whose X-Forwarded-For names the client
+
+    def __post_init__(self) -> None:
+        _need(0 <= self.write_rate <= 1e6, "write-rate (DS3_WRITE_RATE)", "must be between 0 (off) and 1000000")
+        _need(1 <= self.write_burst <= 1_000_000, "write-burst (DS3_WRITE_BURST)", "must be between 1 and 1000000")
+        _need(0 <= self.create_rate <= 1e6, "create-rate (DS3_CREATE_RATE)", "must be between 0 (off) and 1000000")
+        _need(1 <= self.create_burst <= 1_000_000, "create-burst (DS3_CREATE_BURST)",
+              "must be between 1 and 1000000")
+        _need(0 <= self.max_live_per_client <= 1_000_000, "max-live-per-client (DS3_MAX_LIVE_PER_CLIENT)",
+              "must be between 0 (no cap) and 1000000")
+        _need(0.1 <= self.body_timeout <= 3600, "body-timeout (DS3_BODY_TIMEOUT)",
+              "must be between 0.1 and 3600 seconds")
+        _need(0.1 <= self.send_timeout <= 3600, "send-timeout (DS3_SEND_TIMEOUT)",
+              "must be between 0.1 and 3600 seconds")
+        _need(1 <= self.keepalive_timeout <= 3600, "keepalive-timeout (DS3_KEEPALIVE_TIMEOUT)",
+              "must be between 1 and 3600 seconds")
+        for cidr in self.trusted_proxies:
+            try:
+                ip_network(cidr, strict=False)
+            except ValueError:
+                raise ConfigError(f"trusted-proxies (DS3_TRUSTED_PROXIES): {cidr!r} is not an IP address or CIDR") from None
+
+    @classmethod
+    def names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,6 +123,7 @@ class IngesterConfig:
     long_poll_timeout: float = 30.0
     sse_max_seconds: float = 60.0
     max_body_bytes: int = 64 * MiB
+    max_snapshot_bytes: int = 64 * MiB
     max_read_bytes: int = 1 * MiB
     max_path_bytes: int = LMDB_MAX_KEY
     wal_map_size: int = 256 * GiB
@@ -34,6 +135,8 @@ class IngesterConfig:
     seal_age: float = 60.0
     wal_max_bytes: int = 4 * GiB
     uploads: int = 4
+    auth: AuthConfig = field(default_factory=AuthConfig)
+    limits: LimitsConfig = field(default_factory=LimitsConfig)
 
     def __post_init__(self) -> None:
         def need(ok: bool, setting: str, why: str) -> None:
@@ -46,6 +149,8 @@ class IngesterConfig:
              "must be between 0.1 and 3600 seconds")
         need(1 <= self.sse_max_seconds <= 3600, "sse-max-seconds (DS3_SSE_MAX_SECONDS)",
              "must be between 1 and 3600 seconds")
+        need(1 <= self.max_snapshot_bytes <= 4096 * MiB, "max-snapshot-bytes (DS3_MAX_SNAPSHOT_BYTES)",
+             "must be between 1 byte and 4 GiB")
         need(1 <= self.max_body_bytes <= 1024 * MiB, "max-body-bytes (DS3_MAX_BODY_BYTES)",
              "must be between 1 byte and 1 GiB")
         need(1024 <= self.max_read_bytes <= 256 * MiB, "max-read-bytes (DS3_MAX_READ_BYTES)",
@@ -83,9 +188,12 @@ class ReaderConfig:
     long_poll_timeout: float = 30.0  # how long the ingester holds a long-poll (upstream timeouts)
     max_read_bytes: int = 8 * MiB  # a sealed response covers at most this much of a chunk
     max_body_bytes: int = 64 * MiB
+    max_snapshot_bytes: int = 64 * MiB
     max_path_bytes: int = LMDB_MAX_KEY
     descriptor_ttl: float = 1.0  # seconds a stream descriptor is trusted before re-reading it
     sse_max_seconds: float = 60.0  # SSE client connections are closed after this long
+    auth: AuthConfig = field(default_factory=AuthConfig)
+    limits: LimitsConfig = field(default_factory=LimitsConfig)
 
     def __post_init__(self) -> None:
         def need(ok: bool, setting: str, why: str) -> None:
@@ -101,7 +209,12 @@ class ReaderConfig:
              "must be between 0.1 and 3600 seconds")
         need(1024 <= self.max_read_bytes <= 1024 * MiB, "max-read-bytes (DS3_MAX_READ_BYTES)",
              "must be between 1 KiB and 1 GiB")
+        need(1 <= self.max_snapshot_bytes <= 4096 * MiB, "max-snapshot-bytes (DS3_MAX_SNAPSHOT_BYTES)",
+             "must be between 1 byte and 4 GiB")
         need(1 <= self.max_body_bytes <= 1024 * MiB, "max-body-bytes (DS3_MAX_BODY_BYTES)",
              "must be between 1 byte and 1 GiB")
         need(0 <= self.descriptor_ttl <= 3600, "descriptor-ttl (DS3_DESCRIPTOR_TTL)",
              "must be between 0 and 3600 seconds")
+        # The reader reads private streams and renews TTLs on the ingester on its own behalf.
+        need(not self.auth.enabled or self.auth.internal_token is not None, "internal-token (DS3_INTERNAL_TOKEN)",
+             "a reader with auth on needs the internal token its ingester was given")

@@ -7,6 +7,8 @@ from dataclasses import asdict, dataclass
 
 import orjson
 
+from shared import offsets
+
 
 @dataclass(frozen=True, slots=True)
 class Descriptor:
@@ -23,6 +25,13 @@ class Descriptor:
     fork_source_uid: str | None = None
     fork_position: int = 0  # positions below it are read from the source
     first_chunk: int = 0  # the chunk holding the stream's own first byte (0, or fork_position)
+    snapshot_offset: str | None = None  # the latest snapshot: reads before it answer 410
+    snapshot_type: str = ""
+    snapshot_key: str | None = None  # its object (a fork's may be its source's)
+
+    @property
+    def earliest(self) -> int:
+        return offsets.parse(self.snapshot_offset).position if self.snapshot_offset else 0
 
     def encode(self) -> bytes:
         return orjson.dumps(asdict(self))

@@ -23,6 +23,15 @@ class Gone(DS3Error):
     """The stream was deleted but forks still read its data (410)."""
 
 
+class Retained(Gone):
+    """The offset is older than the stream's earliest retained offset (its latest snapshot):
+    410 with a JSON body naming that offset, so the client can bootstrap (extensions §2.2)."""
+
+    def __init__(self, earliest_offset: str, message: str | None = None) -> None:
+        super().__init__(message or "offset is before the earliest retained offset: bootstrap from the snapshot")
+        self.earliest_offset = earliest_offset
+
+
 class Conflict(DS3Error):
     """The request conflicts with the stream's state or configuration (409)."""
 
@@ -91,3 +100,31 @@ class PreconditionFailed(ObjectStoreError):
 
 class ObjectStoreUnavailable(Unavailable, ObjectStoreError):
     """The store cannot be reached or answered 5xx / throttled: retry later (503)."""
+
+
+# ---------------------------------------------------------------- access control and limits
+
+
+class Unauthorized(DS3Error):
+    """No credentials, or bad ones (401 with WWW-Authenticate). `error` is the RFC 6750 error
+    code ("invalid_token", "invalid_request") or None when no credentials were sent."""
+
+    def __init__(self, message: str, error: str | None = None) -> None:
+        super().__init__(message)
+        self.error = error
+
+
+class Forbidden(DS3Error):
+    """Valid credentials without the scope this request needs (403)."""
+
+
+class RequestTimeout(DS3Error):
+    """The request body did not arrive in time (408; the connection is closed)."""
+
+
+class TooManyRequests(DS3Error):
+    """A per-client rate or connection limit was reached (429 with Retry-After)."""
+
+    def __init__(self, message: str, retry_after: int = 1) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after

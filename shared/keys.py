@@ -2,6 +2,8 @@
 
     chunks/<uid[:2]>/<uid>/<chunk id, 16 digits>   one immutable sealed chunk
     streams/<h[:2]>/<h>.json                       a stream's descriptor, h = sha256(path)
+    snapshots/<uid[:2]>/<uid>/<offset>.<nonce>     a published snapshot (extensions §2); the
+                                                   nonce: a re-publish never overwrites a blob
 
 Streams are keyed by `uid` (random, 128 bits) rather than by path, so a path deleted and
 created again never reaches old objects, and several ingesters can share one bucket. The
@@ -11,6 +13,7 @@ two-character prefixes spread keys over S3 partitions.
 from __future__ import annotations
 
 import hashlib
+import secrets
 
 
 def chunk_prefix(uid: str) -> str:
@@ -24,3 +27,11 @@ def chunk_key(uid: str, chunk: int) -> str:
 def descriptor_key(path: str) -> str:
     h = hashlib.sha256(path.encode("utf-8")).hexdigest()
     return f"streams/{h[:2]}/{h}.json"
+
+
+def snapshot_prefix(uid: str) -> str:
+    return f"snapshots/{uid[:2]}/{uid}/"
+
+
+def snapshot_key(uid: str, offset: str) -> str:
+    return f"{snapshot_prefix(uid)}{offset}.{secrets.token_hex(4)}"

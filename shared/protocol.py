@@ -17,6 +17,7 @@ STREAM_PREFIX: Final = "/v1/stream/"
 # Header names (HTTP headers are case-insensitive; these are the canonical spellings).
 NEXT_OFFSET: Final = "Stream-Next-Offset"
 UP_TO_DATE: Final = "Stream-Up-To-Date"
+SNAPSHOT_OFFSET: Final = "Stream-Snapshot-Offset"  # extensions §2.4
 CLOSED: Final = "Stream-Closed"
 CURSOR: Final = "Stream-Cursor"
 TTL: Final = "Stream-TTL"
@@ -45,9 +46,9 @@ CORS_ALLOW_HEADERS: Final = ", ".join(
 )
 CORS_EXPOSE_HEADERS: Final = ", ".join(
     [
-        NEXT_OFFSET, CURSOR, UP_TO_DATE, CLOSED, TTL, EXPIRES_AT, SSE_ENCODING,
+        NEXT_OFFSET, CURSOR, UP_TO_DATE, CLOSED, TTL, EXPIRES_AT, SSE_ENCODING, SNAPSHOT_OFFSET,
         PRODUCER_EPOCH, PRODUCER_SEQ, PRODUCER_EXPECTED_SEQ, PRODUCER_RECEIVED_SEQ,
-        "ETag", "Content-Type", "Content-Encoding", "Vary", "Location", "Retry-After",
+        "ETag", "Content-Type", "Content-Encoding", "Vary", "Location", "Retry-After", "WWW-Authenticate",
     ]
 )
 CORS_ALLOW_METHODS: Final = "GET, POST, PUT, DELETE, HEAD, OPTIONS"

@@ -9,6 +9,7 @@ from collections.abc import Awaitable, Callable
 from typing import Final
 from urllib.parse import unquote
 
+import orjson
 from aiohttp import web
 
 from shared import buckets, offsets
@@ -16,23 +17,36 @@ from shared import protocol as P
 from shared.errors import (
     BadRequest,
     DS3Error,
+    Forbidden,
     Gone,
     NotFound,
     ObjectStoreError,
     PayloadTooLarge,
     ProducerSeqGap,
+    RequestTimeout,
+    Retained,
     StaleProducerEpoch,
     StreamClosed,
+    TooManyRequests,
+    Unauthorized,
     Unavailable,
 )
 
 log = logging.getLogger("ds3.http")
 IMMUTABLE: Final = "public, max-age=31536000, immutable"
+BODY_TIMEOUT: Final = web.AppKey("ds3_body_timeout", float)  # seconds a request body may take (read_body)
+REALM: Final = 'Bearer realm="ds3"'
 
 
 def error_response(e: DS3Error) -> web.Response:
     """The one place a domain error becomes an HTTP status."""
     headers: dict[str, str] = {}
+    if isinstance(e, Retained):
+        body = {"error": e.message, "earliest_offset": e.earliest_offset, "snapshot_offset": e.earliest_offset}
+        headers[P.SNAPSHOT_OFFSET] = e.earliest_offset
+        return web.Response(status=410, body=orjson.dumps(body), headers=headers, content_type="application/json")
+    if isinstance(e, Unauthorized | Forbidden | TooManyRequests | RequestTimeout):
+        return _access_error(e)
     if isinstance(e, BadRequest):
         status = 400
     elif isinstance(e, NotFound):
@@ -62,6 +76,39 @@ def error_response(e: DS3Error) -> web.Response:
     return web.Response(status=status, text=e.message + "\n", headers=headers, content_type="text/plain")
 
 
+def _access_error(e: Unauthorized | Forbidden | TooManyRequests | RequestTimeout) -> web.Response:
+    """401 / 403 (RFC 6750 WWW-Authenticate), 429 with Retry-After, 408. Never stored by a
+    cache: the same URL answers differently with other credentials or a moment later."""
+    headers = {"Cache-Control": "no-store"}
+    if isinstance(e, Unauthorized):
+        status = 401
+        challenge = REALM
+        if e.error is not None:  # credentials were sent but are unusable
+            why = "".join(c for c in e.message if c.isprintable() and c not in '"\\')[:200]
+            challenge += f', error="{e.error}", error_description="{why}"'
+        headers["WWW-Authenticate"] = challenge
+    elif isinstance(e, Forbidden):
+        status = 403
+        headers["WWW-Authenticate"] = REALM + ', error="insufficient_scope"'
+    elif isinstance(e, TooManyRequests):
+        status = 429
+        headers["Retry-After"] = str(e.retry_after)
+    else:
+        status = 408
+        headers["Connection"] = "close"
+    return web.Response(status=status, text=e.message + "\n", headers=headers, content_type="text/plain")
+
+
+async def _send_and_close(request: web.Request, response: web.Response) -> web.Response:
+    """Send `response`, then close the connection at once: aiohttp would otherwise keep
+    reading (lingering) what is left of a body that is arriving too slowly."""
+    response.force_close()
+    await response.prepare(request)
+    await response.write_eof()
+    request.protocol.force_close()
+    return response
+
+
 @web.middleware
 async def errors_middleware(
     request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -71,6 +118,10 @@ async def errors_middleware(
     except DS3Error as e:
         if isinstance(e, Unavailable | ObjectStoreError):
             log.warning("%s %s: %s", request.method, request.path, e.message)
+        if request.get("ds3_prepared"):
+            raise  # the status line is out: aiohttp drops the connection, the client sees a cut body
+        if isinstance(e, RequestTimeout):
+            return await _send_and_close(request, error_response(e))
         return error_response(e)
     except web.HTTPException:
         raise
@@ -108,7 +159,11 @@ def method_not_allowed(method: str) -> web.Response:
 
 def stream_path(request: web.Request, max_bytes: int) -> str:
     """The stream path from the raw URL (not normalized: '..' is rejected, not resolved)."""
-    raw = request.raw_path.split("?", 1)[0]
+    return stream_path_of(request.raw_path.split("?", 1)[0], max_bytes)
+
+
+def stream_path_of(raw: str, max_bytes: int) -> str:
+    """The stream path a raw URL path (no query) names."""
     if raw.startswith(buckets.BUCKETS_PREFIX):  # a bucketed stream: its internal path
         return buckets.stream_path_from_url(raw)
     if not raw.startswith(P.STREAM_PREFIX):
@@ -124,10 +179,17 @@ async def read_body(request: web.Request, limit: int) -> bytes:
     if request.content_length is not None and request.content_length > limit:
         raise PayloadTooLarge(f"request body is larger than {limit} bytes")
     buf = bytearray()
-    async for chunk in request.content.iter_any():
-        buf += chunk
-        if len(buf) > limit:
-            raise PayloadTooLarge(f"request body is larger than {limit} bytes")
+    # A whole body must arrive within the body timeout: a client trickling it (slowloris)
+    # would otherwise hold a connection and a handler for as long as it likes.
+    timeout = request.app.get(BODY_TIMEOUT, 60.0)
+    try:
+        async with asyncio.timeout(timeout):
+            async for chunk in request.content.iter_any():
+                buf += chunk
+                if len(buf) > limit:
+                    raise PayloadTooLarge(f"request body is larger than {limit} bytes")
+    except TimeoutError:
+        raise RequestTimeout(f"the request body did not arrive within {timeout:g} s") from None
     return bytes(buf)
 
 

@@ -6,7 +6,9 @@ from collections.abc import Iterator
 
 import pytest
 
+from tests.cluster import StoreView
 from tests.s3server import CLEARED_ENV, TEST_ENV, MotoS3
+from tests.tcpgate import TcpGate
 
 
 # ---------------------------------------------------------------- S3 (moto server)
@@ -34,3 +36,15 @@ def s3_bucket(s3_server: MotoS3, aws_env: None) -> Iterator[str]:
     bucket = s3_server.new_bucket()
     yield bucket
     s3_server.drop_bucket(bucket)
+
+
+@pytest.fixture
+def gated_s3(s3_server: MotoS3, s3_bucket: str) -> Iterator[tuple[StoreView, TcpGate]]:
+    """An S3 bucket on moto plus a gate in front of moto for the ingester to go through
+    (tests/tcpgate.py: cut it, or slow it down)."""
+    host, port = s3_server.endpoint.removeprefix("http://").split(":")
+    gate = TcpGate((host, int(port))).start()
+    try:
+        yield StoreView.s3_store(s3_server, s3_bucket), gate
+    finally:
+        gate.stop()

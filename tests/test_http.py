@@ -19,7 +19,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from multidict import CIMultiDict
 
 from ingester.app import create_app
-from ingester.http import SERVICE
+from ingester.service import SERVICE
 from shared.config import IngesterConfig
 from tests.procs import Proc, ingester
 

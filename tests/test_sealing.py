@@ -22,7 +22,6 @@ import random
 import re
 import time
 from collections import Counter
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,7 +44,6 @@ from tests.cluster import (
     sealed_end,
     wait_for,
 )
-from tests.s3server import MotoS3
 from tests.tcpgate import TcpGate
 
 OCTET = "application/octet-stream"
@@ -66,17 +64,6 @@ def _store(request: pytest.FixtureRequest, tmp_path: Path, where: str) -> StoreV
 @pytest.fixture(params=["file", "s3"])
 def store(request: pytest.FixtureRequest, tmp_path: Path) -> StoreView:
     return _store(request, tmp_path, request.param)
-
-
-@pytest.fixture
-def gated_s3(s3_server: MotoS3, s3_bucket: str) -> Iterator[tuple[StoreView, TcpGate]]:
-    """An S3 bucket on moto plus a gate in front of moto for the ingester to go through."""
-    host, port = s3_server.endpoint.removeprefix("http://").split(":")
-    gate = TcpGate((host, int(port))).start()
-    try:
-        yield StoreView.s3_store(s3_server, s3_bucket), gate
-    finally:
-        gate.stop()
 
 
 # ---------------------------------------------------------------- writers that remember what was acked
