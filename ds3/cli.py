@@ -255,7 +255,9 @@ def dev(**kw: Any) -> None:
     sys.exit(run_dev(**kw))
 
 
+from pipeline.cli import pipeline_group  # noqa: E402 - the Spark jobs (docs/pipeline.md)
 
+main.add_command(pipeline_group)
 
 if __name__ == "__main__":  # pragma: no cover
     main()

@@ -94,8 +94,8 @@ class IngesterClient:
         self.requests += 1
         try:
             up = await self.session.request(
-                method, upstream_url(self.base + path_qs), headers=headers, allow_redirects=False,
-                timeout=self._timeout, skip_auto_headers=SKIP_AUTO,
+                method, upstream_url(self.base + path_qs), headers={**headers, **self.internal_headers},
+                allow_redirects=False, timeout=self._timeout, skip_auto_headers=SKIP_AUTO,
             )
         except (aiohttp.ClientConnectionError, TimeoutError) as e:
             raise Unavailable(f"the ingester is unreachable ({type(e).__name__})", 2) from e

@@ -7,6 +7,7 @@ from collections.abc import Iterator
 import pytest
 
 from tests.cluster import StoreView
+from tests.pipeline_fixtures import pipeline_env, spark  # noqa: F401 - Spark pipeline tests
 from tests.s3server import CLEARED_ENV, TEST_ENV, MotoS3
 from tests.tcpgate import TcpGate
 

@@ -35,7 +35,8 @@ def cluster(s3_server: MotoS3, tmp_path_factory: pytest.TempPathFactory) -> Iter
             mp.setenv(k, v)
         for k in CLEARED_ENV:
             mp.delenv(k, raising=False)
-        limit = ["--max-snapshot-bytes", str(MAX_SNAPSHOT)]
+        # As `ds3 dev` runs them: the pair shares an internal token (/_ds3/ needs it).
+        limit = ["--max-snapshot-bytes", str(MAX_SNAPSHOT), "--internal-token", "snapshot-tests-" + "t" * 32]
         c = Cluster(
             tmp_path_factory.mktemp("snapshots"), StoreView.s3_store(s3_server, bucket), seal_bytes=SEAL,
             seal_age=0.3, ingester_args=limit, reader_args=limit,

@@ -1,0 +1,294 @@
+"""What is sealed: streams, their descriptors, and the chunk objects that hold their history.
+
+The driver plans reads with it, straight from the object store (never through the
+ingester): a stream's descriptor names its uid (`chunks/<uid>/` holds its chunk objects) and,
+for a fork, the source it inherits from. A `StreamPlan` is the stream's sealed history as an
+ordered list of chunk references, position 0 first, with no gap:
+
+- a fork's history below its fork position lives in its source's chunks (keyed by the
+  source's uid, kept alive by the source's refcount), recursively; those references carry a
+  `cap` (the fork position), past which the source's bytes are not the fork's;
+- chunks are uploaded concurrently, so chunk c + 1 may be visible before chunk c: the plan
+  stops at the first missing chunk (or position gap); everything after it is "not sealed yet".
+
+Offsets are spelled as the server spells them (shared/offsets.py): the offset of position p
+names the chunk holding byte p - 1, so a chunk's first message starts at an offset naming the
+*previous* chunk of the plan (a source's chunk for a fork's first own chunk), and position 0
+names the first chunk of the stream at the root of the fork chain.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from pipeline.store import SyncStore
+from shared import buckets, chunks, keys, offsets
+from shared.descriptor import Descriptor
+from shared.errors import ObjectNotFound
+
+HEADER_FETCH = 4096  # prelude + header JSON (about 250 bytes) in one small ranged GET
+MAX_FORK_DEPTH = 64
+
+
+class StreamNotFound(LookupError):
+    """No descriptor for the stream in the store (never created there, or deleted)."""
+
+
+class HistoryUnavailable(LookupError):
+    """A fork's source history is gone (its source was replaced) and cannot be read."""
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkRef:
+    """One chunk object's part of a stream's history: positions [start, end)."""
+
+    uid: str  # the stream whose chunk it is (an ancestor's, for a fork's inherited history)
+    chunk: int
+    start: int
+    end: int  # already capped at the fork position for inherited chunks
+    prev_chunk: int  # the chunk id the offset of `start` names
+    object_size: int
+    sealed_at: float
+
+    @property
+    def key(self) -> str:
+        return keys.chunk_key(self.uid, self.chunk)
+
+    @property
+    def start_offset(self) -> str:
+        return offsets.encode(self.prev_chunk, self.start)
+
+    @property
+    def end_offset(self) -> str:
+        return offsets.encode(self.chunk, self.end)
+
+
+@dataclass(frozen=True, slots=True)
+class StreamPlan:
+    path: str  # internal path ("\x00b/<bucket>/<id>" for bucketed streams)
+    uid: str
+    content_type: str
+    zero_chunk: int  # the chunk id that offset position 0 names
+    chunks: tuple[ChunkRef, ...]  # sealed history, contiguous from position 0 (or `earliest`)
+    earliest: int = 0  # the earliest retained position (a snapshot's; extensions §2)
+    earliest_offset: str | None = None  # its spelling
+
+    @property
+    def sealed_end(self) -> int:
+        return self.chunks[-1].end if self.chunks else self.earliest
+
+    @property
+    def sealed_end_offset(self) -> str:
+        if self.chunks:
+            return self.chunks[-1].end_offset
+        return self.earliest_offset or offsets.encode(self.zero_chunk, 0)
+
+    @property
+    def url_path(self) -> str:
+        return buckets.url_path(self.path)
+
+    def offset_of(self, position: int) -> str | None:
+        """The server's spelling of a chunk-boundary position of the plan (None otherwise)."""
+        if position == 0:
+            return offsets.encode(self.zero_chunk, 0)
+        for ref in self.chunks:
+            if ref.end == position:
+                return ref.end_offset
+        return None
+
+
+def display_name(path: str) -> tuple[str | None, str]:
+    """(bucket id or None, stream name) of an internal path: what rows call a stream."""
+    parts = buckets.split_internal(path)
+    return (None, path) if parts is None else parts
+
+
+class Catalog:
+    """Descriptor and chunk-header reads against one store, with a cache of chunk headers
+    (chunks are immutable). Thread-safe; one per driver-side reader."""
+
+    def __init__(self, store: SyncStore, workers: int = 16) -> None:
+        self.store = store
+        self.workers = workers
+        self._headers: dict[str, tuple[chunks.ChunkHeader, int]] = {}
+        self._lock = threading.Lock()
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Spark pickles readers to ship them to executors: settings travel, the cache does not
+        return {"store": self.store, "workers": self.workers}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["store"], state["workers"])  # type: ignore[misc]
+
+    # ------------------------------------------------------------ descriptors
+    def descriptor(self, path: str) -> Descriptor | None:
+        try:
+            desc = Descriptor.decode(self.store.get(keys.descriptor_key(path)))
+        except ObjectNotFound:
+            return None
+        return desc if desc.path == path else None  # a sha256 collision would be news
+
+    def descriptors_under(self, path_prefix: str) -> list[Descriptor]:
+        """Live streams whose internal path starts with `path_prefix` (descriptors are keyed
+        by a hash of the path, so this reads every descriptor in the store)."""
+        listed = [o.key for o in self.store.list("streams/") if o.key.endswith(".json")]
+        with ThreadPoolExecutor(self.workers) as pool:
+            found = list(pool.map(self._descriptor_at, listed))
+        out = [d for d in found if d is not None and d.path.startswith(path_prefix) and not d.soft_deleted]
+        if not path_prefix.startswith(buckets.INTERNAL_PREFIX):  # plain prefixes never match buckets
+            out = [d for d in out if buckets.split_internal(d.path) is None]
+        return sorted(out, key=lambda d: d.path)
+
+    def _descriptor_at(self, key: str) -> Descriptor | None:
+        try:
+            return Descriptor.decode(self.store.get(key))
+        except (ObjectNotFound, ValueError, TypeError):
+            return None  # deleted while listing, or not a descriptor
+
+    # ------------------------------------------------------------ chunk headers
+    def header(self, uid: str, chunk: int) -> tuple[chunks.ChunkHeader, int]:
+        """(header, object size) of a chunk object; ObjectNotFound when it is not there."""
+        key = keys.chunk_key(uid, chunk)
+        with self._lock:
+            hit = self._headers.get(key)
+        if hit is not None:
+            return hit
+        first = self.store.get(key, 0, HEADER_FETCH)
+        prelude = chunks.parse_prelude(first)
+        end = chunks.PRELUDE_SIZE + prelude.header_length
+        if len(first) < end:
+            first = self.store.get(key, 0, end)
+        found = (chunks.ChunkHeader.from_json(first[chunks.PRELUDE_SIZE:end]), prelude.object_size)
+        with self._lock:
+            self._headers[key] = found
+        return found
+
+    def chunk_ids(self, uid: str, first: int) -> list[int]:
+        """Listed chunk ids of `uid` from `first` on, while they run without a gap."""
+        ids: list[int] = []
+        start_after = keys.chunk_key(uid, first - 1) if first > 0 else None
+        for o in self.store.list(keys.chunk_prefix(uid), start_after):
+            name = o.key.rsplit("/", 1)[1]
+            if not name.isdigit():
+                continue
+            c = int(name)
+            if c != first + len(ids):
+                break
+            ids.append(c)
+        return ids
+
+    # ------------------------------------------------------------ plans
+    def plan(self, desc: Descriptor) -> StreamPlan:
+        snapshot = getattr(desc, "snapshot_offset", None)  # retention (extensions §2)
+        if snapshot:
+            earliest = offsets.parse(snapshot)
+            if desc.fork_source is None or earliest.position >= desc.fork_position:
+                return self._retained_plan(desc, earliest)
+        plan = self._full_plan(desc)
+        if snapshot:  # a fork whose snapshot lies in inherited history: those chunks stay
+            plan = StreamPlan(plan.path, plan.uid, plan.content_type, plan.zero_chunk, plan.chunks,
+                              offsets.parse(snapshot).position, snapshot)
+        return plan
+
+    def _retained_plan(self, desc: Descriptor, earliest: offsets.Offset) -> StreamPlan:
+        """A stream with a snapshot: chunks wholly before it may be deleted already, so the
+        plan starts at the chunk holding the earliest retained position (offset c_p: byte p
+        is in chunk c, or in c + 1 when c ends at p)."""
+        refs: list[ChunkRef] = []
+        ids = self.chunk_ids(desc.uid, earliest.chunk) or self.chunk_ids(desc.uid, earliest.chunk + 1)
+        position = earliest.position
+        for c in ids:
+            found = self._maybe_header(desc.uid, c)
+            if found is None:
+                break
+            h, size = found
+            if h.end <= earliest.position and not refs:
+                continue
+            contiguous = h.start == position if refs else h.start <= position < h.end
+            if not contiguous:
+                break
+            prev = earliest.chunk if h.start == earliest.position else c - 1
+            refs.append(ChunkRef(desc.uid, c, h.start, h.end, refs[-1].chunk if refs else prev, size,
+                                 h.created_at))
+            position = h.end
+        zero = desc.first_chunk
+        return StreamPlan(desc.path, desc.uid, desc.content_type, zero, tuple(refs), earliest.position,
+                          str(earliest))
+
+    def _full_plan(self, desc: Descriptor) -> StreamPlan:
+        chain = [desc]
+        while chain[-1].fork_source is not None:
+            child = chain[-1]
+            assert child.fork_source is not None
+            if len(chain) > MAX_FORK_DEPTH:
+                raise HistoryUnavailable(f"fork chain of {desc.path!r} is deeper than {MAX_FORK_DEPTH}")
+            source = self.descriptor(child.fork_source)
+            if source is None or source.uid != child.fork_source_uid:
+                raise HistoryUnavailable(
+                    f"stream {desc.path!r} forks {child.fork_source!r}, whose history is no longer in the store"
+                )
+            chain.append(source)
+        root = chain[-1]
+        refs: list[ChunkRef] = []
+        position = 0
+        # From the root down: each level contributes its own chunks from its own start up to
+        # the fork position of the level below it (the smallest one, for nested forks).
+        for i in range(len(chain) - 1, -1, -1):
+            level = chain[i]
+            cap = min((d.fork_position for d in chain[:i]), default=None)
+            own_start = level.fork_position if level.fork_source is not None else 0
+            if position != own_start or (cap is not None and cap <= own_start):
+                continue
+            position = self._level(level, cap, position, refs, root.first_chunk)
+            if cap is not None and position < cap:
+                break  # the inherited history is not all sealed yet: the plan ends here
+        return StreamPlan(desc.path, desc.uid, desc.content_type, root.first_chunk, tuple(refs))
+
+    def _level(self, level: Descriptor, cap: int | None, position: int, refs: list[ChunkRef],
+               zero_chunk: int) -> int:
+        ids = self.chunk_ids(level.uid, level.first_chunk)
+        with ThreadPoolExecutor(self.workers) as pool:
+            heads = list(pool.map(lambda c: self._maybe_header(level.uid, c), ids))
+        for c, found in zip(ids, heads, strict=True):
+            if found is None:
+                break
+            h, size = found
+            if h.start != position or h.chunk != c:
+                break
+            end = h.end if cap is None else min(h.end, cap)
+            prev = refs[-1].chunk if refs else zero_chunk
+            refs.append(ChunkRef(level.uid, c, h.start, end, prev, size, h.created_at))
+            position = end
+            if cap is not None and position >= cap:
+                break
+        return position
+
+    def _maybe_header(self, uid: str, chunk: int) -> tuple[chunks.ChunkHeader, int] | None:
+        try:
+            return self.header(uid, chunk)
+        except ObjectNotFound:
+            return None
+
+    def plans(self, descs: Iterable[Descriptor]) -> list[StreamPlan]:
+        return [self.plan(d) for d in descs]
+
+
+def resolve(catalog: Catalog, paths: Sequence[str] | None, path_prefix: str | None) -> list[Descriptor]:
+    """The descriptors of the named streams (StreamNotFound when one is missing or deleted),
+    or of every live stream under the internal path prefix."""
+    if paths is not None:
+        out = []
+        for p in paths:
+            d = catalog.descriptor(p)
+            if d is None or d.soft_deleted:
+                bucket, name = display_name(p)
+                where = f"bucket {bucket!r} stream {name!r}" if bucket else f"stream {name!r}"
+                raise StreamNotFound(f"{where} not found in store {catalog.store.url}")
+            out.append(d)
+        return out
+    assert path_prefix is not None
+    return catalog.descriptors_under(path_prefix)

@@ -1,0 +1,106 @@
+"""`ds3 pipeline ...`: the Spark jobs on the command line (registered into ds3/cli.py).
+
+    ds3 pipeline export  --store s3://b/ds3 --prefix orders/ --output /data/orders-parquet
+    ds3 pipeline compact --store s3://b/ds3 --stream cart --url http://reader:4437
+    ... --master spark://spark-master:7077     (default: local[*], every core of this machine)
+
+Like every ds3 option, each one can be set as DS3_<NAME>. pyspark is imported only when a
+job runs, so `ds3 ingester` and `ds3 reader` start without it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import click
+
+FC = TypeVar("FC", bound=Callable[..., Any])
+
+
+def _opt(*names: str, env: str, **kw: Any) -> Callable[[FC], FC]:
+    return click.option(*names, envvar=env, show_envvar=True, show_default="default" in kw, **kw)
+
+
+def _source_options(f: FC) -> FC:
+    for opt in reversed([
+        _opt("--store", env="DS3_STORE", required=True, help="Object store: s3://bucket/prefix or file:///path."),
+        _opt("--s3-endpoint", env="DS3_S3_ENDPOINT", default=None,
+             help="S3 endpoint URL (MinIO, moto). Default: AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL, else AWS."),
+        _opt("--stream", env="DS3_STREAM", default=None, help="A plain stream path (/v1/stream/{path})."),
+        _opt("--bucket", env="DS3_BUCKET", default=None, help="A bucket: all its streams, or --stream-id / --prefix."),
+        _opt("--stream-id", env="DS3_STREAM_ID", default=None, help="A stream id in --bucket."),
+        _opt("--prefix", env="DS3_PREFIX", default=None, help="Every stream whose path (or id in --bucket) starts so."),
+        _opt("--token", env="DS3_TOKEN", default=None,
+             help="Bearer token for the reader / ingester (prefer the environment variable)."),
+        _opt("--master", env="DS3_MASTER", default="local[*]", help="Spark master: local[*], spark://host:7077, ..."),
+    ]):
+        f = opt(f)
+    return f
+
+
+def _read_options(kw: dict[str, Any]) -> dict[str, str]:
+    names = {"store": "store", "s3_endpoint": "endpoint_url", "stream": "stream", "bucket": "bucket",
+             "stream_id": "stream_id", "prefix": "prefix", "token": "token"}
+    return {opt: str(kw[k]) for k, opt in names.items() if kw.get(k) is not None}
+
+
+def _run(master: str, app: str, job: Callable[[Any], Any]) -> Any:
+    """Run `job(spark)` on an active session if there is one (stopping nothing), else on a
+    new session for `master` that is stopped afterwards."""
+    from pyspark.sql import SparkSession
+
+    from pipeline.options import OptionError
+    from pipeline.session import spark_session
+
+    active = SparkSession.getActiveSession()
+    spark = active or spark_session(master, app)
+    if active is not None:
+        from pipeline.source import register
+
+        register(spark)
+    try:
+        return job(spark)
+    except OptionError as e:
+        raise click.UsageError(str(e).replace("ds3 data source option", "option")) from None
+    finally:
+        if active is None:
+            spark.stop()
+
+
+@click.group("pipeline")
+def pipeline_group() -> None:
+    """Spark jobs over the sealed history in the object store (see docs/pipeline.md)."""
+
+
+@pipeline_group.command()
+@_source_options
+@_opt("--output", env="DS3_OUTPUT", required=True, type=click.Path(path_type=Path),
+      help="Parquet directory (partitioned by stream and date).")
+@_opt("--state", env="DS3_STATE", default=None, type=click.Path(path_type=Path),
+      help="Offsets exported so far. Default: OUTPUT/_ds3_export_state.json.")
+def export(**kw: Any) -> None:
+    """Append every sealed message after the last export to Parquet, incrementally."""
+    from pipeline.jobs import export as run_export
+
+    result = _run(kw["master"], "ds3-export",
+                  lambda spark: run_export(spark, _read_options(kw), kw["output"], kw["state"]))
+    click.echo(json.dumps({"exported_up_to": result.streams, "state": str(result.state_path)}))
+
+
+@pipeline_group.command()
+@_source_options
+@_opt("--url", env="DS3_URL", required=True, help="Base URL of a ds3 reader or ingester (tail, publishing).")
+@_opt("--offset", env="DS3_OFFSET", default=None, help="Fold up to this offset. Default: the tail now.")
+@_opt("--dry-run", env="DS3_DRY_RUN", is_flag=True, default=False, help="Fold and print; publish nothing.")
+def compact(**kw: Any) -> None:
+    """Fold a JSON stream of state events into a snapshot and publish it."""
+    from pipeline.jobs import compact as run_compact
+
+    result = _run(kw["master"], "ds3-compact", lambda spark: run_compact(
+        spark, _read_options(kw), kw["url"], kw["offset"], publish=not kw["dry_run"]))
+    click.echo(json.dumps({"snapshot_offset": result.offset, "entities": result.entities,
+                           "events": result.events, "bytes": len(result.snapshot),
+                           "published": not kw["dry_run"]}))

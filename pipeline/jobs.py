@@ -1,0 +1,178 @@
+"""The `ds3 pipeline` jobs, as functions of a SparkSession (pipeline/cli.py wraps them).
+
+export   streams -> Parquet partitioned by stream and date (the day their chunk was sealed),
+         incrementally: a state file remembers each stream's exported offset, and a run reads
+         only the sealed chunks after it. The run first records what it is about to write
+         ("pending"), writes, then commits the state; a run that finds a pending record checks
+         the output for it, so a crash between the write and the commit neither loses nor
+         duplicates a message.
+
+compact  a JSON stream of state-change events (the Durable Streams state protocol, as in
+         @durable-streams/state: {"type", "key", "value", "headers": {"operation"}}) folded
+         up to an offset into its materialized state, published as a snapshot
+         (PUT {url}/v1/stream/{path}/snapshot/{offset}, extensions §2). The snapshot is a JSON
+         array of `insert` events, one per live (type, key), so a client that applies it and
+         then the updates after the offset (what /bootstrap returns) ends in the same state
+         as a full replay.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote
+
+from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import functions as F
+
+from pipeline.catalog import Catalog, display_name, resolve
+from pipeline.http import Client, HTTPError
+from pipeline.options import OptionError, ReadOptions
+from shared import offsets
+from shared import protocol as P
+
+STATE_FILE = "_ds3_export_state.json"
+OPERATIONS = ("insert", "update", "upsert", "delete")
+
+
+# ---------------------------------------------------------------- export
+@dataclass(frozen=True)
+class ExportResult:
+    streams: dict[str, str]  # stream URL path -> the offset exported up to (this run's new ones)
+    state_path: Path
+
+
+def _position(offset: str | None) -> int:
+    return 0 if not offset or offset == offsets.START else offsets.parse(offset).position
+
+
+def _load_state(path: Path) -> dict[str, Any]:
+    if not path.exists():
+        return {"offsets": {}, "pending": None}
+    state = json.loads(path.read_text())
+    return {"offsets": dict(state.get("offsets", {})), "pending": state.get("pending")}
+
+
+def _save_state(path: Path, state: dict[str, Any]) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(state, indent=1, sort_keys=True))
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _pending_written(spark: SparkSession, output: Path, pending: dict[str, Any]) -> bool:
+    """Whether the run that recorded `pending` got its rows into the output (Spark commits a
+    file write as a whole, so one stream's first new row tells)."""
+    if not output.exists() or not pending.get("first"):
+        return False
+    stream, position = pending["first"]
+    found = spark.read.parquet(str(output)).where((F.col("stream") == stream) & (F.col("position") >= position))
+    return bool(found.limit(1).count())
+
+
+def export(spark: SparkSession, read_options: dict[str, str], output: Path,
+           state_path: Path | None = None) -> ExportResult:
+    """Append every sealed message after the saved offsets to Parquet under `output`,
+    partitioned by `stream` and `date`; save the new offsets."""
+    output = output.resolve()
+    state_path = state_path or output / STATE_FILE
+    state_path.parent.mkdir(parents=True, exist_ok=True)
+    state = _load_state(state_path)
+    if state["pending"]:
+        if _pending_written(spark, output, state["pending"]):
+            state["offsets"].update(state["pending"]["ends"])
+        state["pending"] = None
+        _save_state(state_path, state)
+    opts = ReadOptions.parse(read_options)
+    catalog = Catalog(opts.store)
+    plans = catalog.plans(resolve(catalog, opts.selection.paths, opts.selection.path_prefix))
+    done: dict[str, str] = state["offsets"]
+    ends = {p.url_path: p.sealed_end_offset for p in plans if p.sealed_end > _position(done.get(p.url_path))}
+    if not ends:
+        return ExportResult({}, state_path)
+    starts = {k: done[k] for k in ends if k in done}
+    first = next((p for p in plans if p.url_path in ends), None)
+    assert first is not None
+    name = display_name(first.path)[1]
+    state["pending"] = {"ends": ends, "first": [name, max(_position(starts.get(first.url_path)), first.earliest)]}
+    _save_state(state_path, state)
+    df = (spark.read.format("ds3")
+          .options(**read_options, start_offsets=json.dumps(starts), end_offsets=json.dumps(ends)).load()
+          .withColumn("date", F.to_date("sealed_at")))
+    df.write.mode("append").partitionBy("stream", "date").parquet(str(output))
+    state["offsets"].update(ends)
+    state["pending"] = None
+    _save_state(state_path, state)
+    return ExportResult(ends, state_path)
+
+
+# ---------------------------------------------------------------- compact
+@dataclass(frozen=True)
+class CompactResult:
+    offset: str  # the snapshot's offset: it covers [-1, offset)
+    entities: int
+    events: int
+    snapshot: bytes
+
+
+def fold(events: DataFrame) -> tuple[list[str], int]:
+    """The live entities after the events (rows with `position` and JSON `value`), in
+    (type, key) order, as `insert` events; and how many change events were folded. Events
+    before the last `reset` control message do not count."""
+    parsed = events.select(
+        "position", "value",
+        F.get_json_object("value", "$.type").alias("type"),
+        F.get_json_object("value", "$.key").alias("key"),
+        F.get_json_object("value", "$.headers.operation").alias("op"),
+        F.get_json_object("value", "$.headers.control").alias("control"),
+    ).cache()
+    try:
+        last_reset = parsed.where(F.col("control") == "reset").agg(F.max("position")).first()
+        after = last_reset[0] if last_reset is not None and last_reset[0] is not None else -1
+        changes = parsed.where(F.col("type").isNotNull() & F.col("key").isNotNull()
+                               & F.col("op").isin(*OPERATIONS) & (F.col("position") > after))
+        latest = changes.groupBy("type", "key").agg(
+            F.max_by("value", "position").alias("value"), F.max_by("op", "position").alias("op"))
+        live = latest.where(F.col("op") != "delete").orderBy("type", "key").collect()
+        count = changes.count()
+    finally:
+        parsed.unpersist()
+    out = []
+    for row in live:
+        event = json.loads(row["value"])
+        snapshot_event = {"type": event["type"], "key": event["key"], "value": event.get("value"),
+                          "headers": {"operation": "insert"}}
+        out.append(json.dumps(snapshot_event, ensure_ascii=False, separators=(",", ":")))
+    return out, count
+
+
+def compact(spark: SparkSession, read_options: dict[str, str], url: str, offset: str | None = None,
+            publish: bool = True) -> CompactResult:
+    """Fold the stream up to `offset` (default: its tail now) and publish the snapshot."""
+    opts = ReadOptions.parse({**read_options, "url": url})
+    if opts.selection.paths is None or len(opts.selection.paths) != 1:
+        raise OptionError("stream", "compact works on one stream: stream, or bucket + stream_id")
+    catalog = Catalog(opts.store)
+    plan = catalog.plan(resolve(catalog, opts.selection.paths, None)[0])
+    if not P.is_json(plan.content_type):
+        raise OptionError("stream", f"compact needs a JSON stream of state events, not {plan.content_type}")
+    client = Client(url, opts.token)
+    try:
+        upto = offset or client.tail_offset(plan.url_path)
+        offsets.parse(upto)  # a concrete offset: the snapshot is named by it
+        df = spark.read.format("ds3").options(
+            **read_options, include_tail="true", url=url, end_offsets=json.dumps({plan.url_path: upto})).load()
+        entities, events = fold(df)
+        body = ("[" + ",".join(entities) + "]").encode()
+        if publish:
+            target = f"{plan.url_path}/snapshot/{quote(upto, safe='')}"
+            r = client.request("PUT", target, body=body, headers={"Content-Type": "application/json"})
+            if r.status not in (200, 201, 204):
+                raise HTTPError("PUT", url + target, r.status, r.body)
+    finally:
+        client.close()
+    return CompactResult(upto, len(entities), events, body)

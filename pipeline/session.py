@@ -1,0 +1,32 @@
+"""Starting a SparkSession for ds3 jobs and tests: the Python workers must run this very
+interpreter (so `pipeline` and `shared` import on executors) and, locally, Spark must bind to
+127.0.0.1. The `ds3` data source is registered on the session."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from pyspark.sql import SparkSession
+
+
+def spark_session(master: str = "local[*]", app_name: str = "ds3-pipeline",
+                  conf: dict[str, str] | None = None) -> SparkSession:
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
+    if master.startswith("local"):
+        os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+    builder = (
+        SparkSession.builder.master(master).appName(app_name)
+        .config("spark.ui.enabled", "false")
+        .config("spark.sql.session.timeZone", "UTC")
+        .config("spark.python.worker.reuse", "true")
+    )
+    for k, v in (conf or {}).items():
+        builder = builder.config(k, v)
+    spark = builder.getOrCreate()
+    spark.sparkContext.setLogLevel("ERROR")
+    from pipeline.source import register
+
+    register(spark)
+    return spark

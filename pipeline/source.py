@@ -1,0 +1,207 @@
+"""The `ds3` Spark data source: batch reads of sealed history (plus, on request, the unsealed
+tail over HTTP), the streaming reader (pipeline/streaming.py) and the writer
+(pipeline/writer.py).
+
+    from pipeline.source import register
+    register(spark)
+    df = spark.read.format("ds3").option("store", "s3://bucket/ds3").option("stream", "orders").load()
+
+Planning runs on the driver (descriptors, chunk listings, chunk headers: pipeline/catalog.py);
+each input partition is one chunk object, or a group of small consecutive ones, read by the
+executor with one GET and decoded with shared/chunks.py. The tail of a stream, when asked for,
+is one more partition that reads it through a ds3 reader or ingester.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import pyarrow as pa  # type: ignore[import-untyped]
+from pyspark.sql import SparkSession
+from pyspark.sql.datasource import (
+    DataSource,
+    DataSourceReader,
+    DataSourceStreamReader,
+    DataSourceWriter,
+    InputPartition,
+)
+from pyspark.sql.types import StructType
+
+from pipeline import rows
+from pipeline.catalog import Catalog, ChunkRef, StreamPlan, display_name, resolve
+from pipeline.http import Client
+from pipeline.options import ReadOptions, WriteOptions
+from pipeline.store import LocalSyncStore, S3SyncStore
+from shared import offsets
+
+
+@dataclass(frozen=True, slots=True)
+class Bounds:
+    """Positions of one stream to read: [lo, hi); hi None: to the end of what is there.
+    lo_offset is the server's spelling of lo (where a tail read starts when lo is unsealed)."""
+
+    lo: int = 0
+    hi: int | None = None
+    lo_offset: str | None = None
+
+
+class ChunkGroup(InputPartition):
+    """Consecutive chunk objects read by one task."""
+
+    def __init__(self, store: LocalSyncStore | S3SyncStore, items: list[tuple[rows.Target, ChunkRef]]) -> None:
+        self.store = store
+        self.items = items
+
+
+class TailRead(InputPartition):
+    """A stream's unsealed tail, read over HTTP from `offset` up to position `stop`."""
+
+    def __init__(self, url: str, token: str | None, url_path: str, target: rows.Target, offset: str,
+                 stop: int) -> None:
+        self.url = url
+        self.token = token
+        self.url_path = url_path
+        self.target = target
+        self.offset = offset
+        self.stop = stop
+
+
+def target_of(plan: StreamPlan, bounds: Bounds) -> rows.Target:
+    bucket, name = display_name(plan.path)
+    return rows.Target(name, bucket, plan.content_type, bounds.lo, bounds.hi)
+
+
+def plan_partitions(
+    plans: Sequence[StreamPlan], bounds: dict[str, Bounds], store: LocalSyncStore | S3SyncStore,
+    partition_bytes: int, tail_url: str | None = None, tail_ends: dict[str, int] | None = None,
+    token: str | None = None,
+) -> list[InputPartition]:
+    """Chunk groups (about partition_bytes each) for every stream's sealed chunks inside its
+    bounds, then, where tail_ends gives a stream's tail position, a TailRead for what lies
+    between its sealed end and that position."""
+    parts: list[InputPartition] = []
+    group: list[tuple[rows.Target, ChunkRef]] = []
+    size = 0
+    bounds = {p.url_path: _retained(p, bounds.get(p.url_path, Bounds())) for p in plans}
+    for plan in plans:
+        b = bounds[plan.url_path]
+        target = target_of(plan, b)
+        for ref in plan.chunks:
+            if ref.end <= b.lo or (b.hi is not None and ref.start >= b.hi):
+                continue
+            if group and size + ref.object_size > partition_bytes:
+                parts.append(ChunkGroup(store, group))
+                group, size = [], 0
+            group.append((target, ref))
+            size += ref.object_size
+    if group:
+        parts.append(ChunkGroup(store, group))
+    for plan in plans:
+        stop = (tail_ends or {}).get(plan.url_path)
+        b = bounds.get(plan.url_path, Bounds())
+        if tail_url is None or stop is None:
+            continue
+        if b.hi is not None:
+            stop = min(stop, b.hi)
+        begin = max(b.lo, plan.sealed_end)
+        if stop <= begin:
+            continue
+        offset = plan.sealed_end_offset if begin == plan.sealed_end else (b.lo_offset or "-1")
+        parts.append(TailRead(tail_url, token, plan.url_path, target_of(plan, b), offset, stop))
+    return parts
+
+
+def _retained(plan: StreamPlan, b: Bounds) -> Bounds:
+    """Reads start no earlier than the earliest retained position (after a snapshot)."""
+    if b.lo >= plan.earliest:
+        return b
+    return Bounds(plan.earliest, b.hi, plan.earliest_offset)
+
+
+def read_partition(partition: InputPartition) -> Iterator[pa.RecordBatch]:
+    """Executor side: the rows of one partition, as Arrow record batches."""
+    if isinstance(partition, ChunkGroup):
+        for target, ref in partition.items:
+            batch = rows.chunk_batch(target, ref, partition.store.get(ref.key))
+            if batch.num_rows:
+                yield batch
+    elif isinstance(partition, TailRead):
+        client = Client(partition.url, partition.token)
+        try:
+            pages = list(client.catch_up(partition.url_path, partition.offset, partition.stop))
+        finally:
+            client.close()
+        batch = rows.tail_batch(rows.Target(partition.target.stream, partition.target.bucket,
+                                            partition.target.content_type, partition.target.lo,
+                                            partition.stop), pages)
+        if batch.num_rows:
+            yield batch
+    else:
+        raise TypeError(f"not a ds3 partition: {partition!r}")
+
+
+def bounds_for(opts: ReadOptions, plans: Sequence[StreamPlan]) -> dict[str, Bounds]:
+    out = {}
+    for plan in plans:
+        start = opts.start.get(plan.url_path)
+        end = opts.end.get(plan.url_path)
+        out[plan.url_path] = Bounds(
+            lo=start.position if start else 0, hi=end.position if end else None,
+            lo_offset=str(start) if start else None,
+        )
+    return out
+
+
+def tail_ends(url: str, plans: Sequence[StreamPlan], token: str | None = None) -> dict[str, int]:
+    """Each stream's tail position now (HEAD on the reader or ingester)."""
+    client = Client(url, token)
+    try:
+        return {p.url_path: offsets.parse(client.tail_offset(p.url_path)).position for p in plans}
+    finally:
+        client.close()
+
+
+class DS3BatchReader(DataSourceReader):
+    def __init__(self, opts: ReadOptions) -> None:
+        self.opts = opts
+
+    def partitions(self) -> Sequence[InputPartition]:
+        o = self.opts
+        catalog = Catalog(o.store)
+        plans = catalog.plans(resolve(catalog, o.selection.paths, o.selection.path_prefix))
+        ends = tail_ends(o.url, plans, o.token) if o.include_tail and o.url else None
+        parts = plan_partitions(plans, bounds_for(o, plans), o.store, o.partition_bytes, o.url, ends, o.token)
+        return parts or [ChunkGroup(o.store, [])]
+
+    def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
+        return read_partition(partition)
+
+
+class DS3DataSource(DataSource):
+    """`format("ds3")`: see docs/pipeline.md for the options."""
+
+    @classmethod
+    def name(cls) -> str:
+        return "ds3"
+
+    def schema(self) -> str:
+        return rows.SCHEMA_DDL
+
+    def reader(self, schema: StructType) -> DataSourceReader:
+        return DS3BatchReader(ReadOptions.parse(self.options))
+
+    def streamReader(self, schema: StructType) -> DataSourceStreamReader:
+        from pipeline.streaming import DS3StreamReader
+
+        return DS3StreamReader(ReadOptions.parse(self.options))
+
+    def writer(self, schema: StructType, overwrite: bool) -> DataSourceWriter:
+        from pipeline.writer import DS3Writer
+
+        return DS3Writer(WriteOptions.parse(self.options), schema, overwrite)
+
+
+def register(spark: SparkSession) -> None:
+    """Make `format("ds3")` available in this session."""
+    spark.dataSource.register(DS3DataSource)

@@ -1,0 +1,188 @@
+"""Synchronous object-store access for Spark: the driver plans with it, executors read chunks.
+
+The servers use `shared.objectstore` (aiobotocore on an event loop); Spark tasks are plain
+threads in Python workers, where an event loop per task would only add cost and risk. So the
+pipeline has its own small, blocking readers over the same key layout:
+
+    store = open_sync_store("s3://bucket/prefix", endpoint_url="http://minio:9000")
+    store = open_sync_store("file:///var/lib/ds3/objects")
+    store.get(key, start, end); store.list(prefix)
+
+A store is picklable (only its settings travel; the boto3 client is created on first use in
+each process), so it can ride inside Spark input partitions.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Final, Protocol
+from urllib.parse import unquote, urlsplit
+
+from shared.errors import ObjectNotFound
+from shared.objectstore.base import TEMP_PREFIX
+
+_BUCKET_RE: Final = re.compile(r"\A[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]\Z")
+
+
+class StoreURLError(ValueError):
+    """The store URL (or its settings) cannot name an object store."""
+
+
+@dataclass(frozen=True, slots=True)
+class Listed:
+    key: str  # relative to the store URL
+    size: int
+
+
+class SyncStore(Protocol):
+    url: str
+
+    def get(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
+        """The object's bytes [start, end) (end exclusive; None: to the end). ObjectNotFound."""
+
+    def list(self, prefix: str, start_after: str | None = None) -> Iterator[Listed]:
+        """Every object under `prefix`, in key order, after `start_after` when given."""
+
+
+@dataclass
+class LocalSyncStore:
+    """A `file://` store: one plain file per key under root (see shared.objectstore.local)."""
+
+    url: str
+    root: Path
+
+    def get(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
+        try:
+            with open(self.root / key, "rb") as f:
+                if start:
+                    f.seek(start)
+                return f.read() if end is None else f.read(end - (start or 0))
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+            raise ObjectNotFound(key) from None
+
+    def list(self, prefix: str, start_after: str | None = None) -> Iterator[Listed]:
+        found: list[Listed] = []
+        base, _, name_prefix = prefix.rpartition("/")
+        top = self.root / base if base else self.root
+        if not top.is_dir():
+            return iter(())
+        for dirpath, dirs, files in os.walk(top):
+            rel_dir = os.path.relpath(dirpath, self.root)
+            rel_dir = "" if rel_dir == "." else rel_dir + "/"
+            if dirpath == str(top) and name_prefix:
+                dirs[:] = [d for d in dirs if d.startswith(name_prefix)]
+            for f in files:
+                key = rel_dir + f
+                if f.startswith(TEMP_PREFIX) or not key.startswith(prefix):
+                    continue
+                if start_after is not None and key <= start_after:
+                    continue
+                try:
+                    found.append(Listed(key, os.path.getsize(os.path.join(dirpath, f))))
+                except FileNotFoundError:
+                    continue  # deleted while we looked
+        found.sort(key=lambda o: o.key)
+        return iter(found)
+
+
+@dataclass
+class S3SyncStore:
+    """An `s3://bucket/prefix` store through boto3. Path-style addressing with a custom
+    endpoint (MinIO, moto), as the servers do."""
+
+    url: str
+    bucket: str
+    prefix: str  # "" or "some/prefix/"
+    endpoint_url: str | None = None
+    region: str | None = None
+    access_key_id: str | None = None
+    secret_access_key: str | None = None
+    session_token: str | None = None
+    _client: Any = field(default=None, repr=False, compare=False)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = {k: getattr(self, k) for k in self.__dataclass_fields__}
+        state["_client"] = None  # clients do not pickle; each process makes its own
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        for k, v in state.items():
+            setattr(self, k, v)
+
+    def client(self) -> Any:
+        if self._client is None:
+            import boto3  # type: ignore[import-untyped]
+            from botocore.config import Config
+
+            endpoint = (self.endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3")
+                        or os.environ.get("AWS_ENDPOINT_URL"))
+            config = Config(
+                s3={"addressing_style": "path"} if endpoint else {},
+                retries={"max_attempts": 8, "mode": "adaptive"},
+                max_pool_connections=32,
+            )
+            self._client = boto3.session.Session().client(
+                "s3", endpoint_url=endpoint, region_name=self.region, config=config,
+                aws_access_key_id=self.access_key_id, aws_secret_access_key=self.secret_access_key,
+                aws_session_token=self.session_token,
+            )
+        return self._client
+
+    def get(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
+        kw: dict[str, Any] = {"Bucket": self.bucket, "Key": self.prefix + key}
+        if start is not None or end is not None:
+            kw["Range"] = f"bytes={start or 0}-{'' if end is None else end - 1}"
+        try:
+            obj = self.client().get_object(**kw)
+        except Exception as e:
+            code = getattr(e, "response", {}).get("Error", {}).get("Code", "")
+            if code in ("NoSuchKey", "404", "NotFound"):
+                raise ObjectNotFound(key) from None
+            raise
+        return bytes(obj["Body"].read())
+
+    def list(self, prefix: str, start_after: str | None = None) -> Iterator[Listed]:
+        kw: dict[str, Any] = {"Bucket": self.bucket, "Prefix": self.prefix + prefix}
+        if start_after is not None:
+            kw["StartAfter"] = self.prefix + start_after
+        strip = len(self.prefix)
+        for page in self.client().get_paginator("list_objects_v2").paginate(**kw):
+            for o in page.get("Contents", []):
+                yield Listed(o["Key"][strip:], int(o["Size"]))
+
+
+def open_sync_store(
+    url: str,
+    *,
+    endpoint_url: str | None = None,
+    region: str | None = None,
+    access_key_id: str | None = None,
+    secret_access_key: str | None = None,
+    session_token: str | None = None,
+) -> LocalSyncStore | S3SyncStore:
+    """The store a URL names, as `ds3 ingester --store` accepts it. Credentials and region
+    default to the standard AWS variables and files (resolved where the client is made)."""
+    parts = urlsplit(url)
+    if parts.query or parts.fragment:
+        raise StoreURLError(f"store URL {url!r}: no query or fragment allowed")
+    if parts.scheme == "file":
+        if parts.netloc not in ("", "localhost"):
+            raise StoreURLError(f"store URL {url!r}: file URLs name a local path (file:///abs/path)")
+        path = unquote(parts.path)
+        if not path.startswith("/") or path.rstrip("/") == "":
+            raise StoreURLError(f"store URL {url!r}: needs an absolute directory other than /")
+        return LocalSyncStore(url, Path(path))
+    if parts.scheme == "s3":
+        if not _BUCKET_RE.match(parts.netloc):
+            raise StoreURLError(f"store URL {url!r}: {parts.netloc!r} is not a valid bucket name")
+        prefix = unquote(parts.path).strip("/")
+        return S3SyncStore(
+            url, parts.netloc, prefix + "/" if prefix else "", endpoint_url=endpoint_url,
+            region=region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION"),
+            access_key_id=access_key_id, secret_access_key=secret_access_key, session_token=session_token,
+        )
+    raise StoreURLError(f"store URL {url!r}: the scheme must be s3:// or file://")

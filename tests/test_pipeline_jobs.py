@@ -1,0 +1,153 @@
+"""`ds3 pipeline export` and `ds3 pipeline compact` (issue 5), run through the CLI on the
+shared SparkSession (a job reuses an active session and leaves it running).
+
+- export writes Parquet partitioned by stream and date that reads back as the data source's
+  rows; a second run appends only what was sealed since; a run that finds a crashed run's
+  pending record (rows written, offsets not saved) neither loses nor duplicates a message.
+- compact folds a stream of state-protocol events into a snapshot and publishes it; bootstrap
+  (snapshot + the updates after it) then equals a full replay, and the data source starts at
+  the snapshot (the earliest retained offset).
+"""
+
+from __future__ import annotations
+
+import email
+import json
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import CliRunner
+
+from ds3.cli import main
+from shared import offsets
+from tests.pipeline_fixtures import PipelineEnv
+from tests.test_pipeline_read import JSON, OCTET, byte_bodies, json_bodies
+
+COLUMNS = ["stream", "offset", "next_offset", "message", "value", "position", "chunk"]
+
+
+def run_cli(*args: str) -> dict[str, Any]:
+    result = CliRunner().invoke(main, list(args), catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    return dict(json.loads(result.output.strip().splitlines()[-1]))
+
+
+def export_cli(env: PipelineEnv, out: Path) -> dict[str, Any]:
+    return run_cli("pipeline", "export", "--store", env.store.url, "--s3-endpoint", env.s3.endpoint,
+                   "--prefix", "exp/", "--output", str(out))
+
+
+def exported(spark: Any, out: Path) -> list[tuple[Any, ...]]:
+    df = spark.read.parquet(str(out))
+    assert {"stream", "date"} <= set(df.columns)
+    return sorted(tuple(r) for r in df.select(*COLUMNS).collect())
+
+
+def from_source(env: PipelineEnv, spark: Any) -> list[tuple[Any, ...]]:
+    return sorted(tuple(r) for r in env.read(spark, prefix="exp/").select(*COLUMNS).collect())
+
+
+def test_export_round_trips_and_runs_incrementally(
+    pipeline_env: PipelineEnv, spark: Any, tmp_path: Path, aws_env: None
+) -> None:
+    env, out = pipeline_env, tmp_path / "parquet"
+    env.create("/v1/stream/exp/events", JSON)
+    env.create("/v1/stream/exp/blobs", OCTET)
+    env.append_all("/v1/stream/exp/events", json_bodies(60, 31), JSON)
+    env.append_all("/v1/stream/exp/blobs", byte_bodies(30, 32, False), OCTET)
+    env.wait_sealed("exp/events", 4096)
+    first = export_cli(env, out)
+    assert set(first["exported_up_to"]) == {"/v1/stream/exp/events", "/v1/stream/exp/blobs"}
+    assert exported(spark, out) == from_source(env, spark)
+    dirs = {p.name for p in out.iterdir() if p.is_dir()}
+    assert dirs == {"stream=exp%2Fevents", "stream=exp%2Fblobs"}
+    assert all(d.name.startswith("date=") for d in (out / "stream=exp%2Fevents").iterdir())
+
+    # more sealed data: the second run appends only that
+    env.append_all("/v1/stream/exp/events", json_bodies(60, 33), JSON)
+    env.close("/v1/stream/exp/events")
+    env.close("/v1/stream/exp/blobs")
+    env.wait_sealed("exp/events", offsets.parse(env.pages("/v1/stream/exp/events")[-1].next_offset).position)
+    env.wait_sealed("exp/blobs", offsets.parse(env.pages("/v1/stream/exp/blobs")[-1].next_offset).position)
+    state_path = out / "_ds3_export_state.json"
+    before = json.loads(state_path.read_text())
+    second = export_cli(env, out)
+    assert second["exported_up_to"]
+    rows = exported(spark, out)
+    assert rows == from_source(env, spark)
+    assert len({r[1] for r in rows}) == len(rows)  # no offset twice
+    assert export_cli(env, out)["exported_up_to"] == {}  # nothing new
+
+    # a crash after the second run wrote its rows but before it saved its offsets
+    after = json.loads(state_path.read_text())
+    events_start = before["offsets"]["/v1/stream/exp/events"]
+    state_path.write_text(json.dumps({"offsets": before["offsets"], "pending": {
+        "ends": after["offsets"], "first": ["exp/events", offsets.parse(events_start).position]}}))
+    assert export_cli(env, out)["exported_up_to"] == {}
+    assert exported(spark, out) == rows
+    assert json.loads(state_path.read_text())["offsets"] == after["offsets"]
+
+
+def replay(events: list[dict[str, Any]], state: dict[tuple[str, str], Any] | None = None) -> dict[tuple[str, str], Any]:
+    """The state protocol's materialization (as @durable-streams/state's MaterializedState,
+    plus `reset` clearing the state)."""
+    state = {} if state is None else state
+    for e in events:
+        headers = e.get("headers", {})
+        if headers.get("control") == "reset":
+            state.clear()
+        elif headers.get("operation") in ("insert", "update", "upsert"):
+            state[(e["type"], e["key"])] = e["value"]
+        elif headers.get("operation") == "delete":
+            state.pop((e["type"], e["key"]), None)
+    return state
+
+
+def state_events(n: int, seed: int) -> list[dict[str, Any]]:
+    import random
+
+    rng = random.Random(seed)
+    out: list[dict[str, Any]] = []
+    for i in range(n):
+        key = f"k{rng.randint(0, 40)}"
+        op = rng.choice(["insert", "update", "update", "delete"])
+        event: dict[str, Any] = {"type": rng.choice(["user", "cart"]), "key": key, "headers": {"operation": op}}
+        if op != "delete":
+            event["value"] = {"n": i, "tags": ["a,b", "]"], "name": f"é{i}"}
+        out.append(event)
+        if i == n // 3:
+            out.append({"headers": {"control": "reset"}})
+    return out
+
+
+def test_compact_then_bootstrap_equals_full_replay(pipeline_env: PipelineEnv, spark: Any, aws_env: None) -> None:
+    env, url_path = pipeline_env, "/v1/stream/compact/state"
+    events = state_events(400, 41)
+    env.create(url_path, JSON)
+    env.append_all(url_path, [json.dumps(events[i : i + 7]).encode() for i in range(0, len(events), 7)], JSON)
+    result = run_cli("pipeline", "compact", "--store", env.store.url, "--s3-endpoint", env.s3.endpoint,
+                     "--stream", "compact/state", "--url", env.url)
+    assert result["published"] and result["entities"] == len(replay(events))
+    later = state_events(50, 42)
+    env.append_all(url_path, [json.dumps(later).encode()], JSON)
+
+    with urllib.request.urlopen(f"{env.url}{url_path}/bootstrap", timeout=10) as r:
+        content_type, body = r.headers["Content-Type"], r.read()
+        assert r.headers["Stream-Snapshot-Offset"] == result["snapshot_offset"]
+    msg = email.message_from_bytes(f"Content-Type: {content_type}\r\n\r\n".encode() + body)
+    parts = [p.get_payload(decode=True) for p in msg.get_payload()]  # type: ignore[union-attr]
+    snapshot = json.loads(parts[0])
+    assert all(e["headers"]["operation"] == "insert" for e in snapshot)
+    booted = replay([json.loads(p) for p in parts[1:]], replay(snapshot))
+    assert booted == replay(events + later)
+
+    with pytest.raises(urllib.error.HTTPError) as gone:  # retention: history before it is gone
+        urllib.request.urlopen(f"{env.url}{url_path}?offset=-1", timeout=10)
+    assert gone.value.code == 410
+    rows = sorted(env.read(spark, stream="compact/state", include_tail="true", url=env.url).collect(),
+                  key=lambda r: r.position)
+    assert rows[0].offset == result["snapshot_offset"]
+    assert [json.loads(r.value) for r in rows] == later

@@ -1,0 +1,203 @@
+"""Batch reads with the `ds3` Spark data source (issue 5), against chunks a real ingester
+sealed into moto's S3 (4 KiB chunks): every read must equal a catch-up read of the same
+stream over HTTP through the reader, byte for byte and page boundary for page boundary —
+binary, text and JSON streams, a bucketed stream, a fork (its history lives partly in its
+source's chunks), a prefix over several streams, an offset range, and the unsealed tail.
+Bad options fail with a message that names the option."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import random
+from typing import Any
+
+import pytest
+
+from pipeline.options import OptionError, ReadOptions
+from shared import buckets, offsets
+from tests.pipeline_fixtures import PipelineEnv, check_against_pages
+
+OCTET, TEXT, JSON = "application/octet-stream", "text/plain; charset=utf-8", "application/json"
+
+
+def byte_bodies(n: int, seed: int, text: bool) -> list[bytes]:
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        size = rng.randint(20, 700)
+        if text:
+            out.append((f"<{i}:" + "".join(rng.choice("abcé€ \n") for _ in range(size)) + ">").encode())
+        else:
+            out.append(bytes([i % 256]) + rng.randbytes(size))
+    return out
+
+
+def json_bodies(n: int, seed: int) -> list[bytes]:
+    """JSON appends: arrays of 1-5 messages (an array is flattened one level), some nested
+    arrays and strings with commas, brackets and non-ASCII."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        msgs: list[Any] = [
+            {"i": i, "j": j, "s": "x, ]" * rng.randint(0, 30), "u": "é€😀"} for j in range(rng.randint(1, 5))
+        ]
+        if i % 7 == 3:
+            msgs.append([1, [2, 3], "a,b"])
+        out.append(json.dumps(msgs, ensure_ascii=bool(i % 2)).encode())
+    return out
+
+
+def sorted_rows(env: PipelineEnv, spark: Any, **options: str) -> list[Any]:
+    return list(env.read(spark, **options).orderBy("bucket", "stream", "position").collect())
+
+
+def write_closed(env: PipelineEnv, url_path: str, internal: str, ct: str, bodies: list[bytes]) -> str:
+    env.create(url_path, ct)
+    env.append_all(url_path, bodies, ct)
+    env.close(url_path)  # closing seals the open chunk: the whole stream is in the store
+    tail = env.pages(url_path)[-1].next_offset
+    env.wait_sealed(internal, offsets.parse(tail).position)
+    return tail
+
+
+KINDS = {"binary": OCTET, "text": TEXT, "json": JSON}
+
+
+def test_batch_read_equals_http_catch_up(pipeline_env: PipelineEnv, spark: Any) -> None:
+    """Binary, text and JSON streams of many chunks, read with one prefix read."""
+    env = pipeline_env
+    written = {}
+    for kind, ct in KINDS.items():
+        bodies = json_bodies(120, 1) if ct == JSON else byte_bodies(80, 2, ct == TEXT)
+        write_closed(env, f"/v1/stream/read/{kind}", f"read/{kind}", ct, bodies)
+        written[kind] = bodies
+    everything = sorted_rows(env, spark, prefix="read/")
+    for kind, ct in KINDS.items():
+        name, bodies = f"read/{kind}", written[kind]
+        rows = [r for r in everything if r.stream == name]
+        assert len({r.chunk for r in rows}) >= 5, "the stream spans several sealed chunks"
+        check_against_pages(rows, env.pages(f"/v1/stream/{name}"), ct == JSON)
+        assert all(r.bucket is None and r.content_type == ct for r in rows)
+        assert rows[0].position == 0 and offsets.parse(rows[0].offset).position == 0
+        for a, b in itertools.pairwise(rows):
+            assert a.next_offset == b.offset and offsets.parse(b.offset).position == b.position
+        if ct == JSON:
+            expected = [m for body in bodies for m in json.loads(body)]
+            assert [json.loads(r.value) for r in rows] == expected
+        else:
+            assert [bytes(r.message) for r in rows] == bodies  # one row per append
+            assert all((r.value is None) == (ct == OCTET) for r in rows)
+            if ct == TEXT:
+                assert "".join(r.value for r in rows) == b"".join(bodies).decode()
+
+
+def test_bucketed_stream_and_bucket_prefix(pipeline_env: PipelineEnv, spark: Any) -> None:
+    env = pipeline_env
+    env.put_bucket("plb1")
+    for sid, seed in (("user-1", 3), ("user-2", 4), ("other", 5)):
+        path = buckets.internal_path("plb1", sid)
+        write_closed(env, buckets.url_path(path), path, JSON, json_bodies(40, seed))
+    one = sorted_rows(env, spark, bucket="plb1", stream_id="user-1")
+    check_against_pages(one, env.pages("/v1/buckets/plb1/user-1"), True)
+    assert {(r.bucket, r.stream) for r in one} == {("plb1", "user-1")}
+
+    some = sorted_rows(env, spark, bucket="plb1", prefix="user-")
+    assert {r.stream for r in some} == {"user-1", "user-2"}
+    check_against_pages([r for r in some if r.stream == "user-2"], env.pages("/v1/buckets/plb1/user-2"), True)
+    whole = sorted_rows(env, spark, bucket="plb1")
+    assert {r.stream for r in whole} == {"user-1", "user-2", "other"}
+    check_against_pages([r for r in whole if r.stream == "other"], env.pages("/v1/buckets/plb1/other"), True)
+
+
+def test_prefix_reads_several_plain_streams(pipeline_env: PipelineEnv, spark: Any) -> None:
+    env = pipeline_env
+    names = ["many/a", "many/b", "many/c/d", "manyx"]
+    for i, name in enumerate(names):
+        write_closed(env, f"/v1/stream/{name}", name, OCTET, byte_bodies(15 + 10 * i, 10 + i, False))
+    rows = sorted_rows(env, spark, prefix="many/")
+    assert sorted({r.stream for r in rows}) == ["many/a", "many/b", "many/c/d"]
+    for name in names[:3]:
+        check_against_pages([r for r in rows if r.stream == name], env.pages(f"/v1/stream/{name}"), False)
+
+
+def test_offset_range(pipeline_env: PipelineEnv, spark: Any) -> None:
+    env = pipeline_env
+    write_closed(env, "/v1/stream/range", "range", JSON, json_bodies(100, 6))
+    everything = sorted_rows(env, spark, stream="range")
+    lo, hi = everything[37], everything[211]
+    part = sorted_rows(env, spark, stream="range", start_offset=lo.offset, end_offset=hi.offset)
+    assert [r.offset for r in part] == [r.offset for r in everything[37:211]]
+    # the same range from HTTP: catch-up from lo, cut at hi
+    pages = [p for p in env.pages("/v1/stream/range", lo.offset) if p.next_offset <= hi.offset]
+    check_against_pages([r for r in part if r.next_offset <= pages[-1].next_offset], pages, True)
+    assert sorted_rows(env, spark, stream="range", start_offset=hi.offset)[0].offset == hi.offset
+
+
+def test_fork_reads_its_sources_chunks(pipeline_env: PipelineEnv, spark: Any) -> None:
+    env = pipeline_env
+    src = byte_bodies(40, 7, False)
+    env.create("/v1/stream/fsrc", OCTET)
+    env.append_all("/v1/stream/fsrc", src, OCTET)
+    src_rows = env.pages("/v1/stream/fsrc")
+    fork_at = src_rows[len(src_rows) // 2].offset  # a page boundary inside the source's history
+    env.create("/v1/stream/fork", OCTET, **{"Stream-Forked-From": "/v1/stream/fsrc", "Stream-Fork-Offset": fork_at})
+    env.append_all("/v1/stream/fork", byte_bodies(30, 8, False), OCTET)
+    env.close("/v1/stream/fork")
+    env.close("/v1/stream/fsrc")
+    tail = env.pages("/v1/stream/fork")[-1].next_offset
+    env.wait_sealed("fork", offsets.parse(tail).position)
+    rows = sorted_rows(env, spark, stream="fork")
+    check_against_pages(rows, env.pages("/v1/stream/fork"), False)
+    inherited = [r for r in rows if r.position < offsets.parse(fork_at).position]
+    assert inherited and len({r.chunk for r in inherited}) >= 2
+    assert max(r.chunk for r in inherited) < min(r.chunk for r in rows if r not in inherited)
+
+
+def test_include_tail_reads_unsealed_messages_over_http(pipeline_env: PipelineEnv, spark: Any) -> None:
+    env = pipeline_env
+    tails, written = {}, {}
+    for ct in (OCTET, JSON):
+        name = f"tail/{ct.split('/')[1]}"
+        written[name] = json_bodies(60, 9) if ct == JSON else byte_bodies(50, 9, False)
+        env.create(f"/v1/stream/{name}", ct)
+        tails[name] = env.append_all(f"/v1/stream/{name}", written[name], ct)
+    sealed_all = sorted_rows(env, spark, prefix="tail/")
+    with_tail = sorted_rows(env, spark, prefix="tail/", include_tail="true", url=env.url)
+    for name, tail in tails.items():
+        sealed = [r for r in sealed_all if r.stream == name]
+        rows = [r for r in with_tail if r.stream == name]
+        assert sealed and sealed[-1].next_offset < tail, "part of the stream is still unsealed"
+        pages = env.pages(f"/v1/stream/{name}")
+        assert rows[-1].next_offset == pages[-1].next_offset == tail
+        assert [r.offset for r in rows[: len(sealed)]] == [r.offset for r in sealed]
+        assert all(r.chunk is None for r in rows[len(sealed):]) and len(rows) > len(sealed)
+        if name.endswith("json"):
+            check_against_pages(rows, pages, True)
+            assert [json.loads(r.value) for r in rows] == [m for b in written[name] for m in json.loads(b)]
+        else:
+            assert b"".join(bytes(r.message) for r in rows) == b"".join(p.body for p in pages)
+
+
+@pytest.mark.parametrize(("options", "named"), [
+    ({}, "stream"),
+    ({"stream": "x", "prefix": "y"}, "prefix"),
+    ({"stream_id": "x"}, "stream_id"),
+    ({"bucket": "NO", "stream_id": "x"}, "bucket"),
+    ({"stream": "x", "start_offset": "12_34"}, "start_offset"),
+    ({"prefix": "x", "start_offset": "-1"}, "start_offset"),
+    ({"stream": "x", "include_tail": "true"}, "url"),
+    ({"stream": "x", "include_tail": "yes", "url": "http://h"}, "include_tail"),
+    ({"stream": "x", "partition_bytes": "0"}, "partition_bytes"),
+    ({"stream": "x", "colour": "red"}, "colour"),
+])
+def test_bad_options_name_the_option(options: dict[str, str], named: str) -> None:
+    with pytest.raises(OptionError, match=f"option '{named}'"):
+        ReadOptions.parse({"store": "file:///tmp/x", **options})
+
+
+def test_errors_reach_the_spark_user(pipeline_env: PipelineEnv, spark: Any) -> None:
+    with pytest.raises(Exception, match=r"option .store.*scheme"):
+        spark.read.format("ds3").option("store", "ftp://x").option("stream", "a").load().collect()
+    with pytest.raises(Exception, match="stream 'nope' not found"):
+        pipeline_env.read(spark, stream="nope").collect()

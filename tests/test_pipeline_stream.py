@@ -1,0 +1,136 @@
+"""Structured Streaming with the `ds3` data source (issue 5): new sealed chunks become new
+micro-batches; a query restarted from its checkpoint neither skips nor repeats a message
+(file sink: the memory sink cannot restart); trigger(availableNow=True) honours
+max_chunks_per_trigger; include_tail reads the unsealed tail, and a restart after that tail
+was sealed continues exactly where the tail read stopped."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from shared import offsets
+from tests.cluster import wait_for
+from tests.pipeline_fixtures import PipelineEnv
+from tests.test_pipeline_read import JSON, json_bodies
+
+
+def start(env: PipelineEnv, spark: Any, work: Path, trigger: dict[str, Any], **options: str) -> Any:
+    df = spark.readStream.format("ds3").options(**env.source_options(**options)).load()
+    return (df.writeStream.format("parquet").option("path", str(work / "sink"))
+            .option("checkpointLocation", str(work / "checkpoint")).trigger(**trigger).start())
+
+
+def sink_rows(spark: Any, work: Path) -> list[Any]:
+    return list(spark.read.parquet(str(work / "sink")).orderBy("position").collect())
+
+
+def assert_exactly(rows: list[Any], expected: list[Any], tail: str | None = None) -> None:
+    """The rows are the stream's first len(expected) messages, each once, in a gapless chain."""
+    assert [json.loads(r.value) for r in rows] == expected
+    assert rows[0].position == 0
+    for a, b in itertools.pairwise(rows):
+        assert a.next_offset == b.offset, f"gap or repeat between {a.next_offset} and {b.offset}"
+    if tail is not None:
+        assert rows[-1].next_offset == tail
+
+
+def sealed_end(env: PipelineEnv, path: str) -> int:
+    from pipeline.catalog import Catalog
+    from pipeline.options import ReadOptions
+
+    catalog = Catalog(ReadOptions.parse(env.source_options(stream=path)).store)
+    desc = catalog.descriptor(path)
+    return catalog.plan(desc).sealed_end if desc else 0
+
+
+def test_new_seals_become_batches_and_a_restart_neither_skips_nor_repeats(
+    pipeline_env: PipelineEnv, spark: Any, tmp_path: Path
+) -> None:
+    env, name = pipeline_env, "live/restart"
+    url = f"/v1/stream/{name}"
+    bodies = json_bodies(120, 21)
+    expected = [m for b in bodies for m in json.loads(b)]
+    env.create(url, JSON)
+    env.append_all(url, bodies[:40], JSON)
+    q1 = start(env, spark, tmp_path, {"processingTime": "0.2 seconds"}, stream=name)
+    try:
+        q1.processAllAvailable()
+        first = sealed_end(env, name)
+        assert first > 0
+        env.append_all(url, bodies[40:80], JSON)  # more chunks roll and are uploaded
+        wait_for(lambda: sealed_end(env, name) > first + 4096, 20, "new chunks sealed")
+        q1.processAllAvailable()
+        batches = [p for p in q1.recentProgress if p["numInputRows"] > 0]
+        assert len(batches) >= 2, "the new chunks came as a new micro-batch"
+    finally:
+        q1.stop()
+    before = sink_rows(spark, tmp_path)
+    assert_exactly(before, expected[: len(before)])
+    assert before[-1].position + len(before[-1].message) + 1 >= first + 4096  # the later seals were read
+
+    env.append_all(url, bodies[80:], JSON)
+    env.close(url)
+    tail = env.pages(url)[-1].next_offset
+    env.wait_sealed(name, offsets.parse(tail).position)
+    q2 = start(env, spark, tmp_path, {"processingTime": "0.2 seconds"}, stream=name)
+    try:
+        q2.processAllAvailable()
+    finally:
+        q2.stop()
+    assert_exactly(sink_rows(spark, tmp_path), expected, tail)
+
+
+def test_available_now_honours_max_chunks_per_trigger(pipeline_env: PipelineEnv, spark: Any, tmp_path: Path) -> None:
+    env, name = pipeline_env, "live/capped"
+    url = f"/v1/stream/{name}"
+    bodies = json_bodies(90, 22)
+    env.create(url, JSON)
+    env.append_all(url, bodies, JSON)
+    env.close(url)
+    tail = env.pages(url)[-1].next_offset
+    env.wait_sealed(name, offsets.parse(tail).position)
+    chunk_ends = sorted({r.next_offset for r in env.read(spark, stream=name).collect()} & {
+        p.next_offset for p in env.pages(url)})  # page ends of sealed reads are chunk ends
+    assert len(chunk_ends) >= 5
+    q = start(env, spark, tmp_path, {"availableNow": True}, stream=name, max_chunks_per_trigger="2")
+    assert q.awaitTermination(120)
+    ends = [json.loads(p["sources"][0]["endOffset"])["streams"]["/v1/stream/" + name]
+            for p in q.recentProgress if p["numInputRows"] > 0]
+    assert ends == chunk_ends[1::2] + ([] if len(chunk_ends) % 2 == 0 else [chunk_ends[-1]])
+    assert_exactly(sink_rows(spark, tmp_path), [m for b in bodies for m in json.loads(b)], tail)
+
+
+def test_include_tail_then_restart_after_the_tail_is_sealed(
+    pipeline_env: PipelineEnv, spark: Any, tmp_path: Path
+) -> None:
+    env, name = pipeline_env, "live/tail"
+    url = f"/v1/stream/{name}"
+    bodies = json_bodies(100, 23)
+    expected = [m for b in bodies for m in json.loads(b)]
+    env.create(url, JSON)
+    tail1 = env.append_all(url, bodies[:50], JSON)
+    n = 50
+    time.sleep(0.5)  # uploads of rolled chunks settle
+    while sealed_end(env, name) >= offsets.parse(tail1).position:  # the last append rolled the chunk
+        bodies.insert(n, b'[{"small":%d}]' % n)
+        expected = [m for b in bodies for m in json.loads(b)]
+        n += 1
+        tail1 = env.append_all(url, bodies[n - 1 : n], JSON)
+        time.sleep(0.5)
+    opts = {"stream": name, "include_tail": "true", "url": env.url}
+    q1 = start(env, spark, tmp_path, {"availableNow": True}, **opts)
+    assert q1.awaitTermination(120)
+    first = sink_rows(spark, tmp_path)
+    assert_exactly(first, expected[: len(first)], tail1)
+
+    env.append_all(url, bodies[n:], JSON)
+    env.close(url)
+    tail2 = env.pages(url)[-1].next_offset
+    env.wait_sealed(name, offsets.parse(tail2).position)  # what was read as tail is now sealed
+    q2 = start(env, spark, tmp_path, {"availableNow": True}, **opts)
+    assert q2.awaitTermination(120)
+    assert_exactly(sink_rows(spark, tmp_path), expected, tail2)
