@@ -19,7 +19,6 @@ import argparse
 import asyncio
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import threading
@@ -29,16 +28,7 @@ from pathlib import Path
 
 import aiohttp
 import psutil  # type: ignore[import-untyped, unused-ignore]
-
-ROOT = Path(__file__).resolve().parent.parent
-DS3 = ROOT / ".venv" / "bin" / "ds3"
-MiB = 1024 * 1024
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from benchlib import DS3, MiB, free_port
 
 
 class Peak:

@@ -20,7 +20,6 @@ import argparse
 import asyncio
 import json
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -33,16 +32,7 @@ from typing import Any
 
 import aiohttp
 import psutil  # type: ignore[import-untyped, unused-ignore]
-
-ROOT = Path(__file__).resolve().parent.parent
-DS3 = ROOT / ".venv" / "bin" / "ds3"
-MiB = 1024 * 1024
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from benchlib import DS3, MiB, free_port
 
 
 class Server:

@@ -25,7 +25,6 @@ import platform
 import re
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -40,11 +39,10 @@ from types import FrameType
 from typing import IO, Any
 
 import psutil  # type: ignore[import-untyped, unused-ignore]
+from benchlib import DS3, ROOT, free_port
 
-ROOT = Path(__file__).resolve().parent.parent
 LOAD = ROOT / "scripts" / "bench_load.mjs"
 CONFORMANCE = ROOT / "tests" / "conformance"
-DS3 = ROOT / ".venv" / "bin" / "ds3"
 
 # Targets from the issue: ds3 vs the reference's durable (file-backed) mode.
 TARGET_THROUGHPUT_X = 5.0  # ds3 appends/s >= 5x the reference's
@@ -61,12 +59,6 @@ class BenchError(Exception):
 
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def tree_cpu_seconds(proc: psutil.Process) -> float:

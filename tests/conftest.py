@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
+from aiohttp.test_utils import TestClient, TestServer
 
+from ingester.app import create_app
+from shared.config import IngesterConfig
 from tests.cluster import StoreView
 from tests.pipeline_fixtures import pipeline_env, spark  # noqa: F401 - Spark pipeline tests
 from tests.s3server import CLEARED_ENV, TEST_ENV, MotoS3
@@ -49,3 +54,26 @@ def gated_s3(s3_server: MotoS3, s3_bucket: str) -> Iterator[tuple[StoreView, Tcp
         yield StoreView.s3_store(s3_server, s3_bucket), gate
     finally:
         gate.stop()
+
+
+# ---------------------------------------------------------------- in-process ingesters
+MakeIngester = Callable[..., Awaitable[TestClient[Any, Any]]]
+
+
+@pytest.fixture
+async def make_ingester(tmp_path: Path) -> AsyncIterator[MakeIngester]:
+    """Start in-process ingesters (aiohttp TestServer around create_app): keyword arguments
+    override IngesterConfig fields (data_dir defaults to tmp_path/data, so a second call
+    reopens the same WAL). All are closed after the test."""
+    clients: list[TestClient[Any, Any]] = []
+
+    async def make(**overrides: Any) -> TestClient[Any, Any]:
+        config = IngesterConfig(**{"data_dir": tmp_path / "data", "long_poll_timeout": 1, **overrides})
+        client: TestClient[Any, Any] = TestClient(TestServer(create_app(config)))
+        await client.start_server()
+        clients.append(client)
+        return client
+
+    yield make
+    for c in clients:
+        await c.close()

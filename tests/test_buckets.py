@@ -22,19 +22,15 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
-from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
 import aiohttp
 import pytest
 import yarl
-from aiohttp.test_utils import TestClient, TestServer
 from multidict import CIMultiDict
 
-from ingester.app import create_app
 from shared import buckets as SB
-from shared.config import IngesterConfig
 from shared.errors import BadRequest
 from tests.cluster import TIMEOUT, Cluster, StoreView, position, reader_metrics, sealed_end, wait_for
 from tests.s3server import MotoS3, aws_test_env
@@ -589,20 +585,9 @@ async def test_sealed_reads_of_a_bucketed_stream_come_from_the_store(
 
 # ---------------------------------------------------------------- an ingester of its own
 @pytest.fixture
-async def solo(tmp_path: Path) -> AsyncIterator[Any]:
+def solo(make_ingester: Any) -> Any:
     """In-process ingesters on tmp_path/data (no store); keyword arguments override the config."""
-    clients: list[TestClient[Any, Any]] = []
-
-    async def make(**overrides: Any) -> TestClient[Any, Any]:
-        config = IngesterConfig(data_dir=tmp_path / "data", **{"long_poll_timeout": 1, **overrides})
-        client: TestClient[Any, Any] = TestClient(TestServer(create_app(config)))
-        await client.start_server()
-        clients.append(client)
-        return client
-
-    yield make
-    for c in clients:
-        await c.close()
+    return make_ingester
 
 
 async def test_expired_streams_leave_the_listing_and_do_not_block_a_delete(solo: Any) -> None:

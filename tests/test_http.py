@@ -15,12 +15,10 @@ from typing import Any
 
 import pytest
 from aiohttp import ClientResponse
-from aiohttp.test_utils import TestClient, TestServer
+from aiohttp.test_utils import TestClient
 from multidict import CIMultiDict
 
-from ingester.app import create_app
 from ingester.service import SERVICE
-from shared.config import IngesterConfig
 from tests.procs import Proc, ingester
 
 S = "/v1/stream/"
@@ -32,20 +30,9 @@ MakeClient = Callable[..., Awaitable[TestClient[Any, Any]]]
 
 
 @pytest.fixture
-async def make_client(tmp_path: Path) -> AsyncIterator[MakeClient]:
+def make_client(make_ingester: MakeClient) -> MakeClient:
     """Start an in-process ingester on tmp_path/data; keyword arguments override the config."""
-    clients: list[TestClient[Any, Any]] = []
-
-    async def make(**overrides: Any) -> TestClient[Any, Any]:
-        config = IngesterConfig(data_dir=tmp_path / "data", **{"long_poll_timeout": 1, **overrides})
-        client: TestClient[Any, Any] = TestClient(TestServer(create_app(config)))
-        await client.start_server()
-        clients.append(client)
-        return client
-
-    yield make
-    for c in clients:
-        await c.close()
+    return make_ingester
 
 
 @pytest.fixture

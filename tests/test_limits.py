@@ -11,16 +11,15 @@ import asyncio
 import json
 import socket
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
-from aiohttp.test_utils import TestClient, TestServer
+from aiohttp.test_utils import TestClient
 
-from ingester.app import create_app
-from shared.config import AuthConfig, IngesterConfig, LimitsConfig
+from shared.config import AuthConfig, LimitsConfig
 from shared.limits import LiveCounts, TokenBuckets, client_address, client_identity, parse_networks
 from tests.cluster import Cluster, StoreView, wait_for
 from tests.procs import Proc, ingester
@@ -40,21 +39,16 @@ MakeClient = Callable[..., Awaitable[TestClient[Any, Any]]]
 
 
 @pytest.fixture
-async def make_client(tmp_path: Path) -> AsyncIterator[MakeClient]:
+def make_client(make_ingester: MakeClient, tmp_path: Path) -> MakeClient:
     """An in-process ingester; keyword arguments are LimitsConfig fields, `auth` an AuthConfig."""
-    clients: list[TestClient[Any, Any]] = []
+    made = [0]
 
     async def make(auth: AuthConfig | None = None, **limits: Any) -> TestClient[Any, Any]:
-        config = IngesterConfig(data_dir=tmp_path / f"data{len(clients)}", long_poll_timeout=3,
-                                auth=auth or AuthConfig(), limits=LimitsConfig(**limits))
-        client: TestClient[Any, Any] = TestClient(TestServer(create_app(config)))
-        await client.start_server()
-        clients.append(client)
-        return client
+        made[0] += 1
+        return await make_ingester(data_dir=tmp_path / f"data{made[0]}", long_poll_timeout=3,
+                                   auth=auth or AuthConfig(), limits=LimitsConfig(**limits))
 
-    yield make
-    for c in clients:
-        await c.close()
+    return make
 
 
 async def _status(resp: aiohttp.ClientResponse) -> int:
