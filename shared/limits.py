@@ -3,6 +3,7 @@ counts, and who the client is. The aiohttp glue is shared/limitmw.py."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from ipaddress import IPv4Address, IPv4Network, IPv6Address, IPv6Network, ip_address, ip_network
 from typing import Final
@@ -76,6 +77,7 @@ def parse_networks(cidrs: Sequence[str]) -> tuple[Network, ...]:
     return tuple(ip_network(c, strict=False) for c in cidrs)
 
 
+@functools.lru_cache(maxsize=4096)  # every write parses its peer: the same few addresses
 def _addr(text: str) -> IPv4Address | IPv6Address | None:
     try:
         return ip_address(text.strip())
