@@ -6,16 +6,19 @@ from collections.abc import AsyncIterator
 
 from aiohttp import web
 
-from ingester import bucket_http
+from ingester import bucket_http, listing
+from ingester import metrics as ingester_metrics
 from ingester.http import add_routes
 from ingester.service import SERVICE, IngesterService
-from shared import authmw, limitmw
+from shared import accessmw, authmw, limitmw
 from shared.config import IngesterConfig
 from shared.web import common_headers, errors_middleware
 
 
 def create_app(config: IngesterConfig) -> web.Application:
     app = web.Application(middlewares=[errors_middleware], client_max_size=config.max_body_bytes)
+    metrics = accessmw.install(app)  # request ids, access log, /metrics, /healthz, /readyz (outermost)
+    ingester_metrics.install(app, metrics, config)
     authmw.install(app, config.auth, accepts_internal=True)  # before the limits: they count per token subject
     limitmw.install(app, config.limits)
 
@@ -30,4 +33,5 @@ def create_app(config: IngesterConfig) -> web.Application:
     app.on_response_prepare.append(common_headers)
     add_routes(app)
     bucket_http.add_routes(app)
+    listing.add_routes(app)  # GET /ds3/streams, /ds3/buckets (the console's listings)
     return app

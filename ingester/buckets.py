@@ -174,7 +174,7 @@ def list_streams(
             if len(streams) == limit:
                 has_more = True
                 break
-            streams.append(_entry(txn, wal, meta, key[len(base) :].decode(), now, last_writes))
+            streams.append(stream_entry(txn, wal, meta, key[len(base) :].decode(), now, last_writes))
     return {
         "bucket_id": bucket_id,
         "prefix": prefix,
@@ -185,7 +185,7 @@ def list_streams(
     }
 
 
-def _entry(
+def stream_entry(
     txn: lmdb.Transaction, wal: WalEnv, meta: StreamMeta, stream_id: str, now: float, last_writes: dict[str, float]
 ) -> dict[str, Any]:
     meta = refresh_tail(txn, wal, meta, now)

@@ -18,7 +18,7 @@ from shared import extensions
 from shared import protocol as P
 from shared.errors import BadRequest, Conflict, Retained
 from shared.extensions import BOOTSTRAP, Endpoint
-from shared.web import read_body
+from shared.web import PREPARED, read_body
 
 READ_METHODS = "GET, HEAD, OPTIONS"
 
@@ -63,7 +63,7 @@ async def snapshot(request: web.Request, svc: IngesterService, path: str, offset
     }
     resp = web.StreamResponse(status=200, headers=headers)
     await resp.prepare(request)
-    request["ds3_prepared"] = True
+    request[PREPARED] = True
     if request.method == "GET":
         async for piece in blob.body:
             await resp.write(piece)
@@ -86,7 +86,7 @@ async def bootstrap(request: web.Request, svc: IngesterService, path: str) -> we
         headers[P.CLOSED] = "true"
     resp = web.StreamResponse(status=200, headers=headers)
     await resp.prepare(request)
-    request["ds3_prepared"] = True
+    request[PREPARED] = True
     if request.method == "HEAD":
         return resp
     first_type = meta.snapshot_type if blob is not None else extensions.EMPTY_SNAPSHOT_TYPE
@@ -121,7 +121,7 @@ async def parts(request: web.Request) -> web.StreamResponse:
         raise Conflict("parts: the range is not within the stream")
     resp = web.StreamResponse(status=200, headers={"Content-Type": "application/octet-stream", "Cache-Control": "no-store"})
     await resp.prepare(request)
-    request["ds3_prepared"] = True
+    request[PREPARED] = True
     async for part in svc.snapshots.parts(path, start, until, boundary, P.is_json(meta.content_type)):
         await resp.write(part)
     await resp.write_eof()

@@ -301,10 +301,6 @@ async def stream_sse(
     return resp
 
 
-async def healthz(request: web.Request) -> web.Response:
-    return web.Response(text="ok\n")
-
-
 async def touch(request: web.Request) -> web.Response:
     """A reader served this stream from the object store: renew its sliding TTL, and say
     whether it still exists (204), expired or never did (404), or was deleted (410)."""
@@ -318,7 +314,6 @@ async def touch(request: web.Request) -> web.Response:
 
 
 def add_routes(app: web.Application) -> None:
-    app.router.add_get("/healthz", healthz)
     app.router.add_post("/_ds3/touch", touch)
     extension_http.add_routes(app)
     app.router.add_route("*", r"/v1/stream/{path:[\s\S]*}", handle_stream)  # `.` would miss "\n"

@@ -16,6 +16,7 @@ from ingester.chain import Sealed, chain_records, chunk_at, is_message_boundary,
 from ingester.records import StreamMeta
 from ingester.wal import WalEnv
 from shared import offsets
+from shared.config import LMDB_MAX_KEY
 from shared.errors import BadRequest, Gone, NotFound, Retained
 from shared.protocol import is_json
 
@@ -69,7 +70,10 @@ class Reads:
         self._pool.shutdown(wait=True, cancel_futures=True)
 
     def _meta(self, txn: lmdb.Transaction, path: str) -> StreamMeta | None:
-        raw = txn.get(path.encode(), db=self.wal.streams)
+        key = path.encode("utf-8", "surrogatepass")  # (a lone surrogate names no stream)
+        if not 0 < len(key) <= LMDB_MAX_KEY:  # no such key (LMDB refuses to look: a 500, not a 404)
+            return None
+        raw = txn.get(key, db=self.wal.streams)
         return refresh_tail(txn, self.wal, StreamMeta.decode(raw), time.time()) if raw is not None else None
 
     def _visible(self, txn: lmdb.Transaction, path: str) -> StreamMeta:

@@ -17,9 +17,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from functools import partial
 from typing import Any
+
+from prometheus_client import Histogram
 
 from ingester.records import ChunkRef, StreamMeta
 from ingester.store import Store
@@ -31,6 +34,7 @@ from shared.objectstore.base import ObjectStore
 
 log = logging.getLogger("ds3.sealing")
 CHUNK_CONTENT_TYPE = "application/vnd.ds3.chunk"
+UPLOAD_SECONDS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
 def descriptor_of(meta: StreamMeta) -> Descriptor:
@@ -78,6 +82,12 @@ class Sealer:
         self.uploaded = 0
         self.upload_failures = 0
         self.in_flight = 0
+        self.gc_deleted = 0  # objects of removed streams deleted
+        # Collected by ingester.metrics at scrape time.
+        self.upload_seconds = Histogram(
+            "ds3_seal_upload_seconds", "Time to seal one chunk: read it from the WAL, encode, PUT, mark it sealed "
+            "(successful attempts).", buckets=UPLOAD_SECONDS_BUCKETS, registry=None,
+        )
 
     # --- feeding -------------------------------------------------------------------------
 
@@ -143,7 +153,9 @@ class Sealer:
             try:
                 while True:
                     try:
+                        started = time.perf_counter()
                         await self.upload(ref)
+                        self.upload_seconds.observe(time.perf_counter() - started)
                         self.uploaded += 1
                         backoff.reset()
                         break
@@ -167,8 +179,8 @@ class Sealer:
                 try:
                     # Descriptor first: once it is gone no reader locates the chunks any more.
                     await self._delete_descriptor_if(path, uid)
-                    await self.objects.delete_prefix(keys.chunk_prefix(uid))
-                    await self.objects.delete_prefix(keys.snapshot_prefix(uid))
+                    self.gc_deleted += await self.objects.delete_prefix(keys.chunk_prefix(uid))
+                    self.gc_deleted += await self.objects.delete_prefix(keys.snapshot_prefix(uid))
                     await self.committer.submit(partial(self.store.gc_done, uid=uid))
                     backoff.reset()
                     break

@@ -12,6 +12,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future as ConcurrentFuture
 from dataclasses import dataclass
@@ -19,11 +20,14 @@ from pathlib import Path
 from typing import Any, Generic, TypeVar
 
 import lmdb
+from prometheus_client import Histogram
 
 from shared.errors import DS3Error, Unavailable
 
 log = logging.getLogger("ds3.wal")
 T = TypeVar("T")
+BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+COMMIT_SECONDS_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 
 class WalEnv:
@@ -104,9 +108,21 @@ class GroupCommitter:
         self.batches = 0
         self.ops = 0
         self.last_batch_size = 0
+        # Observed once per commit on the writer thread (not per operation); collected by
+        # ingester.metrics at scrape time.
+        self.batch_sizes = Histogram("ds3_wal_commit_batch_size", "Operations per group commit.",
+                                     buckets=BATCH_SIZE_BUCKETS, registry=None)
+        self.commit_seconds = Histogram("ds3_wal_commit_seconds", "Time to run a batch of operations and make "
+                                        "it durable (transaction and fsyncs).", buckets=COMMIT_SECONDS_BUCKETS,
+                                        registry=None)
 
     def start(self) -> None:
         self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        """The writer thread runs and takes new operations."""
+        return self._thread.is_alive() and not self._stopping
 
     def stop(self) -> None:
         self._stopping = True
@@ -150,6 +166,7 @@ class GroupCommitter:
                 return
 
     def _run_batch(self, batch: list[_Pending[Any]]) -> None:
+        started = time.perf_counter()
         results: list[tuple[_Pending[Any], Any, bool]] = []
         todo = batch
         changed: Any = None
@@ -198,6 +215,8 @@ class GroupCommitter:
         self.batches += 1
         self.ops += len(batch)
         self.last_batch_size = len(batch)
+        self.commit_seconds.observe(time.perf_counter() - started)
+        self.batch_sizes.observe(len(batch))
         self._deliver_threadsafe(results, changed)
 
     def _deliver_threadsafe(self, results: Iterable[tuple[_Pending[Any], Any, bool]], changed: Any) -> None:

@@ -7,14 +7,15 @@ from collections.abc import AsyncIterator
 import aiohttp
 from aiohttp import web
 
-from reader import bucket_http
+from reader import bucket_http, console_http
+from reader import metrics as reader_metrics
 from reader.descriptors import DescriptorCache
 from reader.fanout import Page, SseHub
 from reader.http import add_routes, read_page
 from reader.proxy import IngesterClient
 from reader.sealed import SealedLocator
 from reader.state import READER, ReaderState
-from shared import authmw, limitmw
+from shared import accessmw, authmw, limitmw
 from shared.chunkstore import ChunkReader
 from shared.config import ReaderConfig
 from shared.objectstore import open_store
@@ -23,6 +24,8 @@ from shared.web import common_headers, errors_middleware
 
 def create_app(config: ReaderConfig) -> web.Application:
     app = web.Application(middlewares=[errors_middleware], client_max_size=config.max_body_bytes)
+    metrics = accessmw.install(app)  # request ids, access log, /metrics, /healthz, /readyz (outermost)
+    reader_metrics.install(app, metrics)
     authmw.install(app, config.auth, accepts_internal=False)  # before the limits: they count per token subject
     limitmw.install(app, config.limits)
 
@@ -57,4 +60,5 @@ def create_app(config: ReaderConfig) -> web.Application:
     app.on_response_prepare.append(common_headers)
     add_routes(app)
     bucket_http.add_routes(app)
+    console_http.add_routes(app)  # /console and the listings it uses
     return app

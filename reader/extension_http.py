@@ -22,7 +22,7 @@ from shared.buckets import url_path
 from shared.descriptor import Descriptor
 from shared.errors import BadRequest, Gone, NotFound, ObjectNotFound, Unavailable
 from shared.extensions import BOOTSTRAP, Endpoint
-from shared.web import read_body
+from shared.web import PREPARED, read_body
 
 log = logging.getLogger("ds3.reader")
 
@@ -74,7 +74,7 @@ async def bootstrap(request: web.Request, st: ReaderState, path: str) -> web.Str
         headers[P.CLOSED] = "true"
     resp = web.StreamResponse(status=200, headers=headers)
     await resp.prepare(request)
-    request["ds3_prepared"] = True  # from here on a failure cuts the body: never a short answer
+    request[PREPARED] = True  # from here on a failure cuts the body: never a short answer
     if request.method == "HEAD":
         return resp
     first_type = desc.snapshot_type if size is not None else extensions.EMPTY_SNAPSHOT_TYPE

@@ -93,6 +93,7 @@ class Channel:
                 sub.queue.put_nowait(ev)
             except asyncio.QueueFull:  # a client that stopped reading: cut it loose
                 sub.dropped = True
+                self.hub.dropped += 1
                 self.subscribers.discard(sub)
                 with contextlib.suppress(asyncio.QueueFull):
                     sub.queue.put_nowait(None)
@@ -135,7 +136,7 @@ class Channel:
         url = f"{client.base}{url_path(self.path)}?live=sse&offset={self.offset}"
         client.requests += 1
         async with client.session.get(
-            upstream_url(url), skip_auto_headers=SKIP_AUTO, headers=client.internal_headers,
+            upstream_url(url), skip_auto_headers=SKIP_AUTO, headers=client.upstream_headers({}),
             timeout=aiohttp.ClientTimeout(total=None, connect=5, sock_read=self.hub.idle_timeout),
         ) as up:
             if up.status != 200:
@@ -189,6 +190,7 @@ class SseHub:
         self.idle_timeout = idle_timeout
         self.channels: dict[str, Channel] = {}
         self.shared = 0  # clients that attached to an existing upstream subscription
+        self.dropped = 0  # clients cut loose because they stopped reading
 
     async def serve(self, request: web.Request, path: str, start: str, cursor: str | None) -> web.StreamResponse:
         channel = self.channels.get(path)

@@ -22,6 +22,7 @@ from shared.descriptor import Descriptor
 from shared.errors import BadRequest, Gone, NotFound, ObjectStoreError, Retained, Unavailable
 from shared.web import (
     IMMUTABLE,
+    PREPARED,
     live_mode,
     method_not_allowed,
     preflight,
@@ -80,7 +81,7 @@ async def handle_get(request: web.Request, st: ReaderState, path: str) -> web.St
                         await renew(st, path)
                     return await serve_sealed(request, st, found, live, start_url=not isinstance(given, offsets.Offset))
         except (ObjectStoreError, Unavailable) as e:
-            if request.get("ds3_prepared"):
+            if request.get(PREPARED):
                 raise  # headers are out: a second response is impossible, drop the connection
             log.warning("object store read failed for %s (%s); asking the ingester", path, e)
     st.forwarded += 1
@@ -195,7 +196,7 @@ async def serve_sealed(
         headers["Content-Length"] = str(size)
     resp = web.StreamResponse(status=200, headers=headers)
     await resp.prepare(request)
-    request["ds3_prepared"] = True
+    request[PREPARED] = True
     if request.method == "HEAD":
         return resp
     if json_mode:
@@ -230,36 +231,5 @@ async def renew(st: ReaderState, path: str) -> None:
         raise Gone("stream was deleted")
 
 
-async def healthz(request: web.Request) -> web.Response:
-    return web.Response(text="ok\n")
-
-
-async def metrics(request: web.Request) -> web.Response:
-    st = request.app[READER]
-    lines = [
-        "# HELP ds3_reader_sealed_responses_total Catch-up reads answered from the object store.",
-        "# TYPE ds3_reader_sealed_responses_total counter",
-        f"ds3_reader_sealed_responses_total {st.sealed_responses}",
-        "# HELP ds3_reader_ingester_requests_total Requests forwarded to the ingester.",
-        "# TYPE ds3_reader_ingester_requests_total counter",
-        f"ds3_reader_ingester_requests_total {st.ingester.requests}",
-        "# HELP ds3_reader_collapsed_total Requests that shared another client's upstream request.",
-        "# TYPE ds3_reader_collapsed_total counter",
-        f"ds3_reader_collapsed_total {st.ingester.collapsed}",
-        "# HELP ds3_reader_sse_shared_total SSE clients that joined an existing upstream subscription.",
-        "# TYPE ds3_reader_sse_shared_total counter",
-        f"ds3_reader_sse_shared_total {st.sse.shared}",
-        "# HELP ds3_reader_sse_upstreams Upstream SSE subscriptions open now.",
-        "# TYPE ds3_reader_sse_upstreams gauge",
-        f"ds3_reader_sse_upstreams {len(st.sse.channels)}",
-        "# HELP ds3_reader_descriptor_cache_hits_total Descriptor lookups served from memory.",
-        "# TYPE ds3_reader_descriptor_cache_hits_total counter",
-        f"ds3_reader_descriptor_cache_hits_total {st.descriptors.hits}",
-    ]
-    return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
-
-
 def add_routes(app: web.Application) -> None:
-    app.router.add_get("/healthz", healthz)
-    app.router.add_get("/metrics", metrics)
     app.router.add_route("*", r"/v1/stream/{path:[\s\S]*}", handle_stream)  # `.` would miss "\n"

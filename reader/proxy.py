@@ -20,13 +20,16 @@ from yarl import URL
 
 from shared.authmw import INTERNAL_HEADER
 from shared.errors import Unavailable
+from shared.logs import REQUEST_ID_HEADER, request_id
+from shared.web import PREPARED
 
 log = logging.getLogger("ds3.reader.proxy")
 
 # Hop-by-hop headers (RFC 9110 §7.6.1) and ones the reader sets itself.
 DROP_REQUEST: Final = frozenset(
     {"host", "connection", "keep-alive", "proxy-connection", "te", "trailer", "transfer-encoding",
-     "upgrade", "content-length", "accept-encoding", INTERNAL_HEADER.lower()}
+     "upgrade", "content-length", "accept-encoding", INTERNAL_HEADER.lower(),
+     REQUEST_ID_HEADER.lower()}  # replaced by the id this reader accepted or made (shared.accessmw)
 )
 DROP_RESPONSE: Final = frozenset(
     {"connection", "keep-alive", "transfer-encoding", "content-length", "date", "server", "trailer"}
@@ -74,11 +77,20 @@ class IngesterClient:
             out["X-Forwarded-For"] = f"{prior}, {request.remote}" if prior else request.remote
         return out
 
+    def upstream_headers(self, headers: dict[str, str]) -> dict[str, str]:
+        """`headers` plus the internal token and the request id of the request being served
+        (a shared upstream request carries the id of the request that started it)."""
+        out = {**headers, **self.internal_headers}
+        rid = request_id()
+        if rid is not None:
+            out[REQUEST_ID_HEADER] = rid
+        return out
+
     async def call(self, method: str, path_qs: str, headers: dict[str, str], body: bytes | None) -> Upstream:
         self.requests += 1
         try:
             async with self.session.request(
-                method, upstream_url(self.base + path_qs), headers={**headers, **self.internal_headers},
+                method, upstream_url(self.base + path_qs), headers=self.upstream_headers(headers),
                 data=body, allow_redirects=False,
                 timeout=self._timeout, skip_auto_headers=SKIP_AUTO,
             ) as up:
@@ -94,7 +106,7 @@ class IngesterClient:
         self.requests += 1
         try:
             up = await self.session.request(
-                method, upstream_url(self.base + path_qs), headers={**headers, **self.internal_headers},
+                method, upstream_url(self.base + path_qs), headers=self.upstream_headers(headers),
                 allow_redirects=False, timeout=self._timeout, skip_auto_headers=SKIP_AUTO,
             )
         except (aiohttp.ClientConnectionError, TimeoutError) as e:
@@ -139,7 +151,7 @@ async def relay(request: web.Request, up: aiohttp.ClientResponse) -> web.StreamR
     if up.content_length is not None:
         resp.content_length = up.content_length
     await resp.prepare(request)
-    request["ds3_prepared"] = True
+    request[PREPARED] = True
     if request.method != "HEAD":
         async for piece in up.content.iter_chunked(256 * 1024):
             await resp.write(piece)

@@ -49,7 +49,7 @@ async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamR
     presented = request.headers.get(INTERNAL_HEADER) if request.app[ACCEPTS_INTERNAL] else None
     if presented is not None:
         if not authn.is_internal(presented):
-            log.warning("a request to %s carried a wrong internal token", request.path)
+            log.warning("a request to %r carried a wrong internal token", request.path)
             raise Unauthorized("invalid internal token", "invalid_token")
         request[INTERNAL] = True
     raw = request.raw_path.split("?", 1)[0]

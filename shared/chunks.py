@@ -74,7 +74,7 @@ class ChunkHeader:
     def from_json(cls, raw: bytes) -> ChunkHeader:
         try:
             obj = json.loads(raw.decode())
-        except (UnicodeDecodeError, ValueError) as exc:
+        except (UnicodeDecodeError, ValueError, RecursionError) as exc:  # RecursionError: nested too deeply
             raise ChunkFormatError(f"chunk header is not UTF-8 JSON: {exc}") from None
         if not isinstance(obj, dict):
             raise ChunkFormatError("chunk header is not a JSON object")
@@ -96,8 +96,8 @@ def _field(obj: dict[str, Any], name: str, kind: type) -> Any:
         ok = isinstance(v, bool)
     elif isinstance(v, bool):  # bool is an int in Python, but not a valid number here
         ok = False
-    elif kind is float:
-        ok = isinstance(v, (int, float))  # JSON writes 1.0 as 1.0 but a writer may send 1
+    elif kind is float:  # JSON writes 1.0 as 1.0 but a writer may send 1 (not one too large for a float)
+        ok = isinstance(v, float) or (isinstance(v, int) and abs(v) < 2**1023)
     else:
         ok = isinstance(v, kind)
     if not ok:

@@ -34,6 +34,8 @@ from shared.errors import (
 
 log = logging.getLogger("ds3.http")
 IMMUTABLE: Final = "public, max-age=31536000, immutable"
+# Set once a handler has sent its status line: an error after that can only cut the body.
+PREPARED: Final = web.RequestKey("ds3_prepared", bool)
 BODY_TIMEOUT: Final = web.AppKey("ds3_body_timeout", float)  # seconds a request body may take (read_body)
 REALM: Final = 'Bearer realm="ds3"'
 
@@ -118,7 +120,7 @@ async def errors_middleware(
     except DS3Error as e:
         if isinstance(e, Unavailable | ObjectStoreError):
             log.warning("%s %s: %s", request.method, request.path, e.message)
-        if request.get("ds3_prepared"):
+        if request.get(PREPARED):
             raise  # the status line is out: aiohttp drops the connection, the client sees a cut body
         if isinstance(e, RequestTimeout):
             return await _send_and_close(request, error_response(e))
@@ -190,6 +192,8 @@ async def read_body(request: web.Request, limit: int) -> bytes:
                     raise PayloadTooLarge(f"request body is larger than {limit} bytes")
     except TimeoutError:
         raise RequestTimeout(f"the request body did not arrive within {timeout:g} s") from None
+    except web.RequestPayloadError as e:  # e.g. a Content-Encoding the body does not decode with
+        raise BadRequest(f"the request body could not be read: {str(e).splitlines()[-1].strip()[:200]}") from None
     return bytes(buf)
 
 

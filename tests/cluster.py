@@ -188,6 +188,25 @@ def reader_metrics(base: str) -> dict[str, float]:
     return out
 
 
+def parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus text as {'name{label="v",...}': value} (labels sorted; no braces without
+    labels), parsed with prometheus_client's own parser so a malformed exposition fails."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
+            out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+    return out
+
+
+def scrape(base: str) -> dict[str, float]:
+    """GET {base}/metrics of a running ds3 process, parsed (parse_metrics)."""
+    with urllib.request.urlopen(f"{base}/metrics", timeout=5) as r:
+        return parse_metrics(r.read().decode())
+
+
 @dataclass(frozen=True)
 class Page:
     offset: str

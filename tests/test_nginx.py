@@ -166,9 +166,9 @@ def stack(tmp_path: Path, nginx_bin: str, s3_server: MotoS3, s3_bucket: str) -> 
 async def metric(session: aiohttp.ClientSession, base: str, name: str) -> int:
     async with session.get(f"{base}/metrics") as r:
         text = await r.text()
-    m = re.search(rf"^{re.escape(name)} (\d+)$", text, flags=re.M)
+    m = re.search(rf"^{re.escape(name)} ([0-9.e+]+)$", text, flags=re.M)  # prometheus-client writes "3.0"
     assert m, f"{name} missing from {base}/metrics:\n{text}"
-    return int(m.group(1))
+    return int(float(m.group(1)))
 
 
 def chunk_keys(s3: MotoS3, bucket: str) -> list[str]:

@@ -1,0 +1,92 @@
+"""The ingester's metrics and readiness checks, read from its components when scraped or
+probed (shared/metrics.py, shared/health.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import lmdb
+from aiohttp import web
+from prometheus_client.metrics_core import CounterMetricFamily, Metric
+
+from ingester.service import SERVICE, IngesterService
+from shared.config import IngesterConfig
+from shared.health import READINESS, store_check
+from shared.limitmw import LIMITS
+from shared.metrics import AppMetrics, StoreCollector, counter, gauge
+from shared.objectstore.base import ObjectStore
+
+
+def _wal(svc: IngesterService) -> Iterator[Metric]:
+    try:
+        stats = svc.wal.stats()
+        info = svc.wal.env.info()
+        page = int(svc.wal.env.stat()["psize"])
+    except lmdb.Error:  # closed during shutdown
+        return
+    yield gauge("ds3_wal_records", "Records (messages) in the WAL: acknowledged, not sealed yet.", stats["records"])
+    yield gauge("ds3_wal_record_bytes", "Bytes the WAL's records database occupies (pages).", stats["record_bytes"])
+    yield gauge("ds3_wal_streams", "Streams the WAL knows (open, closed, soft-deleted).", stats["streams"])
+    yield gauge("ds3_wal_file_bytes", "Bytes of the LMDB file in use (its high-water mark).",
+                (int(info["last_pgno"]) + 1) * page)
+
+
+def collect(app: web.Application) -> Iterator[Metric]:
+    svc = app.get(SERVICE)
+    if svc is None:  # not started yet, or stopped
+        return
+    committer = svc.committer
+    yield from svc.append_seconds.collect()
+    yield counter("ds3_wal_commits", "Group commits (durable write transactions).", committer.batches)
+    yield counter("ds3_wal_operations", "Write operations committed (appends, creates, seals, ...).", committer.ops)
+    yield from committer.batch_sizes.collect()
+    yield from committer.commit_seconds.collect()
+    yield from _wal(svc)
+    yield gauge("ds3_ingester_live_waiters", "Long-polls and SSE streams waiting for appends now.",
+                svc.notifier.waiting)
+    sealer = svc.sealer
+    if sealer is not None:
+        yield counter("ds3_seal_uploads", "Chunks sealed into the object store.", sealer.uploaded)
+        yield counter("ds3_seal_upload_failures", "Chunk upload attempts that failed (each is retried with "
+                      "backoff).", sealer.upload_failures)
+        yield gauge("ds3_seal_backlog", "Chunks waiting to be uploaded, or uploading now.", sealer.backlog)
+        yield from sealer.upload_seconds.collect()
+    deleted = CounterMetricFamily("ds3_objects_deleted", "Objects deleted from the object store, by reason.",
+                                  labels=["reason"])
+    deleted.add_metric(["retention"], svc.reaper.deleted if svc.reaper is not None else 0)
+    deleted.add_metric(["removed_stream"], sealer.gc_deleted if sealer is not None else 0)
+    yield deleted
+    lim = app.get(LIMITS)
+    if lim is not None:
+        yield counter("ds3_slow_clients_dropped", "Connections dropped because the client took nothing sent to it "
+                      "for --send-timeout.", lim.stuck.dropped)
+
+
+def install(app: web.Application, metrics: AppMetrics, config: IngesterConfig) -> None:
+    metrics.add(lambda: collect(app))
+    metrics.add(StoreCollector(lambda: _service_stores(app)).collect)
+
+    async def wal() -> str | None:
+        svc = app.get(SERVICE)
+        if svc is None:
+            return "starting"
+        try:
+            svc.wal.env.info()
+        except lmdb.Error as e:
+            return f"the LMDB environment is not open ({e})"
+        return None if svc.committer.alive else "the WAL writer thread is not running"
+
+    ready = app[READINESS]
+    ready.add("wal", wal, cached=False)
+    if config.store is not None:
+        ready.add("object_store", store_check(lambda: _chunk_store(app)))
+
+
+def _service_stores(app: web.Application) -> list[ObjectStore]:
+    svc = app.get(SERVICE)
+    return [] if svc is None else svc.stores
+
+
+def _chunk_store(app: web.Application) -> ObjectStore | None:
+    svc = app.get(SERVICE)
+    return None if svc is None else svc.objects

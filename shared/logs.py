@@ -1,0 +1,122 @@
+"""Logging for every ds3 command: text (for people) or JSON, one object per line (for log
+pipelines), and the request id of the request being handled.
+
+    {"ts": "2025-01-01T12:00:00.123Z", "level": "info", "logger": "ds3.access",
+     "msg": "POST /v1/stream/a 204 1.9ms 0B", "request_id": "5f0c...", "method": "POST", ...}
+
+The request id lives in a context variable set by shared.accessmw for the duration of a
+request, so every record logged while handling it (by any module) carries it, and tasks a
+request starts (an SSE upstream subscription) inherit it."""
+
+from __future__ import annotations
+
+import contextvars
+import logging
+import re
+import secrets
+import sys
+import time
+from typing import Any, Final
+
+import orjson
+
+FORMATS: Final = ("text", "json")
+REQUEST_ID_HEADER: Final = "X-Request-Id"
+# An incoming id is kept only when it is short and plain: it is logged and forwarded, so it
+# must not be able to carry log injection (newlines, quotes) or bloat every line.
+_SANE_ID: Final = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+_request_id: contextvars.ContextVar[str | None] = contextvars.ContextVar("ds3_request_id", default=None)
+
+
+def request_id() -> str | None:
+    """The id of the request this code runs for, if any."""
+    return _request_id.get()
+
+
+def set_request_id(value: str | None) -> contextvars.Token[str | None]:
+    return _request_id.set(value)
+
+
+def reset_request_id(token: contextvars.Token[str | None]) -> None:
+    _request_id.reset(token)
+
+
+def accept_request_id(incoming: str | None) -> str:
+    """The caller's X-Request-Id when it is sane, else a new random one (64 bits, hex)."""
+    if incoming is not None and _SANE_ID.fullmatch(incoming):
+        return incoming
+    return secrets.token_hex(8)
+
+
+def printable(text: str, limit: int = 512) -> str:
+    """`text` cut to `limit` characters with control characters escaped: paths and other
+    request-supplied strings must not forge log lines."""
+    text = text[:limit]
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else f"\\x{ord(c):02x}" for c in text)
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per record: ts, level, service (which process: `ds3 dev` writes both
+    to one stream), logger, msg, request_id (when handling one), the fields passed as
+    `extra={"fields": {...}}` (the access log's), and exc (the traceback) when there is one."""
+
+    def __init__(self, service: str | None = None) -> None:
+        super().__init__()
+        self.service = service
+        self._second = -1
+        self._stamp = ""
+
+    def _ts(self, created: float) -> str:
+        second = int(created)
+        if second != self._second:  # strftime once a second: the access log is hot
+            self._second, self._stamp = second, time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(second))
+        return f"{self._stamp}.{int((created - second) * 1000):03d}Z"
+
+    def format(self, record: logging.LogRecord) -> str:
+        out: dict[str, Any] = {
+            "ts": self._ts(record.created),
+            "level": record.levelname.lower(),
+            **({"service": self.service} if self.service else {}),
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        rid = _request_id.get()
+        if rid is not None:
+            out["request_id"] = rid
+        fields = getattr(record, "fields", None)
+        if isinstance(fields, dict):
+            out.update(fields)
+        if record.exc_info:
+            out["exc"] = self.formatException(record.exc_info)
+        elif record.exc_text:
+            out["exc"] = record.exc_text
+        return orjson.dumps(out, default=str).decode()
+
+
+class TextFormatter(logging.Formatter):
+    """The classic line, with the request id appended when there is one."""
+
+    def __init__(self) -> None:
+        super().__init__("%(asctime)s %(levelname)s %(name)s %(message)s")
+
+    def formatMessage(self, record: logging.LogRecord) -> str:  # before any traceback
+        line = super().formatMessage(record)
+        rid = _request_id.get()
+        return line if rid is None else f"{line} [request_id={rid}]"
+
+
+def setup(level: str, fmt: str = "text", *, access_log: bool = True, service: str | None = None) -> None:
+    """Configure the root logger for a ds3 process (stderr). `access_log=False` silences
+    ds3.access (one line per request) whatever the level."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter(service) if fmt == "json" else TextFormatter())
+    root = logging.getLogger()
+    for old in list(root.handlers):
+        root.removeHandler(old)
+    root.addHandler(handler)
+    root.setLevel(getattr(logging, level.upper(), logging.INFO))
+    logging.captureWarnings(True)  # Python warnings become records too: no stray non-JSON lines
+    logging.getLogger("aiohttp.access").setLevel(logging.WARNING)  # ds3.access logs requests
+    logging.getLogger("ds3.access").setLevel(logging.NOTSET if access_log else logging.WARNING)
