@@ -29,7 +29,10 @@ log = logging.getLogger("ds3")
 def _setup_logging(kw: dict[str, Any], service: str) -> None:
     from shared import logs
 
-    logs.setup(kw["log_level"], kw["log_format"], access_log=kw["access_log"], service=service)
+    access = kw["access_log"]
+    if access is None:  # the ingester's callers are readers, which log the same request ids
+        access = service != "ingester"
+    logs.setup(kw["log_level"], kw["log_format"], access_log=access, service=service)
 
 
 def _install_uvloop() -> None:
@@ -52,8 +55,10 @@ def _log_options(f: FC) -> FC:
         _opt("--log-format", env="DS3_LOG_FORMAT", default="text", type=click.Choice(["text", "json"]),
              help="text: one readable line per record; json: one JSON object per line (ts, level, logger, msg, "
                   "request_id, and the access log's fields), for log pipelines."),
-        _opt("--access-log/--no-access-log", env="DS3_ACCESS_LOG", default=True,
-             help="Log every request at info level (logger ds3.access; about 20 µs per request)."),
+        _opt("--access-log/--no-access-log", env="DS3_ACCESS_LOG", default=None,
+             help="Log every request at info level (logger ds3.access; about 20 µs per request). "
+                  "Default: on for readers, off for the ingester (its callers are readers, which log "
+                  "the same request ids; it would cost every append)."),
     ])
 
 

@@ -39,7 +39,7 @@ def _wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float = 30.0) 
 
 def run_dev(
     *, host: str, port: int, data_dir: Path, long_poll_timeout: float, seal_bytes: int, seal_age: float,
-    log_level: str, log_format: str = "text", access_log: bool = True,
+    log_level: str, log_format: str = "text", access_log: bool | None = None,
 ) -> int:
     data_dir = data_dir.resolve()
     objects = data_dir / "objects"
@@ -47,8 +47,9 @@ def run_dev(
     ingester_port = _free_port("127.0.0.1")
     ingester_url = f"http://127.0.0.1:{ingester_port}"
     ds3 = [sys.executable, "-m", "ds3.cli"]
-    common = ["--long-poll-timeout", str(long_poll_timeout), "--log-level", log_level, "--log-format", log_format,
-              "--access-log" if access_log else "--no-access-log"]
+    common = ["--long-poll-timeout", str(long_poll_timeout), "--log-level", log_level, "--log-format", log_format]
+    if access_log is not None:  # else each process's own default
+        common.append("--access-log" if access_log else "--no-access-log")
     env = {k: v for k, v in os.environ.items() if not k.startswith("DS3_")}  # flags say it all
     # The pair shares a fresh internal token (in the environment: not visible in `ps`), so
     # the ingester knows its reader and leaves per-client limits to it.

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import contextvars
 import logging
+import random
 import re
-import secrets
 import sys
 import time
 from typing import Any, Final
@@ -45,7 +45,8 @@ def accept_request_id(incoming: str | None) -> str:
     """The caller's X-Request-Id when it is sane, else a new random one (64 bits, hex)."""
     if incoming is not None and _SANE_ID.fullmatch(incoming):
         return incoming
-    return secrets.token_hex(8)
+    # Not secret, only distinct: the PRNG costs ~0.2 us where os.urandom costs ~15 us here.
+    return f"{random.getrandbits(64):016x}"
 
 
 def printable(text: str, limit: int = 512) -> str:

