@@ -36,11 +36,6 @@ class SnapshotBlob:
     body: AsyncIterator[bytes]
 
 
-def part_body(data: bytes, json_mode: bool) -> bytes:
-    """A stored message as a bootstrap part: JSON messages lose their stored ',' delimiter."""
-    return data[:-1] if json_mode and data.endswith(b",") else data
-
-
 class Snapshots:
     def __init__(
         self, store: Store, committer: GroupCommitter, reads: Reads, objects: ObjectStore,
@@ -132,12 +127,12 @@ class Snapshots:
                 piece = await self.chunk_reader.slice(s.uid, s.chunk, here, self.max_read_bytes, cap=s.end)
                 data = await self.chunk_reader.read(piece)
                 for end, message in chunks.messages_in(piece.head, piece.start, piece.end, data):
-                    yield extensions.part_head(boundary, part_type) + part_body(message, json_mode)
+                    yield extensions.part_head(boundary, part_type) + extensions.part_body(message, json_mode)
                     here = end
             elif not page.messages:
                 raise LookupError(f"no data at position {here} of {path!r}")
             for end, message in page.messages:
-                yield extensions.part_head(boundary, part_type) + part_body(message, json_mode)
+                yield extensions.part_head(boundary, part_type) + extensions.part_body(message, json_mode)
                 here = end
 
 

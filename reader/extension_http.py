@@ -112,9 +112,7 @@ async def _sealed_parts(
         for end, message in chunks.messages_in(piece.head, piece.start, piece.end, data):
             if end > until:
                 return here
-            if json_mode and message.endswith(b","):
-                message = message[:-1]
-            await resp.write(extensions.part_head(boundary, desc.content_type) + message)
+            await resp.write(extensions.part_head(boundary, desc.content_type) + extensions.part_body(message, json_mode))
             here = offsets.Offset(found.chunk, end)
         here = offsets.parse(found.next_offset)
     return here

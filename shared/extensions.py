@@ -103,6 +103,12 @@ def closing(boundary: str) -> bytes:
     return f"\r\n--{boundary}--\r\n".encode("latin-1")
 
 
+def part_body(stored: bytes, json_mode: bool) -> bytes:
+    """A stored message as a bootstrap part: JSON messages lose their stored ',' delimiter
+    (shared/jsonmode.py); other bytes go unchanged."""
+    return stored[:-1] if json_mode and stored.endswith(b",") else stored
+
+
 def valid_boundary(text: str) -> bool:
     """A boundary this server generated (the reader passes its own to the ingester)."""
     return len(text) == 36 and text.startswith("ds3-") and all(c in "0123456789abcdef" for c in text[4:])

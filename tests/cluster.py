@@ -310,3 +310,24 @@ def chunk_ends(sizes: list[int], seal_bytes: int, start: int = 0) -> list[int]:
 def sealed_end(store: StoreView, uid: str) -> int:
     """How far from position 0 the stream's chunk objects reach without a gap."""
     return covered([h for h, _ in store.decoded_chunks(uid)])
+
+
+async def read_sse_until(resp: aiohttp.ClientResponse, want: str, limit: float) -> list[tuple[str, str]]:
+    """(event, data) pairs of an SSE response until a data event containing `want` arrives
+    (or the stream ends); TimeoutError after `limit` seconds."""
+    events: list[tuple[str, str]] = []
+    event, data = "", []
+    async with asyncio.timeout(limit):
+        async for raw in resp.content:
+            line = raw.decode().rstrip("\r\n")
+            if line.startswith("event:"):
+                event = line[6:].strip()
+            elif line.startswith("data:"):
+                data.append(line[5:].removeprefix(" "))
+            elif line == "":
+                if event or data:
+                    events.append((event, "\n".join(data)))
+                    if event == "data" and want in "\n".join(data):
+                        return events
+                event, data = "", []
+    return events

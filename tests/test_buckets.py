@@ -32,7 +32,16 @@ from multidict import CIMultiDict
 
 from shared import buckets as SB
 from shared.errors import BadRequest
-from tests.cluster import TIMEOUT, Cluster, StoreView, position, reader_metrics, sealed_end, wait_for
+from tests.cluster import (
+    TIMEOUT,
+    Cluster,
+    StoreView,
+    position,
+    read_sse_until,
+    reader_metrics,
+    sealed_end,
+    wait_for,
+)
 from tests.s3server import MotoS3, aws_test_env
 from tests.test_http import raw_request
 
@@ -313,25 +322,6 @@ async def test_missing_bucket_is_404_for_every_stream_operation(session: aiohttp
 
 
 # ---------------------------------------------------------------- §1.6 stream operations
-async def _sse_until(resp: aiohttp.ClientResponse, want: str, limit: float) -> list[tuple[str, str]]:
-    events: list[tuple[str, str]] = []
-    event, data = "", []
-    async with asyncio.timeout(limit):
-        async for line_raw in resp.content:
-            line = line_raw.decode().rstrip("\r\n")
-            if line.startswith("event:"):
-                event = line[6:].strip()
-            elif line.startswith("data:"):
-                data.append(line[5:].removeprefix(" "))
-            elif line == "":
-                if event or data:
-                    events.append((event, "\n".join(data)))
-                    if event == "data" and want in "\n".join(data):
-                        return events
-                event, data = "", []
-    return events
-
-
 async def test_stream_operations_under_a_bucket(session: aiohttp.ClientSession, base: str) -> None:
     bid = await make_bucket(session, base)
     sid = "chat room ✓"
@@ -366,10 +356,10 @@ async def test_stream_operations_under_a_bucket(session: aiohttp.ClientSession, 
     target = yarl.URL(url, encoded=True).with_query({"offset": "-1", "live": "sse"})
     async with session.get(target) as sse_resp:
         assert sse_resp.status == 200 and sse_resp.headers["Content-Type"].startswith("text/event-stream")
-        events = await _sse_until(sse_resp, "polled", 10)
+        events = await read_sse_until(sse_resp, "polled", 10)
         assert "".join(d for e, d in events if e == "data") == "hello world!polled"
         assert (await call(session, "POST", url, b"live-event", TEXT)).status == 204
-        events = await _sse_until(sse_resp, "live-event", 10)
+        events = await read_sse_until(sse_resp, "live-event", 10)
         assert ("data", "live-event") in events
     # close, then the stream is listed as Closed
     r = await call(session, "POST", url, None, {"Stream-Closed": "true"})

@@ -31,6 +31,7 @@ from tests.cluster import (
     get_page,
     position,
     read_pages,
+    read_sse_until,
     reader_metrics,
     sealed_end,
     wait_for,
@@ -260,26 +261,6 @@ async def test_long_polls_on_one_offset_share_one_upstream_request(tmp_path: Pat
             assert after[COLLAPSED] - before[COLLAPSED] == n - 1
 
 
-async def _sse_events(resp: aiohttp.ClientResponse, want_data: bytes, limit: float) -> list[tuple[str, str]]:
-    """Read SSE events until a data event containing want_data arrives."""
-    events: list[tuple[str, str]] = []
-    event, data = "", []
-    async with asyncio.timeout(limit):
-        async for raw in resp.content:
-            line = raw.decode().rstrip("\r\n")
-            if line.startswith("event:"):
-                event = line[6:].strip()
-            elif line.startswith("data:"):
-                data.append(line[5:].removeprefix(" "))
-            elif line == "":
-                if event or data:
-                    events.append((event, "\n".join(data)))
-                    if event == "data" and want_data.decode() in "\n".join(data):
-                        return events
-                event, data = "", []
-    return events
-
-
 async def test_sse_subscribers_share_one_upstream_subscription(tmp_path: Path, local_store: StoreView) -> None:
     n = 10
     with Cluster(tmp_path, local_store) as c:
@@ -294,7 +275,7 @@ async def test_sse_subscribers_share_one_upstream_subscription(tmp_path: Path, l
                 assert all(r.status == 200 for r in responses)
                 await asyncio.sleep(0.3)  # every subscription is established
                 await append(s, ing, b"fan-out", "text/plain")
-                got = await asyncio.gather(*(_sse_events(r, b"fan-out", 10) for r in responses))
+                got = await asyncio.gather(*(read_sse_until(r, "fan-out", 10) for r in responses))
                 for events in got:
                     assert ("data", "fan-out") in events, events
             finally:
