@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from typing import Final
 
 from aiohttp import web
@@ -97,16 +98,23 @@ async def handle_put(request: web.Request, svc: IngesterService, path: str) -> w
 
 
 async def handle_post(request: web.Request, svc: IngesterService, path: str) -> web.Response:
-    h = request.headers
-    close = P.flag_true(h.get(P.CLOSED))
-    producer = P.parse_producer(h.get(P.PRODUCER_ID), h.get(P.PRODUCER_EPOCH), h.get(P.PRODUCER_SEQ))
-    stream_seq = h.get(P.SEQ)
+    body = await read_body(request, svc.config.max_body_bytes)
+    req = append_request(request.headers.get, body, path)
+    status, headers = append_answer(await svc.append(req), req)
+    return web.Response(status=status, headers=headers)
+
+
+def append_request(header: Callable[[str], str | None], body: bytes, path: str) -> AppendRequest:
+    """An append's headers and body, validated (this handler and the fast lane alike).
+    `header` looks a header up by name, case-insensitively."""
+    close = P.flag_true(header(P.CLOSED))
+    producer = P.parse_producer(header(P.PRODUCER_ID), header(P.PRODUCER_EPOCH), header(P.PRODUCER_SEQ))
+    stream_seq = header(P.SEQ)
     if stream_seq is not None and stream_seq == "":
         raise BadRequest("Stream-Seq must not be empty")
     if stream_seq is not None and not P.is_utf8(stream_seq):
         raise BadRequest("invalid Stream-Seq: not valid UTF-8")
-    content_type = h.get("Content-Type")
-    body = await read_body(request, svc.config.max_body_bytes)
+    content_type = header("Content-Type")
     messages = None
     if body:
         if not content_type or not content_type.strip():
@@ -117,22 +125,19 @@ async def handle_post(request: web.Request, svc: IngesterService, path: str) -> 
             messages = jsonmode.split_messages(body, allow_empty_array=False)
     elif not close:
         raise BadRequest("empty body: an append needs data (or Stream-Closed: true to close)")
-    result = await svc.append(
-        AppendRequest(path, content_type, body, messages, close=close, stream_seq=stream_seq, producer=producer)
-    )
-    return append_response(result, producer is not None and bool(body))
+    return AppendRequest(path, content_type, body, messages, close=close, stream_seq=stream_seq, producer=producer)
 
 
-def append_response(result: AppendResult, producer_appended: bool) -> web.Response:
-    """200 for a producer's new data, 204 for everything else that succeeded."""
+def append_answer(result: AppendResult, req: AppendRequest) -> tuple[int, dict[str, str]]:
+    """(status, headers): 200 for a producer's new data, 204 for everything else that succeeded."""
     headers = {P.NEXT_OFFSET: result.stream.tail_offset}
     if result.stream.closed:
         headers[P.CLOSED] = "true"
     if result.producer_epoch is not None:
         headers[P.PRODUCER_EPOCH] = str(result.producer_epoch)
         headers[P.PRODUCER_SEQ] = str(result.producer_seq)
-    status = 200 if producer_appended and not result.duplicate else 204
-    return web.Response(status=status, headers=headers)
+    producer_appended = req.producer is not None and bool(req.body)
+    return (200 if producer_appended and not result.duplicate else 204), headers
 
 
 async def handle_head(svc: IngesterService, path: str) -> web.Response:

@@ -43,7 +43,10 @@ class StuckWriters:
         self.dropped = 0
 
     def watch(self, request: web.Request) -> None:
-        proto = request.protocol
+        self.watch_protocol(request.protocol)
+
+    def watch_protocol(self, proto: Any) -> None:
+        """`proto`: an aiohttp RequestHandler (its transport and writing_paused)."""
         if proto not in self._since:
             self._since[proto] = None
 

@@ -1,0 +1,441 @@
+"""The ingester's fast lane: plain appends answered straight from the connection's bytes.
+
+aiohttp spends ~75 us of CPU per request here before a handler runs (a Request, a
+StreamReader, a task, the middleware chain): more than an append's own work. A writer's
+keep-alive connection that does nothing but POST is the ingester's hot path, so
+FastLaneHandler is aiohttp's RequestHandler with one addition: a plain append
+
+    POST /v1/stream/{path} HTTP/1.1   (keep-alive, Content-Length body; no query, no
+                                       %-escapes, no dot segments, no Transfer-Encoding,
+                                       Content-Encoding, Expect or Upgrade)
+
+that begins while aiohttp has nothing in progress on the connection is parsed with httptools
+and answered from a callback on its group commit: the same validation
+(ingester.http.append_request), the same answers (append_answer, shared.web.error_response),
+the same headers, metrics and limits, without a task or a Request object.
+
+Everything else is aiohttp's, byte for byte. An httptools parser follows every byte of the
+connection, so aiohttp only ever receives whole messages from their first byte: a message
+that is not a plain append (decided when its head is complete; its first chunks are held
+until then) goes to aiohttp with everything after it until the connection is between
+messages again. Answers keep the request order: bytes that arrive while a fast answer is
+pending (a pipelining client) wait until it is written.
+
+The lane stands aside (aiohttp answers everything, as before) while auth is on (tokens are
+verified asynchronously), while the access log is on (it is aiohttp's), and with
+DS3_FAST_LANE=0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import re
+import time
+from collections.abc import Callable
+from email.utils import formatdate
+from http import HTTPStatus
+from typing import Any, Final, cast
+
+import httptools
+from aiohttp import web
+from aiohttp.http import SERVER_SOFTWARE
+from aiohttp.web_protocol import RequestHandler
+
+from ingester.http import append_answer, append_request
+from ingester.service import SERVICE, IngesterService
+from shared import extensions, logs
+from shared import protocol as P
+from shared.authmw import AUTH, INTERNAL_HEADER
+from shared.errors import DS3Error, RequestTimeout
+from shared.limitmw import LIMITS, Limits
+from shared.limits import client_address, client_identity
+from shared.metrics import METRICS, HttpMetrics
+from shared.web import BODY_TIMEOUT, error_response, stream_path_of
+
+log = logging.getLogger("ds3.http")
+access_log = logging.getLogger("ds3.access")
+
+# Plain stream URLs only: anything aiohttp might decode or normalise before routing is its.
+_PLAIN_URL: Final = re.compile(rb"/v1/stream/[A-Za-z0-9_~!$&'()*+,;=:@./-]+")
+_REFUSED_HEADERS: Final = frozenset({b"transfer-encoding", b"content-encoding", b"expect", b"upgrade"})
+_COMMON: Final = (
+    "X-Content-Type-Options: nosniff\r\n"
+    "Cross-Origin-Resource-Policy: cross-origin\r\n"
+    "Access-Control-Allow-Origin: *\r\n"
+    f"Access-Control-Expose-Headers: {P.CORS_EXPOSE_HEADERS}\r\n"
+    f"Server: {SERVER_SOFTWARE}\r\n"
+)
+_MAX_BODY: Final = 1024 * 1024  # the lane holds a body in memory until it is complete
+_REASONS: Final = {s.value: s.phrase for s in HTTPStatus}
+
+# What the tracker knows of the message being parsed.
+_BETWEEN: Final = 0  # between messages
+_UNDECIDED: Final = 1  # a fresh message (a POST whose whole head is in its first chunk) being parsed
+_FAST: Final = 2  # a plain append: ours
+_SLOW: Final = 3  # aiohttp's
+
+
+class FastLane:
+    """Per app: whether the lane may run, and what its answers need (looked up once)."""
+
+    def __init__(self, app: web.Application) -> None:
+        self.app = app
+        self.switched_on = os.environ.get("DS3_FAST_LANE", "1") not in ("0", "false", "no", "off")
+        self.svc: IngesterService | None = None
+        self.http: HttpMetrics | None = None
+        self.limits: Limits | None = None
+        self.served = 0  # appends answered by the lane
+        self._date = ""
+        self._date_at = 0
+
+    def service(self) -> IngesterService | None:
+        """The service when the lane may run now, else None."""
+        svc = self.svc
+        if svc is None:
+            if not self.switched_on or SERVICE not in self.app:
+                return None
+            self.http = self.app[METRICS].http
+            self.limits = self.app[LIMITS]
+            self.svc = svc = self.app[SERVICE]
+        if self.app[AUTH].enabled or access_log.isEnabledFor(logging.INFO):
+            return None
+        return svc
+
+    def body_timeout(self) -> float:
+        return self.app.get(BODY_TIMEOUT, 60.0)
+
+    def date(self) -> str:
+        now = int(time.time())
+        if now != self._date_at:
+            self._date_at = now
+            self._date = formatdate(now, usegmt=True)
+        return self._date
+
+
+class FastLaneServer(web.Server):
+    """aiohttp's low-level server, making FastLaneHandlers."""
+
+    def __init__(self, *args: Any, lane: FastLane, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.lane = lane
+
+    def __call__(self) -> RequestHandler:
+        return FastLaneHandler(self, lane=self.lane, loop=self._loop, **self._kwargs)
+
+
+class FastLaneRunner(web.AppRunner):
+    """web.AppRunner whose connections get the fast lane (use it like an AppRunner)."""
+
+    def __init__(self, app: web.Application, **kwargs: Any) -> None:
+        super().__init__(app, **kwargs)
+        self.lane = FastLane(app)
+        app[FAST_LANE] = self.lane
+
+    async def _make_server(self) -> web.Server:
+        server = await super()._make_server()
+        return FastLaneServer(
+            server.request_handler, request_factory=server.request_factory, lane=self.lane,
+            handler_cancellation=server.handler_cancellation, loop=server._loop, **server._kwargs,
+        )
+
+
+FAST_LANE: Final = web.AppKey("ds3_fast_lane", FastLane)
+
+
+class _Tracker:
+    """httptools callbacks: where the connection is between messages, and the head and body
+    of a message the lane may take. `judge` decides, once a fresh message's head is complete,
+    whether it is the lane's."""
+
+    __slots__ = ("body", "complete", "fresh", "headers", "judge", "parser", "state", "url")
+
+    def __init__(self, judge: Callable[[_Tracker], bool]) -> None:
+        self.state = _BETWEEN
+        self.fresh = False  # the message beginning now may be the lane's
+        self.url = b""
+        self.headers: dict[bytes, bytes] = {}
+        self.body: list[bytes] = []
+        self.complete = False  # a fast message is complete and not taken yet
+        self.judge = judge
+        self.parser = httptools.HttpRequestParser(self)
+
+    def on_message_begin(self) -> None:
+        if self.complete:  # bytes after a complete fast message: parsed again later (see _start_fast)
+            self.state = _SLOW
+            return
+        self.state = _UNDECIDED if self.fresh else _SLOW
+        self.fresh = False
+        self.url = b""
+        self.headers = {}
+        self.body = []
+
+    def on_url(self, url: bytes) -> None:
+        if self.state == _UNDECIDED:
+            self.url += url
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if self.state == _UNDECIDED:
+            name = name.lower()
+            if name not in self.headers:  # the first one counts, as with aiohttp's headers.get()
+                self.headers[name] = value
+
+    def on_headers_complete(self) -> None:
+        if self.state == _UNDECIDED:
+            self.state = _FAST if self.judge(self) else _SLOW
+
+    def on_body(self, body: bytes) -> None:
+        if self.state == _FAST:
+            self.body.append(body)
+
+    def on_message_complete(self) -> None:
+        if self.state == _FAST:
+            self.complete = True
+        self.state = _BETWEEN
+
+
+class _Headers:
+    """Case-insensitive lookups in a message's raw headers, decoded like aiohttp's."""
+
+    __slots__ = ("raw",)
+
+    def __init__(self, raw: dict[bytes, bytes]) -> None:
+        self.raw = raw
+
+    def get(self, name: str) -> str | None:
+        v = self.raw.get(name.lower().encode("ascii"))
+        return None if v is None else v.decode("utf-8", "surrogateescape")
+
+
+class FastLaneHandler(RequestHandler):
+    def __init__(self, manager: web.Server, *, lane: FastLane, **kwargs: Any) -> None:
+        super().__init__(manager, **kwargs)
+        self._lane = lane
+        self._tracker = _Tracker(self._judge)
+        self._head_len = 0  # of the fast message being read
+        self._fast_left = 0  # its bytes still to come
+        self._backlog: list[bytes] = []  # what arrived while a fast answer was pending
+        self._answering: asyncio.Future[None] | None = None  # a fast answer is pending
+        self._paused_by_lane = False
+        self._body_timer: asyncio.TimerHandle | None = None
+        self._lane_off = False  # the tracker lost the thread (a parse error): aiohttp's from now on
+        self._client: str | object | None = _UNKNOWN  # the limits' identity of this connection's peer
+
+    # --- bytes in ------------------------------------------------------------------------
+
+    def data_received(self, data: bytes) -> None:
+        if self._lane_off or self._force_close or self._close:
+            super().data_received(data)
+            return
+        if self._answering is not None:  # a pipelining client: after the pending answer
+            self._backlog.append(data)
+            if not self._paused_by_lane and self.transport is not None:
+                self._paused_by_lane = True
+                self.transport.pause_reading()
+            return
+        t = self._tracker
+        if t.state == _FAST:  # more of a fast message's body
+            if len(data) > self._fast_left:
+                self._backlog.append(data[self._fast_left:])
+                data = data[: self._fast_left]
+            self._fast_left -= len(data)
+            self._feed(t, data)
+            if t.complete:
+                self._take_fast()
+            return
+        if t.state == _BETWEEN and data.startswith(b"POST /v1/stream/") and self._aiohttp_idle():
+            head_end = data.find(b"\r\n\r\n")  # heads are taken only whole, in one chunk
+            if head_end > 0 and self._lane.service() is not None:
+                t.fresh = True
+                self._head_len = head_end + 4
+        if not self._feed(t, data):
+            return
+        t.fresh = False
+        if t.complete or t.state == _FAST:  # a fast message began in this chunk
+            total = self._head_len + int(t.headers[b"content-length"])
+            if len(data) > total:  # a pipelined request follows: parse it again after this answer
+                self._backlog.append(data[total:])
+            self._fast_left = total - len(data)
+            if t.complete:
+                self._take_fast()
+            else:  # the body must arrive within the body timeout, as through aiohttp (read_body)
+                self._body_timer = self._loop.call_later(self._lane.body_timeout(), self._body_late)
+            return
+        super().data_received(data)
+
+    def _feed(self, t: _Tracker, data: bytes) -> bool:
+        """Parse `data`; False when it went wrong and was dealt with."""
+        try:
+            t.parser.feed_data(data)
+            return True
+        except httptools.HttpParserError:
+            if t.complete:  # garbage after a whole fast append: the append stands, aiohttp gets the rest
+                return True
+            # aiohttp parses the same bytes and answers 400; the tracker cannot follow any more.
+            self._lane_off = True
+            if t.state != _FAST:
+                super().data_received(data)
+            else:  # cannot happen with a Content-Length body; drop the connection rather than guess
+                self.force_close()
+            return False
+
+    def _aiohttp_idle(self) -> bool:
+        return not self._messages and not self._request_in_progress and not self._upgraded
+
+    def _judge(self, t: _Tracker) -> bool:
+        """Whether the message whose head `t` holds is a plain append the lane answers."""
+        p = t.parser
+        if p.get_method() != b"POST" or p.get_http_version() != "1.1" or not p.should_keep_alive():
+            return False
+        url, headers = t.url, t.headers
+        if not _PLAIN_URL.fullmatch(url) or b"/." in url or b"content-length" not in headers:
+            return False
+        if any(h in headers for h in _REFUSED_HEADERS):
+            return False
+        svc = self._lane.svc
+        if svc is None or int(headers[b"content-length"]) > min(_MAX_BODY, svc.config.max_body_bytes):
+            return False  # big bodies stream through aiohttp (and it answers the 413)
+        if extensions.split(url.decode("ascii"))[1] is not None:  # POST .../snapshot etc.
+            return False
+        presented = headers.get(_INTERNAL)  # a wrong one: aiohttp answers the 401 (and logs it)
+        return presented is None or self._lane.app[AUTH].is_internal(presented.decode("utf-8", "replace"))
+
+    def _body_late(self) -> None:
+        """A client trickling a body (slowloris): 408 and close, as aiohttp's path does."""
+        self._body_timer = None
+        self._lane_off = True
+        http = self._lane.http
+        if http is not None:
+            http.observe("stream_append", 408, self._lane.body_timeout())
+        timeout = self._lane.body_timeout()
+        r = error_response(RequestTimeout(f"the request body did not arrive within {timeout:g} s"))
+        self._write(r.status, dict(r.headers), r.body if isinstance(r.body, bytes) else b"",
+                    logs.accept_request_id(None))
+        self.force_close()
+
+    def _take_fast(self) -> None:
+        if self._body_timer is not None:
+            self._body_timer.cancel()
+            self._body_timer = None
+        t = self._tracker
+        url, headers = t.url, t.headers
+        body = t.body[0] if len(t.body) == 1 else b"".join(t.body)
+        if self._backlog:  # the parser ran over bytes past the message: a fresh one parses them
+            self._tracker = _Tracker(self._judge)
+        else:
+            t.complete = False
+            t.body = []
+        self._answering = self._loop.create_future()
+        self._serve(url, headers, body)
+
+    # --- the append ----------------------------------------------------------------------
+
+    def _serve(self, url: bytes, raw_headers: dict[bytes, bytes], body: bytes) -> None:
+        lane = self._lane
+        svc, http, lim = lane.svc, lane.http, lane.limits
+        assert svc is not None and http is not None and lim is not None
+        http.in_flight += 1
+        started = time.perf_counter()
+        headers = _Headers(raw_headers)
+        rid = logs.accept_request_id(headers.get(logs.REQUEST_ID_HEADER))
+        try:
+            lim.stuck.watch_protocol(self)
+            if _INTERNAL not in raw_headers:  # a reader limits its own clients
+                forwarded = headers.get("X-Forwarded-For")
+                if forwarded is None and self._client is not _UNKNOWN:
+                    client = cast(str | None, self._client)  # the same peer all along: judged once
+                else:
+                    client = client_identity(None, client_address(_peer_of(self.transport), forwarded, lim.proxies))
+                    if forwarded is None:
+                        self._client = client
+                if client is not None:
+                    lim.take(lim.writes, client, "writes")
+            path = stream_path_of(url.decode("utf-8", "surrogateescape"), svc.config.max_path_bytes)
+            req = append_request(headers.get, body, path)
+            fut = svc.committer.submit(lambda txn: svc.store.append(txn, req))
+        except DS3Error as e:
+            self._answer_error(e, rid, started)
+            return
+        except Exception:
+            log.exception("internal error on POST %s (request %s)", url[:200], rid)
+            self._answer(500, _INTERNAL_ERROR, _INTERNAL_ERROR_BODY, rid, started)
+            return
+
+        def done(fut: asyncio.Future[Any]) -> None:
+            try:
+                result = fut.result()
+            except DS3Error as e:
+                self._answer_error(e, rid, started)
+                return
+            except Exception:
+                log.exception("internal error on POST %s (request %s)", url[:200], rid)
+                self._answer(500, _INTERNAL_ERROR, _INTERNAL_ERROR_BODY, rid, started)
+                return
+            svc.append_seconds.observe(time.perf_counter() - started)
+            status, answer_headers = append_answer(result, req)
+            self._answer(status, answer_headers, b"", rid, started)
+
+        fut.add_done_callback(done)
+
+    def _answer_error(self, e: DS3Error, rid: str, started: float) -> None:
+        r = error_response(e)
+        body = r.body if isinstance(r.body, bytes) else b""
+        self._answer(r.status, dict(r.headers), body, rid, started)
+
+    def _answer(self, status: int, headers: dict[str, str], body: bytes, rid: str, started: float) -> None:
+        lane = self._lane
+        http = lane.http
+        assert http is not None
+        http.in_flight -= 1
+        http.observe("stream_append", status, time.perf_counter() - started)
+        lane.served += 1
+        self._write(status, headers, body, rid)
+        if self._keepalive_timeout > 0:  # the connection was busy, not idle
+            self._next_keepalive_close_time = self._loop.time() + self._keepalive_timeout
+        answering, self._answering = self._answering, None
+        if answering is not None and not answering.done():
+            answering.set_result(None)
+        while self._backlog and self._answering is None:
+            self.data_received(self._backlog.pop(0))
+        if self._paused_by_lane and self._answering is None and self.transport is not None:
+            self._paused_by_lane = False
+            self.transport.resume_reading()
+
+    def _write(self, status: int, headers: dict[str, str], body: bytes, rid: str) -> None:
+        lines = [f"HTTP/1.1 {status} {_REASONS.get(status, 'Unknown')}\r\n"]
+        for name, value in headers.items():
+            lines.append(f"{name}: {value}\r\n")
+        if status != 204:
+            lines.append(f"Content-Length: {len(body)}\r\n")
+        lines.append(f"Date: {self._lane.date()}\r\nX-Request-Id: {rid}\r\n{_COMMON}\r\n")
+        transport = self.transport
+        if transport is not None and not transport.is_closing():
+            transport.write("".join(lines).encode("latin-1", "replace") + body)
+
+    # --- the end -------------------------------------------------------------------------
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        if self._body_timer is not None:
+            self._body_timer.cancel()
+            self._body_timer = None
+        super().connection_lost(exc)
+
+    async def shutdown(self, timeout: float | None = 15.0) -> None:
+        if self._answering is not None:  # let a pending answer go out first
+            try:
+                await asyncio.wait_for(asyncio.shield(self._answering), timeout)
+            except (TimeoutError, asyncio.CancelledError):
+                pass
+        await super().shutdown(timeout)
+
+
+def _peer_of(transport: asyncio.Transport | None) -> str | None:
+    peer = transport.get_extra_info("peername") if transport is not None else None
+    return str(peer[0]) if isinstance(peer, tuple) else None
+
+
+_UNKNOWN: Final = object()
+_INTERNAL: Final = INTERNAL_HEADER.lower().encode("ascii")
+_INTERNAL_ERROR: Final = {"Content-Type": "text/plain; charset=utf-8"}
+_INTERNAL_ERROR_BODY: Final = b"internal server error; nothing was changed\n"
