@@ -245,8 +245,11 @@ class FastLaneHandler(RequestHandler):
                 self._take_fast()
             return
         if t.state == _BETWEEN and data.startswith(b"POST /v1/stream/") and self._aiohttp_idle():
-            head_end = data.find(b"\r\n\r\n")  # heads are taken only whole, in one chunk
-            if head_end > 0 and self._lane.service() is not None:
+            # Heads are taken only whole, in one chunk, with CRLF line ends (a bare LF, which
+            # parsers may tolerate, would make the first blank CRLF line not the head's end).
+            head_end = data.find(b"\r\n\r\n")
+            if (head_end > 0 and data.count(b"\n", 0, head_end) == data.count(b"\r\n", 0, head_end)
+                    and self._lane.service() is not None):
                 t.fresh = True
                 self._head_len = head_end + 4
         if not self._feed(t, data):

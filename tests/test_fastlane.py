@@ -137,6 +137,10 @@ CASES = [
      post("/v1/stream/it", b"x", "Content-Type: text/plain", "DS3-Internal-Token: guess")),
     ("snapshot endpoint", [put("/v1/stream/sn", "Content-Type: text/plain")],
      post("/v1/stream/sn/snapshot", b"x", "Content-Type: text/plain")),
+    ("bare LF line ends", [put("/v1/stream/lf", "Content-Type: text/plain")],
+     b"POST /v1/stream/lf HTTP/1.1\nHost: t\nContent-Type: text/plain\nContent-Length: 8\n\nab\r\n\r\ncd"),
+    ("a body that looks like requests", [put("/v1/stream/lk", "Content-Type: text/plain")],
+     post("/v1/stream/lk", b"\r\n\r\nPOST /v1/stream/lk HTTP/1.1\r\n\r\n", "Content-Type: text/plain")),
     ("escaped path", [put("/v1/stream/e%20s", "Content-Type: text/plain")],
      post("/v1/stream/e%20s", b"x", "Content-Type: text/plain")),
 ]
