@@ -357,23 +357,15 @@ class FastLaneHandler(RequestHandler):
             path = stream_path_of(url.decode("utf-8", "surrogateescape"), svc.config.max_path_bytes)
             req = append_request(headers.get, body, path)
             fut = svc.committer.submit(lambda txn: svc.store.append(txn, req))
-        except DS3Error as e:
-            self._answer_error(e, rid, started)
-            return
-        except Exception:
-            log.exception("internal error on POST %s (request %s)", url[:200], rid)
-            self._answer(500, _INTERNAL_ERROR, _INTERNAL_ERROR_BODY, rid, started)
+        except Exception as e:
+            self._answer_failure(e, url, rid, started)
             return
 
         def done(fut: asyncio.Future[Any]) -> None:
             try:
                 result = fut.result()
-            except DS3Error as e:
-                self._answer_error(e, rid, started)
-                return
-            except Exception:
-                log.exception("internal error on POST %s (request %s)", url[:200], rid)
-                self._answer(500, _INTERNAL_ERROR, _INTERNAL_ERROR_BODY, rid, started)
+            except Exception as e:
+                self._answer_failure(e, url, rid, started)
                 return
             svc.append_seconds.observe(time.perf_counter() - started)
             status, answer_headers = append_answer(result, req)
@@ -381,10 +373,14 @@ class FastLaneHandler(RequestHandler):
 
         fut.add_done_callback(done)
 
-    def _answer_error(self, e: DS3Error, rid: str, started: float) -> None:
-        r = error_response(e)
-        body = r.body if isinstance(r.body, bytes) else b""
-        self._answer(r.status, dict(r.headers), body, rid, started)
+    def _answer_failure(self, e: Exception, url: bytes, rid: str, started: float) -> None:
+        """A refusal (DS3Error) as shared.web.error_response has it; anything else is a 500, logged."""
+        if isinstance(e, DS3Error):
+            r = error_response(e)
+            self._answer(r.status, dict(r.headers), r.body if isinstance(r.body, bytes) else b"", rid, started)
+        else:
+            log.error("internal error on POST %s (request %s)", url[:200], rid, exc_info=e)
+            self._answer(500, _INTERNAL_ERROR, _INTERNAL_ERROR_BODY, rid, started)
 
     def _answer(self, status: int, headers: dict[str, str], body: bytes, rid: str, started: float) -> None:
         lane = self._lane
