@@ -17,7 +17,7 @@ leaves it out at once.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -156,25 +156,16 @@ def list_streams(
         start = skip = base + after.encode()
     streams: list[dict[str, Any]] = []
     has_more = False
-    cur = txn.cursor(wal.streams)
-    # LMDB keys are at most 511 bytes and stream keys at most 125: a longer start (a long
-    # prefix or cursor) is cut; no key lies between the cut and the whole, so the scan is the same.
-    if cur.set_range(start[:MAX_SEEK_BYTES]):
-        for k, raw in cur:
-            key = bytes(k)
-            if not key.startswith(low):
-                break
-            if skip is not None and key <= skip:
-                continue
-            meta = StreamMeta.decode(raw)
-            if not meta.soft_deleted and meta.expired(now, touches.get(meta.path)):
-                if meta.refcount == 0:
-                    continue  # gone: reads answer 404, and the writer removes it shortly
-                meta.soft_deleted = True  # expired, but forks read it: the writer soft-deletes it
-            if len(streams) == limit:
-                has_more = True
-                break
-            streams.append(stream_entry(txn, wal, meta, key[len(base) :].decode(), now, last_writes))
+    for key, raw in scan_range(txn.cursor(wal.streams), low, start, skip):
+        meta = StreamMeta.decode(raw)
+        if not meta.soft_deleted and meta.expired(now, touches.get(meta.path)):
+            if meta.refcount == 0:
+                continue  # gone: reads answer 404, and the writer removes it shortly
+            meta.soft_deleted = True  # expired, but forks read it: the writer soft-deletes it
+        if len(streams) == limit:
+            has_more = True
+            break
+        streams.append(stream_entry(txn, wal, meta, key[len(base) :].decode(), now, last_writes))
     return {
         "bucket_id": bucket_id,
         "prefix": prefix,
@@ -183,6 +174,22 @@ def list_streams(
         "next_cursor": streams[-1]["stream_id"] if has_more else None,
         "has_more": has_more,
     }
+
+
+def scan_range(cur: lmdb.Cursor, low: bytes, start: bytes, skip: bytes | None) -> Iterator[tuple[bytes, Any]]:
+    """(key, value) pairs of `cur`'s database from `start` (b"": the first key) while keys begin
+    with `low`, leaving out keys <= `skip`: the range scan of every listing.
+    LMDB keys are at most 511 bytes and stream keys at most 125: a longer start (a long prefix
+    or cursor) is cut; no key lies between the cut and the whole, so the scan is the same."""
+    if not (cur.set_range(start[:MAX_SEEK_BYTES]) if start else cur.first()):
+        return
+    for k, raw in cur:
+        key = bytes(k)
+        if not key.startswith(low):
+            return
+        if skip is not None and key <= skip:
+            continue
+        yield key, raw
 
 
 def stream_entry(

@@ -219,6 +219,7 @@ class FastLaneHandler(RequestHandler):
         self._answering: asyncio.Future[None] | None = None  # a fast answer is pending
         self._paused_by_lane = False
         self._body_timer: asyncio.TimerHandle | None = None
+        self._watched = False
         self._lane_off = False  # the tracker lost the thread (a parse error): aiohttp's from now on
         self._client: str | object | None = _UNKNOWN  # the limits' identity of this connection's peer
 
@@ -343,7 +344,9 @@ class FastLaneHandler(RequestHandler):
         headers = _Headers(raw_headers)
         rid = logs.accept_request_id(headers.get(logs.REQUEST_ID_HEADER))
         try:
-            lim.stuck.watch_protocol(self)
+            if not self._watched:  # the stuck-writer watchdog knows a connection once
+                self._watched = True
+                lim.stuck.watch_protocol(self)
             if _INTERNAL not in raw_headers:  # a reader limits its own clients
                 forwarded = headers.get("X-Forwarded-For")
                 if forwarded is None and self._client is not _UNKNOWN:

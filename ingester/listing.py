@@ -44,8 +44,7 @@ from shared.web import preflight
 STREAMS_PATH: Final = "/ds3/streams"
 BUCKETS_PATH: Final = "/ds3/buckets"
 MAX_SKIPPED: Final = 10_000  # entries a page may pass over without showing them
-PLAIN_LOW: Final = b"\x01"  # bucketed streams' keys start with NUL; plain paths never do
-MAX_SEEK_BYTES: Final = buckets.MAX_SEEK_BYTES
+PLAIN_LOW: Final = b"\x01"  # bucketed streams' keys start with NUL (sorting first); plain paths never do
 
 Visible = Callable[[Target], bool]
 
@@ -85,32 +84,25 @@ def list_plain_streams(
     low, start, skip = _page_bounds(prefix, after, PLAIN_LOW)
     streams: list[dict[str, Any]] = []
     has_more, skipped, last_key = False, 0, None
-    cur = txn.cursor(wal.streams)
-    if cur.set_range(start[:MAX_SEEK_BYTES]):
-        for k, raw in cur:
-            key = bytes(k)
-            if not key.startswith(low) or key.startswith(b"\x00"):
-                break
-            if skip is not None and key <= skip:
-                continue
-            if len(streams) == limit or skipped >= MAX_SKIPPED:
-                has_more = True
-                break
-            last_key = key
-            path = key.decode("utf-8", "replace")
-            meta = StreamMeta.decode(raw)
-            hidden = not visible(Target(None, path))
-            if not hidden and not meta.soft_deleted and meta.expired(now, touches.get(meta.path)):
-                if meta.refcount == 0:
-                    hidden = True  # gone: reads answer 404, and the writer removes it shortly
-                else:
-                    meta.soft_deleted = True  # expired, but forks read it
-            if hidden:
-                skipped += 1
-                continue
-            entry = buckets.stream_entry(txn, wal, meta, path, now, last_writes)
-            del entry["stream_id"]
-            streams.append({"path": path, "url": P.STREAM_PREFIX + quote(path, safe="/"), **entry})
+    for key, raw in buckets.scan_range(txn.cursor(wal.streams), low, start, skip):
+        if len(streams) == limit or skipped >= MAX_SKIPPED:
+            has_more = True
+            break
+        last_key = key
+        path = key.decode("utf-8", "replace")
+        meta = StreamMeta.decode(raw)
+        hidden = not visible(Target(None, path))
+        if not hidden and not meta.soft_deleted and meta.expired(now, touches.get(meta.path)):
+            if meta.refcount == 0:
+                hidden = True  # gone: reads answer 404, and the writer removes it shortly
+            else:
+                meta.soft_deleted = True  # expired, but forks read it
+        if hidden:
+            skipped += 1
+            continue
+        entry = buckets.stream_entry(txn, wal, meta, path, now, last_writes)
+        del entry["stream_id"]
+        streams.append({"path": path, "url": P.STREAM_PREFIX + quote(path, safe="/"), **entry})
     cursor = _decode(last_key) if has_more else None
     return {"prefix": prefix, "stream_count": len(streams), "streams": streams,
             "next_cursor": cursor, "has_more": has_more}
@@ -122,23 +114,16 @@ def list_buckets(
     low, start, skip = _page_bounds(prefix, after, b"")
     found: list[dict[str, Any]] = []
     has_more, skipped, last_key = False, 0, None
-    cur = txn.cursor(wal.buckets)
-    if cur.set_range(start[:MAX_SEEK_BYTES]) if start else cur.first():
-        for k, raw in cur:
-            key = bytes(k)
-            if not key.startswith(low):
-                break
-            if skip is not None and key <= skip:
-                continue
-            if len(found) == limit or skipped >= MAX_SKIPPED:
-                has_more = True
-                break
-            last_key = key
-            bucket_id = key.decode("utf-8", "replace")
-            if not visible(Target(bucket_id, None)):
-                skipped += 1
-                continue
-            found.append(buckets.BucketMeta.decode(raw).describe(bucket_id))
+    for key, raw in buckets.scan_range(txn.cursor(wal.buckets), low, start, skip):
+        if len(found) == limit or skipped >= MAX_SKIPPED:
+            has_more = True
+            break
+        last_key = key
+        bucket_id = key.decode("utf-8", "replace")
+        if not visible(Target(bucket_id, None)):
+            skipped += 1
+            continue
+        found.append(buckets.BucketMeta.decode(raw).describe(bucket_id))
     return _buckets_page(prefix, found, has_more, _decode(last_key) if has_more else None)
 
 
