@@ -15,21 +15,18 @@ each process), so it can ride inside Spark input partitions.
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Final, Protocol
-from urllib.parse import unquote, urlsplit
+from typing import Any, Protocol
 
 from shared.errors import ObjectNotFound
 from shared.objectstore.base import TEMP_PREFIX
+from shared.objectstore.url import FileStoreURL, StoreURLError, parse_store_url
 
-_BUCKET_RE: Final = re.compile(r"\A[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]\Z")
-
-
-class StoreURLError(ValueError):
-    """The store URL (or its settings) cannot name an object store."""
+# URLs are parsed by the servers' own parser, so a URL means the same store here as in
+# `ds3 ingester --store`. StoreURLError is re-exported: pipeline.options catches it.
+__all__ = ["Listed", "LocalSyncStore", "S3SyncStore", "StoreURLError", "SyncStore", "open_sync_store"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,25 +161,14 @@ def open_sync_store(
     secret_access_key: str | None = None,
     session_token: str | None = None,
 ) -> LocalSyncStore | S3SyncStore:
-    """The store a URL names, as `ds3 ingester --store` accepts it. Credentials and region
-    default to the standard AWS variables and files (resolved where the client is made)."""
-    parts = urlsplit(url)
-    if parts.query or parts.fragment:
-        raise StoreURLError(f"store URL {url!r}: no query or fragment allowed")
-    if parts.scheme == "file":
-        if parts.netloc not in ("", "localhost"):
-            raise StoreURLError(f"store URL {url!r}: file URLs name a local path (file:///abs/path)")
-        path = unquote(parts.path)
-        if not path.startswith("/") or path.rstrip("/") == "":
-            raise StoreURLError(f"store URL {url!r}: needs an absolute directory other than /")
-        return LocalSyncStore(url, Path(path))
-    if parts.scheme == "s3":
-        if not _BUCKET_RE.match(parts.netloc):
-            raise StoreURLError(f"store URL {url!r}: {parts.netloc!r} is not a valid bucket name")
-        prefix = unquote(parts.path).strip("/")
-        return S3SyncStore(
-            url, parts.netloc, prefix + "/" if prefix else "", endpoint_url=endpoint_url,
-            region=region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION"),
-            access_key_id=access_key_id, secret_access_key=secret_access_key, session_token=session_token,
-        )
-    raise StoreURLError(f"store URL {url!r}: the scheme must be s3:// or file://")
+    """The store a URL names, as `ds3 ingester --store` accepts it (parse_store_url; raises
+    StoreURLError). Credentials and region default to the standard AWS variables and files
+    (resolved where the client is made)."""
+    parsed = parse_store_url(url)
+    if isinstance(parsed, FileStoreURL):
+        return LocalSyncStore(url, parsed.root)
+    return S3SyncStore(
+        url, parsed.bucket, parsed.prefix, endpoint_url=endpoint_url,
+        region=region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION"),
+        access_key_id=access_key_id, secret_access_key=secret_access_key, session_token=session_token,
+    )
