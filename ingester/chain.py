@@ -4,7 +4,9 @@ A fork reads positions below its fork position from its source (recursively, the
 may itself be a fork), capped at the fork position, and its own records above it. Records
 of sealed chunks are no longer in the WAL: where a read reaches one, it yields a `Sealed`
 marker naming the chunk object and stops, and the caller fetches that range from the
-object store. Used by read transactions and by the writer (fork sub-offsets)."""
+object store. A stream's newest messages may still be in the journal (journal.py): they
+follow its `records` entries. Used by read transactions and by the writer (fork sub-offsets,
+chunk uploads)."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from typing import Protocol
 
 import lmdb
 
+from ingester import journal
 from ingester.records import SEALED, SID, ChunkInfo, Record, StreamMeta, chunk_key, decode_record, record_key
 
 MetaLookup = Callable[[str], StreamMeta | None]
@@ -22,6 +25,8 @@ MetaLookup = Callable[[str], StreamMeta | None]
 class Dbs(Protocol):
     records: lmdb._Database
     chunks: lmdb._Database
+    journal: lmdb._Database
+    jtail: lmdb._Database
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,21 +46,36 @@ def refresh_tail(txn: lmdb.Transaction, dbs: Dbs, meta: StreamMeta, now: float) 
     Plain appends do not rewrite the stream's metadata (a record put is the whole write):
     the tail is where the stream's last record ends, when that is past the stored tail.
     """
-    cur = txn.cursor(dbs.records)
-    if cur.set_range(record_key(meta.sid + 1, 0)):
-        found = cur.prev()
-    else:
-        found = cur.last()
-    if found:
-        key, value = cur.item()
-        if key[:8] == SID.pack(meta.sid):
-            end = SID.unpack(key[8:16])[0]
-            if end > meta.tail:
-                meta.tail = end
-                meta.tail_chunk = decode_record(key, value).chunk
+    last = journal.newest(txn, dbs, meta.sid) or _last_record(txn, dbs, meta.sid)
+    if last is not None and last.end > meta.tail:
+        meta.tail = last.end
+        meta.tail_chunk = last.chunk
     if meta.chunk_opened_at is None and meta.tail > meta.chunk_start:
         meta.chunk_opened_at = now  # the open chunk has data; its age counts from now
     return meta
+
+
+def _last_record(txn: lmdb.Transaction, dbs: Dbs, sid: int) -> Record | None:
+    cur = txn.cursor(dbs.records)
+    found = cur.prev() if cur.set_range(record_key(sid + 1, 0)) else cur.last()
+    if found and cur.key()[:8] == SID.pack(sid):
+        return decode_record(cur.key(), cur.value())
+    return None
+
+
+def stream_records(txn: lmdb.Transaction, dbs: Dbs, sid: int, position: int) -> Iterator[Record]:
+    """The WAL's records of one stream ending after `position`, in order: `records` entries,
+    then the journal's. Sealed chunks leave gaps (a record starting past the previous end)."""
+    prefix = SID.pack(sid)
+    cur = txn.cursor(dbs.records)
+    if cur.set_range(record_key(sid, position + 1)):
+        for key, value in cur:
+            if key[:8] != prefix:
+                break
+            rec = decode_record(key, value)
+            yield rec
+            position = rec.end
+    yield from journal.records_after(txn, dbs, sid, position)
 
 
 def sealed_chunk_at(txn: lmdb.Transaction, dbs: Dbs, meta: StreamMeta, position: int) -> tuple[int, ChunkInfo] | None:
@@ -89,26 +109,19 @@ def own_records(
     """Records of one stream overlapping [start, end), the first sliced to begin at start."""
     if start >= end:
         return
-    sid = meta.sid
-    prefix = SID.pack(sid)
-    cur = txn.cursor(dbs.records)
     pos = start
-    if cur.set_range(record_key(sid, start + 1)):
-        for key, value in cur:
-            if key[:8] != prefix:
-                break
-            rec = decode_record(key, value)
-            if rec.start > pos:
-                yield _sealed(txn, dbs, meta, pos, end)
-                return
-            if rec.start < pos:
-                rec = Record(rec.end, rec.chunk, rec.flags, rec.data[pos - rec.start :])
-            if rec.end > end:
-                rec = Record(end, rec.chunk, rec.flags, rec.data[: len(rec.data) - (rec.end - end)])
-            yield rec
-            pos = rec.end
-            if pos >= end:
-                return
+    for rec in stream_records(txn, dbs, meta.sid, start):
+        if rec.start > pos:
+            yield _sealed(txn, dbs, meta, pos, end)
+            return
+        if rec.start < pos:
+            rec = Record(rec.end, rec.chunk, rec.flags, rec.data[pos - rec.start :])
+        if rec.end > end:
+            rec = Record(end, rec.chunk, rec.flags, rec.data[: len(rec.data) - (rec.end - end)])
+        yield rec
+        pos = rec.end
+        if pos >= end:
+            return
     if pos < end:
         yield _sealed(txn, dbs, meta, pos, end)
 
@@ -142,12 +155,14 @@ def record_at(
             rec = Record(meta.fork_position, rec.chunk, rec.flags, rec.data[: len(rec.data) - cut])
         return rec
     cur = txn.cursor(dbs.records)
-    if cur.set_range(record_key(meta.sid, position + 1)):
-        key, value = cur.item()
-        if key[:8] == SID.pack(meta.sid):
-            rec = decode_record(key, value)
-            if rec.start <= position:
-                return rec
+    if cur.set_range(record_key(meta.sid, position + 1)) and cur.key()[:8] == SID.pack(meta.sid):
+        rec = decode_record(cur.key(), cur.value())
+        if rec.start <= position:
+            return rec
+    else:  # past the stream's `records` entries: the journal's, if it holds the position
+        in_journal = journal.record_containing(txn, dbs, meta.sid, position)
+        if in_journal is not None:
+            return in_journal
     found = sealed_chunk_at(txn, dbs, meta, position)
     if found is not None:
         return Sealed(meta.uid, found[0], position, found[1].end, found[1])

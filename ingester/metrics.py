@@ -26,7 +26,7 @@ def _wal(svc: IngesterService) -> Iterator[Metric]:
     except lmdb.Error:  # closed during shutdown
         return
     yield gauge("ds3_wal_records", "Records (messages) in the WAL: acknowledged, not sealed yet.", stats["records"])
-    yield gauge("ds3_wal_record_bytes", "Bytes the WAL's records database occupies (pages).", stats["record_bytes"])
+    yield gauge("ds3_wal_record_bytes", "Bytes the WAL's records and journal databases occupy (pages).", stats["record_bytes"])
     yield gauge("ds3_wal_streams", "Streams the WAL knows (open, closed, soft-deleted).", stats["streams"])
     yield gauge("ds3_wal_file_bytes", "Bytes of the LMDB file in use (its high-water mark).",
                 (int(info["last_pgno"]) + 1) * page)

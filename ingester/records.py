@@ -4,6 +4,8 @@ Named databases in one environment (`<data-dir>/wal`):
 
     streams    key: stream path (UTF-8)                 value: StreamMeta as JSON
     records    key: sid u64 BE | end position u64 BE    value: RecordHeader | message bytes
+    journal    key: serial u64 BE                       value: see journal.py (appends land there first)
+    jtail      key: sid u64 BE                          value: serial of the stream's newest journal record
     producers  key: sid u64 BE | producer id (UTF-8)    value: [epoch, last_seq, updated_at] JSON
     chunks     key: sid u64 BE | chunk id u64 BE        value: ChunkInfo as JSON (the manifest)
     sys        key: b"next_sid"                         value: u64 BE

@@ -18,7 +18,16 @@ from dataclasses import dataclass, field
 import lmdb
 
 from ingester.buckets import Buckets
-from ingester.chain import Sealed, chain_records, chunk_at, is_message_boundary, record_at, refresh_tail
+from ingester.chain import (
+    Sealed,
+    chain_records,
+    chunk_at,
+    is_message_boundary,
+    record_at,
+    refresh_tail,
+    stream_records,
+)
+from ingester.journal import FOLD_RECORDS, JournalWriter
 from ingester.records import (
     FLAG_END_OF_APPEND,
     SEALED,
@@ -29,8 +38,6 @@ from ingester.records import (
     ProducerState,
     StreamMeta,
     chunk_key,
-    decode_record,
-    encode_record,
     new_first_chunk,
     producer_key,
     record_key,
@@ -148,6 +155,7 @@ class Store:
         # not rewrite it): read by bucket listings, persisted when the metadata is written.
         self.last_writes: dict[str, float] = {}
         self.buckets = Buckets(wal)
+        self.journal = JournalWriter(wal)
         self._metas: dict[str, StreamMeta | None] = {}
         self._producers: dict[tuple[int, str], ProducerState | None] = {}
         self._dirty: dict[str, StreamMeta] = {}
@@ -162,6 +170,8 @@ class Store:
         for path, meta in self._dirty.items():
             txn.put(path.encode(), meta.encode(), db=self.wal.streams)
         self._dirty.clear()
+        if self.journal.entries(txn) >= FOLD_RECORDS:
+            self.journal.fold(txn)
         news, self._news = self._news, Committed()
         return news
 
@@ -170,6 +180,7 @@ class Store:
         self._metas.clear()
         self._producers.clear()
         self._dirty.clear()
+        self.journal.reset()
         self._news = Committed()
 
     # --- metadata --------------------------------------------------------------------
@@ -234,6 +245,7 @@ class Store:
             self._publish(txn, meta, meta.path)
             return
         self._drop_prefix(txn, self.wal.records, SID.pack(meta.sid))
+        self.journal.drop_stream(txn, meta.sid)
         self._drop_prefix(txn, self.wal.producers, SID.pack(meta.sid))
         self._drop_prefix(txn, self.wal.chunks, SID.pack(meta.sid))
         if self.seal is not None:
@@ -468,7 +480,7 @@ class Store:
         for i, data in enumerate(messages):
             meta.tail += len(data)
             flags = FLAG_END_OF_APPEND if i == last else 0
-            txn.put(record_key(meta.sid, meta.tail), encode_record(meta.chunk, flags, data), db=self.wal.records)
+            self.journal.append(txn, meta.sid, meta.tail, meta.chunk, flags, data)
         if messages:
             meta.tail_chunk = meta.chunk
             meta.last_write_at = self.last_writes[meta.path] = now
@@ -495,7 +507,7 @@ class Store:
         meta.chunk_opened_at = None
 
     def _unsealed_bytes(self, txn: lmdb.Transaction) -> int:
-        return self.wal.db_bytes(txn, self.wal.records)
+        return self.wal.record_bytes(txn)
 
     def seal_aged(self, txn: lmdb.Transaction) -> int:
         """Roll open chunks older than the seal age."""
@@ -526,6 +538,7 @@ class Store:
             return True
         info.state = SEALED
         txn.put(chunk_key(ref.sid, ref.chunk), info.encode(), db=self.wal.chunks)
+        self.journal.fold_stream(txn, ref.sid)  # the chunk's newest records may be journaled
         prefix = SID.pack(ref.sid)
         cur = txn.cursor(self.wal.records)
         if cur.set_range(record_key(ref.sid, info.start + 1)):
@@ -547,16 +560,10 @@ class Store:
             return None
         info = ChunkInfo.decode(raw)
         out: list[tuple[int, int, bytes]] = []
-        prefix = SID.pack(ref.sid)
-        cur = txn.cursor(self.wal.records)
-        if cur.set_range(record_key(ref.sid, info.start + 1)):
-            for key, value in cur:
-                if key[:8] != prefix:
-                    break
-                rec = decode_record(key, value)
-                if rec.end > info.end:
-                    break
-                out.append((rec.end, rec.flags, rec.data))
+        for rec in stream_records(txn, self.wal, ref.sid, info.start):
+            if rec.end > info.end:
+                break
+            out.append((rec.end, rec.flags, rec.data))
         return info, out
 
     def gc_done(self, txn: lmdb.Transaction, uid: str) -> None:

@@ -41,6 +41,8 @@ class WalEnv:
         )
         self.streams = self.env.open_db(b"streams")
         self.records = self.env.open_db(b"records")
+        self.journal = self.env.open_db(b"journal")  # see journal.py
+        self.jtail = self.env.open_db(b"jtail")
         self.producers = self.env.open_db(b"producers")
         self.chunks = self.env.open_db(b"chunks")
         self.sys = self.env.open_db(b"sys")
@@ -51,12 +53,15 @@ class WalEnv:
 
     def stats(self) -> dict[str, int]:
         with self.env.begin() as txn:
-            rec = txn.stat(self.records)
             return {
                 "streams": int(txn.stat(self.streams)["entries"]),
-                "records": int(rec["entries"]),
-                "record_bytes": self.db_bytes(txn, self.records),
+                "records": int(txn.stat(self.records)["entries"]) + int(txn.stat(self.journal)["entries"]),
+                "record_bytes": self.record_bytes(txn),
             }
+
+    def record_bytes(self, txn: lmdb.Transaction) -> int:
+        """Pages holding unsealed messages (records and the journal not yet folded into them)."""
+        return self.db_bytes(txn, self.records) + self.db_bytes(txn, self.journal)
 
     def db_bytes(self, txn: lmdb.Transaction, db: lmdb._Database) -> int:
         """Pages a database occupies now (freed pages are reused, the file never shrinks)."""
