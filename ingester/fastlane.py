@@ -204,8 +204,14 @@ class _Headers:
         self.raw = raw
 
     def get(self, name: str) -> str | None:
-        v = self.raw.get(name.lower().encode("ascii"))
+        key = _HEADER_KEYS.get(name)
+        if key is None:  # a handful of names, looked up for every append
+            key = _HEADER_KEYS[name] = name.lower().encode("ascii")
+        v = self.raw.get(key)
         return None if v is None else v.decode("utf-8", "surrogateescape")
+
+
+_HEADER_KEYS: dict[str, bytes] = {}
 
 
 class FastLaneHandler(RequestHandler):
@@ -295,7 +301,7 @@ class FastLaneHandler(RequestHandler):
         url, headers = t.url, t.headers
         if not _PLAIN_URL.fullmatch(url) or b"/." in url or b"content-length" not in headers:
             return False
-        if any(h in headers for h in _REFUSED_HEADERS):
+        if not _REFUSED_HEADERS.isdisjoint(headers):
             return False
         svc = self._lane.svc
         if svc is None or int(headers[b"content-length"]) > min(_MAX_BODY, svc.config.max_body_bytes):
@@ -359,22 +365,22 @@ class FastLaneHandler(RequestHandler):
                     lim.take(lim.writes, client, "writes")
             path = stream_path_of(url.decode("utf-8", "surrogateescape"), svc.config.max_path_bytes)
             req = append_request(headers.get, body, path)
-            fut = svc.committer.submit(lambda txn: svc.store.append(txn, req))
         except Exception as e:
             self._answer_failure(e, url, rid, started)
             return
 
-        def done(fut: asyncio.Future[Any]) -> None:
-            try:
-                result = fut.result()
-            except Exception as e:
-                self._answer_failure(e, url, rid, started)
+        def done(result: Any, ok: bool) -> None:
+            if not ok:
+                self._answer_failure(result, url, rid, started)
                 return
             svc.append_seconds.observe(time.perf_counter() - started)
             status, answer_headers = append_answer(result, req)
             self._answer(status, answer_headers, b"", rid, started)
 
-        fut.add_done_callback(done)
+        try:
+            svc.committer.submit_callback(lambda txn: svc.store.append(txn, req), done)
+        except Exception as e:
+            self._answer_failure(e, url, rid, started)
 
     def _answer_failure(self, e: Exception, url: bytes, rid: str, started: float) -> None:
         """A refusal (DS3Error) as shared.web.error_response has it; anything else is a 500, logged."""

@@ -71,12 +71,15 @@ class WalEnv:
 
 
 Op = Callable[[lmdb.Transaction], Any]
+# Called on the event loop with (result, True) or (exception, False) once the operation's
+# transaction is durable (or has failed).
+Delivery = Callable[[Any, bool], None]
 
 
 @dataclass(slots=True)
 class _Pending(Generic[T]):
     op: Callable[[lmdb.Transaction], T]
-    future: asyncio.Future[T] | ConcurrentFuture[T]
+    future: asyncio.Future[T] | ConcurrentFuture[T] | Delivery
 
 
 class GroupCommitter:
@@ -140,6 +143,13 @@ class GroupCommitter:
         fut: asyncio.Future[T] = self.loop.create_future()
         self._queue.put(_Pending(op, fut))
         return fut
+
+    def submit_callback(self, op: Callable[[lmdb.Transaction], Any], deliver: Delivery) -> None:
+        """Like submit, for the fast lane: `deliver` is called on the loop with the outcome
+        (no future, no extra loop iteration before the answer is written)."""
+        if self._stopping:
+            raise Unavailable("the ingester is shutting down")
+        self._queue.put(_Pending(op, deliver))
 
     def run_sync(self, op: Callable[[lmdb.Transaction], T]) -> T:
         """Run one operation from a non-loop thread (startup, tests) and wait for it."""
@@ -225,7 +235,7 @@ class GroupCommitter:
         self._deliver_threadsafe(results, changed)
 
     def _deliver_threadsafe(self, results: Iterable[tuple[_Pending[Any], Any, bool]], changed: Any) -> None:
-        loop_items: list[tuple[asyncio.Future[Any], Any, bool]] = []
+        loop_items: list[tuple[asyncio.Future[Any] | Delivery, Any, bool]] = []
         for p, value, ok in results:
             if isinstance(p.future, ConcurrentFuture):
                 if ok:
@@ -240,16 +250,25 @@ class GroupCommitter:
             except RuntimeError:  # loop closed during shutdown
                 pass
 
-    def _deliver(self, items: list[tuple[asyncio.Future[Any], Any, bool]], changed: Any) -> None:
+    def _deliver(self, items: list[tuple[asyncio.Future[Any] | Delivery, Any, bool]], changed: Any) -> None:
+        callbacks: list[tuple[Delivery, Any, bool]] = []
         for fut, value, ok in items:
-            if fut.done():
+            if not isinstance(fut, asyncio.Future):
+                callbacks.append((fut, value, ok))
+            elif fut.done():
                 continue
-            if ok:
+            elif ok:
                 fut.set_result(value)
             else:
                 fut.set_exception(value)
         if changed:
             self._on_durable(changed)
+        # After on_durable, as a future's done-callbacks would run: readers are woken first.
+        for deliver, value, ok in callbacks:
+            try:
+                deliver(value, ok)
+            except Exception:  # one broken answer must not keep the others from going out
+                log.exception("delivering a write's outcome failed")
 
 
 class _AbortBatch(Exception):

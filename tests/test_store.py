@@ -728,3 +728,52 @@ def test_a_value_that_cannot_be_stored_fails_alone_and_the_writer_survives(h: Ha
     t2.join(5)
     assert done, "writes after the bad one never complete"
     assert h.contents("s") == b"ok"
+
+
+def test_callback_deliveries_arrive_on_the_loop_and_one_broken_callback_spares_the_rest(
+    tmp_path: Path, clock: Clock
+) -> None:
+    """GroupCommitter.submit_callback (the fast lane's path): every outcome, success or refusal,
+    reaches its callback on the event loop after the commit; a callback that raises is logged
+    and the batch's other callbacks and futures still get theirs."""
+    loop = asyncio.new_event_loop()
+    h = Harness(tmp_path / "wal", clock, loop=loop)
+    try:
+        h.create("s")
+        got: list[tuple[str, object, bool, bool]] = []
+
+        def recorder(name: str, explode: bool = False) -> Callable[[Any, bool], None]:
+            def deliver(value: Any, ok: bool) -> None:
+                got.append((name, value, ok, threading.current_thread() is threading.main_thread()))
+                if explode:
+                    raise RuntimeError("a broken answer")
+            return deliver
+
+        def req(body: bytes, path: str = "s") -> AppendRequest:
+            return AppendRequest(path, TEXT, body, None)
+
+        async def scenario() -> AppendResult:
+            h.committer.submit_callback(lambda txn: h.store.append(txn, req(b"a")), recorder("first", explode=True))
+            h.committer.submit_callback(lambda txn: h.store.append(txn, req(b"x", "missing")), recorder("refused"))
+            fut = h.committer.submit(lambda txn: h.store.append(txn, req(b"b")))
+            h.committer.submit_callback(lambda txn: h.store.append(txn, req(b"c")), recorder("last"))
+            result = await fut
+            for _ in range(100):
+                if len(got) == 3:
+                    break
+                await asyncio.sleep(0.01)
+            return result
+
+        middle = loop.run_until_complete(scenario())
+        assert offsets.parse(middle.stream.tail_offset).position == 2
+        names = [g[0] for g in got]
+        assert names == ["first", "refused", "last"]
+        first, refused, last = got
+        assert first[2] and isinstance(first[1], AppendResult) and first[3]
+        assert not refused[2] and isinstance(refused[1], NotFound)
+        assert last[2] and isinstance(last[1], AppendResult)
+        assert offsets.parse(last[1].stream.tail_offset).position == 3
+        assert h.contents("s") == b"abc"
+    finally:
+        h.close()
+        loop.close()
