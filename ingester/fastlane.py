@@ -222,7 +222,8 @@ class FastLaneHandler(RequestHandler):
         self._head_len = 0  # of the fast message being read
         self._fast_left = 0  # its bytes still to come
         self._backlog: list[bytes] = []  # what arrived while a fast answer was pending
-        self._answering: asyncio.Future[None] | None = None  # a fast answer is pending
+        self._answering = False  # a fast answer is pending
+        self._drained: asyncio.Future[None] | None = None  # shutdown waits on it for that answer
         self._paused_by_lane = False
         self._body_timer: asyncio.TimerHandle | None = None
         self._watched = False
@@ -235,7 +236,7 @@ class FastLaneHandler(RequestHandler):
         if self._lane_off or self._force_close or self._close:
             super().data_received(data)
             return
-        if self._answering is not None:  # a pipelining client: after the pending answer
+        if self._answering:  # a pipelining client: after the pending answer
             self._backlog.append(data)
             if not self._paused_by_lane and self.transport is not None:
                 self._paused_by_lane = True
@@ -336,7 +337,7 @@ class FastLaneHandler(RequestHandler):
         else:
             t.complete = False
             t.body = []
-        self._answering = self._loop.create_future()
+        self._answering = True
         self._serve(url, headers, body)
 
     # --- the append ----------------------------------------------------------------------
@@ -401,12 +402,13 @@ class FastLaneHandler(RequestHandler):
         self._write(status, headers, body, rid)
         if self._keepalive_timeout > 0:  # the connection was busy, not idle
             self._next_keepalive_close_time = self._loop.time() + self._keepalive_timeout
-        answering, self._answering = self._answering, None
-        if answering is not None and not answering.done():
-            answering.set_result(None)
-        while self._backlog and self._answering is None:
+        self._answering = False
+        drained, self._drained = self._drained, None
+        if drained is not None and not drained.done():
+            drained.set_result(None)
+        while self._backlog and not self._answering:
             self.data_received(self._backlog.pop(0))
-        if self._paused_by_lane and self._answering is None and self.transport is not None:
+        if self._paused_by_lane and not self._answering and self.transport is not None:
             self._paused_by_lane = False
             self.transport.resume_reading()
 
@@ -430,9 +432,10 @@ class FastLaneHandler(RequestHandler):
         super().connection_lost(exc)
 
     async def shutdown(self, timeout: float | None = 15.0) -> None:
-        if self._answering is not None:  # let a pending answer go out first
+        if self._answering:  # let a pending answer go out first
+            self._drained = drained = self._loop.create_future()
             try:
-                await asyncio.wait_for(asyncio.shield(self._answering), timeout)
+                await asyncio.wait_for(asyncio.shield(drained), timeout)
             except (TimeoutError, asyncio.CancelledError):
                 pass
         await super().shutdown(timeout)

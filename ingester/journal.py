@@ -22,6 +22,9 @@ Named databases (in the WAL environment, next to records.py's):
     prev:  serial of the same stream's previous journal record; 0 = none (serials start at 1)
     end, chunk, f: as a `records` entry (records.py): end position, chunk id, flags
 
+Bytes 8-24 are the record's `records` key (sid | end) and bytes 24- its `records` value
+(chunk | f | message): folding a record is two slices and a put.
+
 Invariant: a stream's journal records all lie after its `records` entries (appends go to the
 journal; anything that writes `records` for a stream folds that stream's journal first), so
 a read takes `records` up to where they stop and then the journal chain.
@@ -40,6 +43,8 @@ from ingester.records import SID, Record, encode_record, record_key
 HEADER: Final = struct.Struct(">QQQQB")
 SERIAL: Final = struct.Struct(">Q")
 NONE: Final = 0
+_KEY_AT: Final = 8  # where a journal value's `records` key starts (see the layout above)
+_VALUE_AT: Final = 24  # and its `records` value
 # Fold once the journal holds this many messages: reads walk a stream's chain backwards from
 # its newest record, so the bound keeps that walk short; a fold of this size costs a few ms.
 FOLD_RECORDS: Final = 1024
@@ -149,12 +154,9 @@ class JournalWriter:
 
     def fold(self, txn: lmdb.Transaction) -> int:
         """Move every journal record into `records`; returns how many moved."""
-        moved = 0
-        cur = txn.cursor(self.dbs.journal)
-        for _key, value in cur:
-            _prev, sid, rec = _decode(value)
-            txn.put(record_key(sid, rec.end), encode_record(rec.chunk, rec.flags, rec.data), db=self.dbs.records)
-            moved += 1
+        pairs = ((value[_KEY_AT:_VALUE_AT], value[_VALUE_AT:]) for value in txn.cursor(self.dbs.journal).iternext(
+            keys=False, values=True))
+        moved, _added = txn.cursor(self.dbs.records).putmulti(pairs)
         txn.drop(self.dbs.journal, delete=False)
         txn.drop(self.dbs.jtail, delete=False)
         self._newest.clear()  # every stream's chain is empty now (serials keep rising)

@@ -3,6 +3,7 @@ header and path validation, content types, cursors. Pure: no aiohttp, no lmdb.""
 
 from __future__ import annotations
 
+import functools
 import random
 import re
 import time
@@ -97,6 +98,9 @@ def validate_stream_path(path: str, max_bytes: int) -> str:
 # --- content types -----------------------------------------------------------------------
 
 
+# Content types are few and every append compares or checks one: remember the answers (bounded,
+# since clients choose the strings).
+@functools.lru_cache(maxsize=256)
 def media_type(content_type: str | None) -> str:
     """`Application/JSON; charset=utf-8` -> `application/json` (for comparisons only)."""
     if not content_type:
@@ -104,6 +108,7 @@ def media_type(content_type: str | None) -> str:
     return content_type.split(";", 1)[0].strip().lower()
 
 
+@functools.lru_cache(maxsize=256)
 def is_valid_content_type(content_type: str) -> bool:
     # the whole value is stored and echoed: printable ASCII only, parameters included
     return bool(_MEDIA_TYPE_RE.match(media_type(content_type))) and bool(_HEADER_TEXT_RE.match(content_type))

@@ -12,8 +12,8 @@ import lmdb
 import pytest
 
 from ingester.chain import Sealed
-from ingester.journal import FOLD_RECORDS, JOURNAL_MAX_MESSAGE
-from ingester.records import SID, ChunkRef
+from ingester.journal import FOLD_RECORDS, HEADER, JOURNAL_MAX_MESSAGE
+from ingester.records import SID, ChunkRef, Record, decode_record, encode_record, record_key
 from ingester.store import AppendRequest, SealPolicy
 from shared import offsets
 from shared.errors import BadRequest, Unavailable
@@ -61,6 +61,22 @@ def read_from(h: Harness, path: str, position: int, max_bytes: int = 1 << 20) ->
         if res.up_to_date:
             return out
         start = offsets.parse(res.next_offset)
+
+
+@pytest.mark.parametrize(("prev", "sid", "end", "chunk", "flags", "data"), [
+    (0, 1, 1, 0, 0, b"x"),
+    (41, 7, 2**40, 10**12 - 1, 1, b"{\"a\":1},"),
+    (2**64 - 1, 2**64 - 1, 2**64 - 1, 2**64 - 1, 255, b""),
+    (5, 3, 1000, 9, 0, bytes(range(256)) * 4),
+])
+def test_a_journal_value_carries_its_records_entry_at_fixed_offsets(
+    prev: int, sid: int, end: int, chunk: int, flags: int, data: bytes
+) -> None:
+    """The fold moves records by slicing: bytes 8-24 must be the `records` key, 24- its value."""
+    value = HEADER.pack(prev, sid, end, chunk, flags) + data
+    assert value[8:24] == record_key(sid, end)
+    assert value[24:] == encode_record(chunk, flags, data)
+    assert decode_record(value[8:24], value[24:]) == Record(end, chunk, flags, data)
 
 
 def test_interleaved_appends_are_journaled_read_back_and_folded(h: Harness) -> None:
