@@ -20,10 +20,12 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp.test_utils import TestClient
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.registry import Collector
 
 from shared import logs
 from shared.config import AuthConfig
-from shared.metrics import ROUTES, route_of
+from shared.metrics import LATENCY_BUCKETS, ROUTES, LoopHistogram, route_of
 from tests.cluster import Cluster, StoreView, append, create, parse_metrics, read_pages, scrape, wait_for
 from tests.tcpgate import TcpGate
 
@@ -388,3 +390,42 @@ async def test_access_log_defaults_on_for_readers_and_off_for_the_ingester(
                 assert r.status == 204
         wait_for(lambda: "default-7" in c.reader.log_path.read_text(), 5, "the reader's access line")
         assert not [line for line in _json_lines(c.ingester.log_path) if line.get("logger") == "ds3.access"]
+
+
+class _Only(Collector):
+    def __init__(self, histogram: Histogram | LoopHistogram) -> None:
+        self.histogram = histogram
+
+    def collect(self) -> Any:
+        return self.histogram.collect()
+
+
+def _exposed(histogram: Histogram | LoopHistogram) -> str:
+    registry = CollectorRegistry()
+    registry.register(_Only(histogram))
+    return generate_latest(registry).decode()
+
+
+@pytest.mark.parametrize("values", [
+    [],
+    [0.0],
+    [0.001, 0.0025, 0.005, 60.0],  # exactly on bounds: counted in that bucket (le)
+    [0.0010001, 59.999, 60.0001, 1e9],  # just past bounds, and far past the last one
+    [0.0004 * i for i in range(2000)],
+])
+def test_loop_histogram_exposes_what_prometheus_client_does(values: list[float]) -> None:
+    """The hot-path histogram (LoopHistogram) must read exactly like prometheus-client's:
+    same buckets, counts, sums and labels in the text format, so dashboards cannot tell."""
+    theirs = Histogram("x_seconds", "Some latency.", ["route"], buckets=LATENCY_BUCKETS, registry=None)
+    ours = LoopHistogram("x_seconds", "Some latency.", LATENCY_BUCKETS, ["route"])
+    for i, v in enumerate(values):
+        route = ("stream_append", "stream_read")[i % 2]
+        theirs.labels(route).observe(v)
+        ours.labels(route).observe(v)
+    assert _exposed(ours) == _exposed(theirs)
+    plain_theirs = Histogram("y_seconds", "Unlabelled.", buckets=(0.5, 1.0), registry=None)
+    plain_ours = LoopHistogram("y_seconds", "Unlabelled.", (0.5, 1.0))
+    for v in values:
+        plain_theirs.observe(v)
+        plain_ours.observe(v)
+    assert _exposed(plain_ours) == _exposed(plain_theirs)
