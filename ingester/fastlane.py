@@ -229,6 +229,8 @@ class FastLaneHandler(RequestHandler):
         self._watched = False
         self._lane_off = False  # the tracker lost the thread (a parse error): aiohttp's from now on
         self._client: str | object | None = _UNKNOWN  # the limits' identity of this connection's peer
+        self._plain_url = b""  # the last URL judged plain (see _judge)
+        self._path_of: tuple[bytes, str] = (b"", "")  # the last URL served and its stream path
 
     # --- bytes in ------------------------------------------------------------------------
 
@@ -300,15 +302,17 @@ class FastLaneHandler(RequestHandler):
         if p.get_method() != b"POST" or p.get_http_version() != "1.1" or not p.should_keep_alive():
             return False
         url, headers = t.url, t.headers
-        if not _PLAIN_URL.fullmatch(url) or b"/." in url or b"content-length" not in headers:
-            return False
-        if not _REFUSED_HEADERS.isdisjoint(headers):
+        if b"content-length" not in headers or not _REFUSED_HEADERS.isdisjoint(headers):
             return False
         svc = self._lane.svc
         if svc is None or int(headers[b"content-length"]) > min(_MAX_BODY, svc.config.max_body_bytes):
             return False  # big bodies stream through aiohttp (and it answers the 413)
-        if extensions.split(url.decode("ascii"))[1] is not None:  # POST .../snapshot etc.
-            return False
+        if url != self._plain_url:  # a connection usually appends to one stream: judge its URL once
+            if not _PLAIN_URL.fullmatch(url) or b"/." in url:
+                return False
+            if extensions.split(url.decode("ascii"))[1] is not None:  # POST .../snapshot etc.
+                return False
+            self._plain_url = url
         presented = headers.get(_INTERNAL)  # a wrong one: aiohttp answers the 401 (and logs it)
         return presented is None or self._lane.app[AUTH].is_internal(presented.decode("utf-8", "replace"))
 
@@ -364,7 +368,11 @@ class FastLaneHandler(RequestHandler):
                         self._client = client
                 if client is not None:
                     lim.take(lim.writes, client, "writes")
-            path = stream_path_of(url.decode("utf-8", "surrogateescape"), svc.config.max_path_bytes)
+            if url == self._path_of[0]:
+                path = self._path_of[1]
+            else:
+                path = stream_path_of(url.decode("utf-8", "surrogateescape"), svc.config.max_path_bytes)
+                self._path_of = (url, path)
             req = append_request(headers.get, body, path)
         except Exception as e:
             self._answer_failure(e, url, rid, started)
