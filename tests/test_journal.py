@@ -5,7 +5,6 @@ forks, sealing, deletion and restarts must see exactly the bytes that were ackno
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import lmdb
@@ -17,19 +16,7 @@ from ingester.records import SID, ChunkRef, Record, decode_record, encode_record
 from ingester.store import AppendRequest, SealPolicy
 from shared import offsets
 from shared.errors import BadRequest, Unavailable
-from tests.test_store import JSON, Clock, Harness, fork
-
-
-@pytest.fixture
-def clock() -> Clock:
-    return Clock()
-
-
-@pytest.fixture
-def h(tmp_path: Path, clock: Clock) -> Iterator[Harness]:
-    harness = Harness(tmp_path / "wal", clock)
-    yield harness
-    harness.close()
+from tests.wal_harness import JSON, Clock, Harness, fork
 
 
 def sid_of(h: Harness, path: str) -> int:
@@ -51,16 +38,7 @@ def fold(h: Harness) -> int:
 
 
 def read_from(h: Harness, path: str, position: int, max_bytes: int = 1 << 20) -> bytes:
-    meta = h.meta(path)
-    assert meta is not None
-    out = b""
-    start: offsets.Offset | str = offsets.Offset(0, position) if position else offsets.START
-    while True:
-        res = h.reads.read_sync(path, start, max_bytes)
-        out += b"".join(res.messages)
-        if res.up_to_date:
-            return out
-        start = offsets.parse(res.next_offset)
+    return h.contents(path, max_bytes, position=position)
 
 
 @pytest.mark.parametrize(("prev", "sid", "end", "chunk", "flags", "data"), [

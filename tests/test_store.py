@@ -6,20 +6,15 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import lmdb
 import pytest
 
-from ingester.reads import Reads
-from ingester.records import SID, StreamMeta
-from ingester.store import AppendRequest, AppendResult, CreateRequest, CreateResult, SealPolicy, Store
-from ingester.wal import GroupCommitter, WalEnv
+from ingester.store import AppendRequest, AppendResult, CreateResult
 from shared import offsets
-from shared.config import MiB
 from shared.errors import (
     BadRequest,
     Conflict,
@@ -30,124 +25,7 @@ from shared.errors import (
     StreamClosed,
     Unavailable,
 )
-from shared.protocol import ProducerHeaders
-
-T = TypeVar("T")
-TEXT = "text/plain"
-JSON = "application/json"
-
-
-class Clock:
-    """A settable clock for Store (starts at the real time so Reads agree until moved)."""
-
-    def __init__(self) -> None:
-        self.now = float(int(time.time()))
-
-    def __call__(self) -> float:
-        return self.now
-
-
-class Harness:
-    """WalEnv + Store + GroupCommitter on a directory; close() and reopen like a restart."""
-
-    def __init__(
-        self, path: Path, clock: Clock, loop: asyncio.AbstractEventLoop | None = None, seal: SealPolicy | None = None
-    ) -> None:
-        self.path = path
-        self.clock = clock
-        self.wal = WalEnv(path, 64 * MiB)
-        self.store = Store(self.wal, clock=clock, seal=seal)
-        self._own_loop = loop is None
-        self.loop = loop or asyncio.new_event_loop()
-        self.committer = GroupCommitter(
-            self.wal, self.loop, on_abort=self.store.reset, on_commit=self.store.flush,
-            on_durable=lambda changed: None,
-        )
-        self.committer.start()
-        self.reads = Reads(self.wal, self.store.touches, threads=1)
-        self.closed = False
-
-    def close(self) -> None:
-        if self.closed:
-            return
-        self.closed = True
-        self.committer.stop()
-        self.reads.close()
-        self.wal.close()
-        if self._own_loop:
-            self.loop.close()
-
-    def run(self, op: Callable[[lmdb.Transaction], T]) -> T:
-        return self.committer.run_sync(op)
-
-    # --- operations ------------------------------------------------------------------
-
-    def create(self, path: str, content_type: str | None = TEXT, **kw: Any) -> CreateResult:
-        req = CreateRequest(path=path, content_type=content_type, **kw)
-        return self.run(lambda txn: self.store.create(txn, req))
-
-    def append(
-        self, path: str, body: bytes, content_type: str | None = TEXT, *,
-        producer: tuple[str, int, int] | None = None, seq: str | None = None, close: bool = False,
-    ) -> AppendResult:
-        p = ProducerHeaders(*producer) if producer is not None else None
-        req = AppendRequest(path, content_type, body, None, close=close, stream_seq=seq, producer=p)
-        return self.run(lambda txn: self.store.append(txn, req))
-
-    def delete(self, path: str) -> None:
-        self.run(lambda txn: self.store.delete(txn, path))
-
-    # --- what is durably stored ------------------------------------------------------------
-
-    def meta(self, path: str) -> StreamMeta | None:
-        with self.wal.env.begin(buffers=False) as txn:
-            raw = txn.get(path.encode(), db=self.wal.streams)
-            return StreamMeta.decode(raw) if raw is not None else None
-
-    def keys(self, db: Any, sid: int) -> list[bytes]:
-        prefix = SID.pack(sid)
-        with self.wal.env.begin(buffers=False) as txn:
-            cur = txn.cursor(db)
-            out: list[bytes] = []
-            if cur.set_range(prefix):
-                for key in cur.iternext(keys=True, values=False):
-                    if not key.startswith(prefix):
-                        break
-                    out.append(key)
-            return out
-
-    def stored(self, sid: int) -> int:
-        """How many of the stream's messages the WAL holds: in `records` and in the journal."""
-        with self.wal.env.begin(buffers=False) as txn:
-            journaled = sum(1 for _k, v in txn.cursor(self.wal.journal) if SID.unpack(v[8:16])[0] == sid)
-        return len(self.keys(self.wal.records, sid)) + journaled
-
-    def contents(self, path: str, max_bytes: int = 1 << 20) -> bytes:
-        """Every byte a catch-up reader gets, following Stream-Next-Offset page by page."""
-        data = b""
-        start: offsets.Offset | str = offsets.START
-        while True:
-            res = self.reads.read_sync(path, start, max_bytes)
-            data += b"".join(res.messages)
-            if res.up_to_date:
-                return data
-            start = offsets.parse(res.next_offset)
-
-    def snapshot(self, path: str) -> tuple[StreamMeta | None, bytes]:
-        meta = self.meta(path)
-        return meta, (self.contents(path) if meta is not None and not meta.soft_deleted else b"")
-
-
-@pytest.fixture
-def clock() -> Clock:
-    return Clock()
-
-
-@pytest.fixture
-def h(tmp_path: Path, clock: Clock) -> Iterator[Harness]:
-    harness = Harness(tmp_path / "wal", clock)
-    yield harness
-    harness.close()
+from tests.wal_harness import JSON, TEXT, Clock, Harness, fork
 
 
 def offset_of(result: AppendResult | CreateResult) -> offsets.Offset:
@@ -509,11 +387,6 @@ def test_recreate_after_delete_never_sees_old_records(h: Harness) -> None:
 
 
 # --- forks ---------------------------------------------------------------------------------------------
-
-
-def fork(h: Harness, path: str, source: str, offset: str | None = None, sub: int | None = None,
-         content_type: str | None = None, **kw: Any) -> CreateResult:
-    return h.create(path, content_type, fork_from=source, fork_offset=offset, fork_sub_offset=sub, **kw)
 
 
 def test_fork_reads_source_prefix_then_its_own(h: Harness) -> None:
