@@ -20,6 +20,17 @@ class ConfigError(ValueError):
     """A setting is invalid; the message names it."""
 
 
+def _check_store_url(url: str) -> None:
+    """The store URL means a store (shared.objectstore.parse_store_url, the one parser), so a
+    bad one stops the process at start with the setting named, not at first use."""
+    from shared.objectstore.url import StoreURLError, parse_store_url  # it imports this module
+
+    try:
+        parse_store_url(url)
+    except StoreURLError as e:
+        raise ConfigError(f"store (DS3_STORE): {e}") from None
+
+
 def _need(ok: bool, setting: str, why: str) -> None:
     if not ok:
         raise ConfigError(f"{setting}: {why}")
@@ -161,8 +172,8 @@ class IngesterConfig:
         need(0.05 <= self.sweep_interval <= 3600, "sweep-interval (DS3_SWEEP_INTERVAL)",
              "must be between 0.05 and 3600 seconds")
         need(1 <= self.read_threads <= 64, "read-threads (DS3_READ_THREADS)", "must be between 1 and 64")
-        need(self.store is None or self.store.startswith(("s3://", "file://")), "store (DS3_STORE)",
-             "must be an s3://bucket/prefix or file:///path URL")
+        if self.store is not None:
+            _check_store_url(self.store)
         need(1024 <= self.seal_bytes <= 1024 * MiB, "seal-bytes (DS3_SEAL_BYTES)", "must be between 1 KiB and 1 GiB")
         need(0.05 <= self.seal_age <= 86400, "seal-age (DS3_SEAL_AGE)", "must be between 0.05 s and a day")
         need(self.wal_max_bytes >= 2 * self.seal_bytes, "wal-max-bytes (DS3_WAL_MAX_BYTES)",
@@ -202,8 +213,7 @@ class ReaderConfig:
 
         need(self.ingester.startswith(("http://", "https://")), "ingester (DS3_INGESTER)",
              "must be an http(s):// URL")
-        need(self.store.startswith(("s3://", "file://")), "store (DS3_STORE)",
-             "must be an s3://bucket/prefix or file:///path URL")
+        _check_store_url(self.store)
         need(0 <= self.port <= 65535, "port (DS3_PORT)", f"{self.port} is not a TCP port")
         need(0.1 <= self.long_poll_timeout <= 3600, "long-poll-timeout (DS3_LONG_POLL_TIMEOUT)",
              "must be between 0.1 and 3600 seconds")

@@ -10,7 +10,7 @@ import pytest
 
 from pipeline.store import LocalSyncStore, S3SyncStore, open_sync_store
 from pipeline.store import StoreURLError as PipelineStoreURLError
-from shared.config import ConfigError
+from shared.config import ConfigError, IngesterConfig, ReaderConfig
 from shared.objectstore import (
     FileStoreURL,
     LocalStore,
@@ -137,3 +137,15 @@ def test_one_error_class() -> None:
     # pipeline.options catches pipeline.store.StoreURLError; ds3 cli catches ConfigError.
     assert PipelineStoreURLError is StoreURLError
     assert issubclass(StoreURLError, ConfigError) and issubclass(StoreURLError, ValueError)
+
+
+@pytest.mark.parametrize(("url", "problem"), BAD_URLS)
+def test_the_configs_refuse_bad_urls_at_start_naming_the_setting(url: str, problem: str, tmp_path: Path) -> None:
+    """`ds3 ingester/reader --store BAD` stops before serving, with the setting and the
+    problem in the message (the CLI prints ConfigErrors as usage errors)."""
+    for make in (lambda: IngesterConfig(data_dir=tmp_path, store=url),
+                 lambda: ReaderConfig(ingester="http://127.0.0.1:1", store=url)):
+        with pytest.raises(ConfigError) as e:
+            make()
+        assert str(e.value).startswith("store (DS3_STORE): ")
+        assert problem in str(e.value)
