@@ -154,15 +154,9 @@ def record_at(
             cut = rec.end - meta.fork_position
             rec = Record(meta.fork_position, rec.chunk, rec.flags, rec.data[: len(rec.data) - cut])
         return rec
-    cur = txn.cursor(dbs.records)
-    if cur.set_range(record_key(meta.sid, position + 1)) and cur.key()[:8] == SID.pack(meta.sid):
-        rec = decode_record(cur.key(), cur.value())
-        if rec.start <= position:
-            return rec
-    else:  # past the stream's `records` entries: the journal's, if it holds the position
-        in_journal = journal.record_containing(txn, dbs, meta.sid, position)
-        if in_journal is not None:
-            return in_journal
+    rec = next(stream_records(txn, dbs, meta.sid, position), None)  # the first ending after it
+    if rec is not None and rec.start <= position:
+        return rec
     found = sealed_chunk_at(txn, dbs, meta, position)
     if found is not None:
         return Sealed(meta.uid, found[0], position, found[1].end, found[1])

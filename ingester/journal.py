@@ -98,16 +98,6 @@ def records_after(txn: lmdb.Transaction, dbs: JournalDbs, sid: int, position: in
     return out
 
 
-def record_containing(txn: lmdb.Transaction, dbs: JournalDbs, sid: int, position: int) -> Record | None:
-    """The journal record holding the byte at `position`, if the journal has it."""
-    for _serial, rec in _chain(txn, dbs, sid):
-        if rec.end <= position:
-            return None
-        if rec.start <= position:
-            return rec
-    return None
-
-
 class JournalWriter:
     """The writer thread's side: appends, folds, drops. Caches each stream's newest serial
     and the next serial; `reset` forgets them when a batch aborts."""

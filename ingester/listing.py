@@ -81,50 +81,53 @@ def list_plain_streams(
     txn: lmdb.Transaction, wal: WalEnv, *, prefix: str | None, after: str | None, limit: int, now: float,
     touches: dict[str, float], last_writes: dict[str, float], visible: Visible,
 ) -> dict[str, Any]:
-    low, start, skip = _page_bounds(prefix, after, PLAIN_LOW)
-    streams: list[dict[str, Any]] = []
-    has_more, skipped, last_key = False, 0, None
-    for key, raw in buckets.scan_range(txn.cursor(wal.streams), low, start, skip):
-        if len(streams) == limit or skipped >= MAX_SKIPPED:
-            has_more = True
-            break
-        last_key = key
+    def describe(key: bytes, raw: Any) -> dict[str, Any] | None:
         path = key.decode("utf-8", "replace")
+        if not visible(Target(None, path)):
+            return None
         meta = StreamMeta.decode(raw)
-        hidden = not visible(Target(None, path))
-        if not hidden and not meta.soft_deleted and meta.expired(now, touches.get(meta.path)):
+        if not meta.soft_deleted and meta.expired(now, touches.get(meta.path)):
             if meta.refcount == 0:
-                hidden = True  # gone: reads answer 404, and the writer removes it shortly
-            else:
-                meta.soft_deleted = True  # expired, but forks read it
-        if hidden:
-            skipped += 1
-            continue
+                return None  # gone: reads answer 404, and the writer removes it shortly
+            meta.soft_deleted = True  # expired, but forks read it
         entry = buckets.stream_entry(txn, wal, meta, path, now, last_writes)
         del entry["stream_id"]
-        streams.append({"path": path, "url": P.STREAM_PREFIX + quote(path, safe="/"), **entry})
-    cursor = _decode(last_key) if has_more else None
+        return {"path": path, "url": P.STREAM_PREFIX + quote(path, safe="/"), **entry}
+
+    streams, cursor = _page(txn.cursor(wal.streams), _page_bounds(prefix, after, PLAIN_LOW), limit, describe)
     return {"prefix": prefix, "stream_count": len(streams), "streams": streams,
-            "next_cursor": cursor, "has_more": has_more}
+            "next_cursor": cursor, "has_more": cursor is not None}
 
 
 def list_buckets(
     txn: lmdb.Transaction, wal: WalEnv, *, prefix: str | None, after: str | None, limit: int, visible: Visible,
 ) -> dict[str, Any]:
-    low, start, skip = _page_bounds(prefix, after, b"")
-    found: list[dict[str, Any]] = []
-    has_more, skipped, last_key = False, 0, None
-    for key, raw in buckets.scan_range(txn.cursor(wal.buckets), low, start, skip):
-        if len(found) == limit or skipped >= MAX_SKIPPED:
-            has_more = True
-            break
-        last_key = key
+    def describe(key: bytes, raw: Any) -> dict[str, Any] | None:
         bucket_id = key.decode("utf-8", "replace")
-        if not visible(Target(bucket_id, None)):
+        return buckets.BucketMeta.decode(raw).describe(bucket_id) if visible(Target(bucket_id, None)) else None
+
+    found, cursor = _page(txn.cursor(wal.buckets), _page_bounds(prefix, after, b""), limit, describe)
+    return _buckets_page(prefix, found, cursor is not None, cursor)
+
+
+def _page(
+    cur: lmdb.Cursor, bounds: tuple[bytes, bytes, bytes | None], limit: int,
+    describe: Callable[[bytes, Any], dict[str, Any] | None],
+) -> tuple[list[dict[str, Any]], str | None]:
+    """One page of a listing: the entries `describe` shows (None: hidden), at most `limit`,
+    passing over at most MAX_SKIPPED hidden ones; and the cursor to go on from, or None."""
+    found: list[dict[str, Any]] = []
+    skipped, last_key = 0, None
+    for key, raw in buckets.scan_range(cur, *bounds):
+        if len(found) == limit or skipped >= MAX_SKIPPED:
+            return found, _decode(last_key)
+        last_key = key
+        entry = describe(key, raw)
+        if entry is None:
             skipped += 1
-            continue
-        found.append(buckets.BucketMeta.decode(raw).describe(bucket_id))
-    return _buckets_page(prefix, found, has_more, _decode(last_key) if has_more else None)
+        else:
+            found.append(entry)
+    return found, None
 
 
 def _buckets_page(prefix: str | None, found: list[dict[str, Any]], has_more: bool, cursor: str | None) -> dict[str, Any]:

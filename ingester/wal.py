@@ -79,7 +79,7 @@ Delivery = Callable[[Any, bool], None]
 @dataclass(slots=True)
 class _Pending(Generic[T]):
     op: Callable[[lmdb.Transaction], T]
-    future: asyncio.Future[T] | ConcurrentFuture[T] | Delivery
+    reply: asyncio.Future[T] | ConcurrentFuture[T] | Delivery  # how the outcome reaches the caller
 
 
 class GroupCommitter:
@@ -237,13 +237,13 @@ class GroupCommitter:
     def _deliver_threadsafe(self, results: Iterable[tuple[_Pending[Any], Any, bool]], changed: Any) -> None:
         loop_items: list[tuple[asyncio.Future[Any] | Delivery, Any, bool]] = []
         for p, value, ok in results:
-            if isinstance(p.future, ConcurrentFuture):
+            if isinstance(p.reply, ConcurrentFuture):
                 if ok:
-                    p.future.set_result(value)
+                    p.reply.set_result(value)
                 else:
-                    p.future.set_exception(value)
+                    p.reply.set_exception(value)
             else:
-                loop_items.append((p.future, value, ok))
+                loop_items.append((p.reply, value, ok))
         if loop_items or changed:
             try:
                 self.loop.call_soon_threadsafe(self._deliver, loop_items, changed)

@@ -150,17 +150,13 @@ class HttpMetrics:
             "ds3_http_request_duration_seconds", "Time from a request's arrival to its response's end, by route.",
             LATENCY_BUCKETS, ["route"],
         )
-        self._duration_of: dict[str, _Series] = {}  # bound once per route seen: observe() is hot
         self.in_flight = 0
         self.live = {"long-poll": 0, "sse": 0}
 
     def observe(self, route: str, status: int, seconds: float) -> None:
         key = (route, str(status))
         self.requests[key] = self.requests.get(key, 0) + 1
-        child = self._duration_of.get(route)
-        if child is None:
-            child = self._duration_of[route] = self.duration.labels(route)
-        child.observe(seconds)
+        self.duration.labels(route).observe(seconds)
 
     def collect(self) -> Iterator[Metric]:
         requests = CounterMetricFamily("ds3_http_requests", "HTTP requests answered, by route and status.",

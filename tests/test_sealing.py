@@ -456,18 +456,7 @@ async def test_full_wal_answers_503_until_the_store_is_back(
             gate.up()
             t_up = time.monotonic()
             deadline = t_up + 30
-            while True:
-                n = w.next_n
-                w.next_n += 1
-                async with s.post(url, data=w.body(n), headers={"Content-Type": OCTET}) as r:
-                    await r.read()
-                    if r.status == 204:
-                        w.acked.append(n)
-                        break
-                    assert r.status == 503, r.status
-                    w.rejected.append(n)
-                assert time.monotonic() < deadline, "appends still refused 30 s after the store came back"
-                await asyncio.sleep(0.2)
+            await _append_until_accepted(s, url, w, deadline, "appends still refused 30 s after the store came back")
             recovered = time.monotonic() - t_up
             # The limit counts LMDB pages, and while the uploader drains the backlog a page may
             # come and go (half-full leaves after deletes, the journal's page): a refusal then is
@@ -475,23 +464,35 @@ async def test_full_wal_answers_503_until_the_store_is_back(
             # goes through once the backlog is sealed.
             flaps = 0
             for _ in range(20):
-                while True:
-                    n = w.next_n
-                    w.next_n += 1
-                    async with s.post(url, data=w.body(n), headers={"Content-Type": OCTET}) as r:
-                        await r.read()
-                        if r.status == 204:
-                            w.acked.append(n)
-                            break
-                        assert r.status == 503 and r.headers.get("Retry-After", "").isdigit(), r.status
-                        w.rejected.append(n)
-                        flaps += 1
-                    assert time.monotonic() < deadline, "appends refused again for good after the store came back"
-                    await asyncio.sleep(0.2)
+                retry_after = await _append_until_accepted(
+                    s, url, w, deadline, "appends refused again for good after the store came back")
+                assert all(ra.isdigit() for ra in retry_after), retry_after
+                flaps += len(retry_after)
             data = await read_stream(s, url, False)
             assert not check_exactly_once(data, [w]), check_exactly_once(data, [w])
             print(f"{acked_down} appends acknowledged while the store was down before the first 503; "
                   f"appends accepted again {recovered:.1f}s after it came back ({flaps} refused while it drained)")
+
+
+async def _append_until_accepted(
+    s: aiohttp.ClientSession, url: str, w: Writer, deadline: float, why: str
+) -> list[str]:
+    """Append `w`'s next lines until one is acknowledged, retrying 503s every 0.2 s until
+    `deadline`; the Retry-After of each refusal."""
+    refused: list[str] = []
+    while True:
+        n = w.next_n
+        w.next_n += 1
+        async with s.post(url, data=w.body(n), headers={"Content-Type": OCTET}) as r:
+            await r.read()
+            if r.status == 204:
+                w.acked.append(n)
+                return refused
+            assert r.status == 503, r.status
+            w.rejected.append(n)
+            refused.append(r.headers.get("Retry-After", ""))
+        assert time.monotonic() < deadline, why
+        await asyncio.sleep(0.2)
 
 
 # ---------------------------------------------------------------- 7. delete
