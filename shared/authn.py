@@ -25,7 +25,7 @@ class Authenticator:
         self.static: StaticTokens = load_static_tokens(config)
         self.jwt = JwtVerifier(config)
         self._internal = config.internal_token.encode() if config.internal_token else None
-        self._cache: dict[bytes, tuple[Principal, float]] = {}
+        self._cache: dict[bytes, tuple[Principal, float | int]] = {}
 
     @property
     def enabled(self) -> bool:
@@ -69,5 +69,6 @@ class Authenticator:
         principal = Principal(f"sub:{sub}" if isinstance(sub, str) and sub else "", read, write)
         if len(self._cache) >= CACHE_MAX:
             self._cache.clear()
-        self._cache[key] = (principal, min(float(claims["exp"]), now + CACHE_SECONDS))
+        # (exp is a number, maybe an int too large for a float: compared, never converted)
+        self._cache[key] = (principal, min(claims["exp"], now + CACHE_SECONDS))
         return principal

@@ -126,6 +126,8 @@ class JwtVerifier:
         except (jwt.PyJWTError, ValueError):  # ValueError: bytes that are not UTF-8
             raise _invalid("not a JWT") from None
         alg, kid = header.get("alg"), header.get("kid")
+        if not isinstance(alg, str):  # (a list or object would not even be hashable)
+            raise _invalid("its alg header must be a string")
         key: Any
         if alg == "HS256" and self.secret is not None:
             key, algorithm = self.secret, "HS256"
@@ -147,4 +149,13 @@ class JwtVerifier:
             raise _invalid("the token has expired") from None
         except (jwt.PyJWTError, ValueError) as e:
             raise _invalid(str(e)) from None
+        for name in ("exp", "nbf", "iat"):  # pyjwt also takes "123" or true; RFC 7519 wants numbers
+            if name in claims and not is_numeric_date(claims[name]):
+                raise _invalid(f"the {name} claim must be a number of seconds")
         return claims
+
+
+def is_numeric_date(value: Any) -> bool:
+    if isinstance(value, float):
+        return math.isfinite(value)
+    return isinstance(value, int) and not isinstance(value, bool)  # (may exceed a float: never converted)

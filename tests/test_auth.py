@@ -38,6 +38,7 @@ from shared.auth import (
     parse_grant,
     target_of,
 )
+from shared.authn import Authenticator
 from shared.config import AuthConfig, ConfigError
 from shared.errors import Forbidden, Unauthorized
 from tests.cluster import Cluster, StoreView, await_for, reader_metrics
@@ -477,6 +478,64 @@ async def test_undecodable_credentials_are_refused_not_crashed_on(auth: AuthClus
             r = await raw_request(proc.port, "POST", b"/v1/stream/pub/x", {**headers, "Content-Type": "text/plain"},
                                   b"x")
             assert r.status == 401, (proc.args[0], headers, r.status, r.body[:200])
+
+
+def _hs_by_hand(header: dict[str, Any], claims: dict[str, Any] | list[Any]) -> str:
+    """An HS256 token with a correct signature over any header and claims (pyjwt would refuse
+    to make most of these)."""
+    head, body = _b64(json.dumps(header).encode()), _b64(json.dumps(claims).encode())
+    sig = hmac.new(SECRET.encode(), f"{head}.{body}".encode(), hashlib.sha256).digest()
+    return f"{head}.{body}.{_b64(sig)}"
+
+
+ODD_VALUES: list[Any] = [["HS256"], {"HS256": 1}, 1, 1.5, True, None, "", "x" * 300, 10**400, -1, [["a"]]]
+
+
+async def test_tokens_of_the_wrong_shape_are_refused_not_crashed_on(auth: AuthCluster) -> None:
+    """An `alg` that is a list or an object (unhashable) was a 500 with a traceback, for
+    anyone; an `exp` larger than a float overflowed once verified. Now: 401 invalid_token."""
+    good = _claims(RIGHT)
+    tokens = [_hs_by_hand({"alg": ["HS256"], "typ": "JWT"}, good), _hs_by_hand({"alg": {"HS256": 1}}, good),
+              _hs_by_hand({"alg": "HS256"}, {**good, "exp": "99999999999"})]
+    huge_exp = _hs_by_hand({"alg": "HS256"}, {**good, "exp": 10**400})
+    async with aiohttp.ClientSession(timeout=TIMEOUT) as s:
+        await _setup(s, auth.cluster.ingester.url, auth.admin)
+        for proc in (auth.cluster.reader, auth.cluster.ingester):
+            for token in tokens:
+                async with s.post(proc.url + "/v1/stream/pub/x", data=b"x", headers={
+                        "Authorization": f"Bearer {token}", "Content-Type": "text/plain"}) as r:
+                    assert r.status == 401, (proc.args[0], token, r.status, await r.text())
+                    assert "invalid_token" in r.headers["WWW-Authenticate"]
+            async with s.get(proc.url + "/v1/stream/secret/x", params={"offset": "-1"},
+                             headers={"Authorization": f"Bearer {huge_exp}"}) as r:
+                assert r.status == 200, (proc.args[0], r.status, await r.text())
+
+
+async def test_every_header_and_claim_of_the_wrong_type_is_a_clean_answer() -> None:
+    """Each JWT header parameter and claim set to each JSON type: the token is refused with
+    Unauthorized or accepted, never another exception (a 500)."""
+    authn = Authenticator(AuthConfig(jwt_secret=SECRET, jwt_issuer=ISSUER, jwt_audience=AUDIENCE))
+    good = _claims(RIGHT)
+    tokens = {f"header {name}={v!r:.20}": _hs_by_hand({"alg": "HS256", "typ": "JWT", name: v}, good)
+              for name in ("alg", "kid", "typ", "crit", "b64", "jku", "x5u", "cty", "jwk") for v in ODD_VALUES}
+    tokens |= {f"claim {name}={v!r:.20}": _hs_by_hand({"alg": "HS256"}, {**good, name: v})
+               for name in ("exp", "nbf", "iat", "iss", "aud", "sub", "ds3", "scope") for v in [*ODD_VALUES, "123"]}
+    tokens["claims are a list"] = _hs_by_hand({"alg": "HS256"}, [good])
+    accepted = []
+    for case, token in tokens.items():
+        try:
+            await authn.authenticate(f"Bearer {token}")
+            accepted.append(case)
+        except Unauthorized:
+            pass
+    # the values a careful reading of RFC 7519 accepts (times are numbers; sub any string)
+    for case in accepted:
+        assert case.startswith(("header typ", "header b64", "header jku", "header x5u", "header cty", "header jwk",
+                                "header kid=''", "header kid='xxx", "claim nbf", "claim iat", "claim sub",
+                                "claim exp=1000", "claim ds3=None", "claim ds3={", "claim scope")), case
+    for refused in ("header alg=['HS256']", "header alg={'HS256': 1}", "claim exp='123'", "claim exp=True",
+                    "claim nbf='123'", "claim iat=True"):
+        assert refused not in accepted
 
 
 def test_tokens_never_appear_in_the_logs(auth: AuthCluster) -> None:
