@@ -200,8 +200,10 @@ class GroupCommitter:
                             failed_at = i
                             outcome.append((p, e, False))
                             raise _AbortBatch from e
-                    changed = self._on_commit(txn)
-                # the `with` committed: durable now
+                    news = self._on_commit(txn)
+                # the `with` committed: durable now. (Not before: what a failed commit would
+                # have changed must not reach on_durable, e.g. objects of a delete to remove.)
+                changed = news
                 results.extend(outcome)
                 todo = []
             except _AbortBatch:

@@ -15,7 +15,15 @@ import pytest
 
 from ingester.reads import Reads
 from ingester.records import SID, StreamMeta
-from ingester.store import AppendRequest, AppendResult, CreateRequest, CreateResult, SealPolicy, Store
+from ingester.store import (
+    AppendRequest,
+    AppendResult,
+    Committed,
+    CreateRequest,
+    CreateResult,
+    SealPolicy,
+    Store,
+)
 from ingester.wal import GroupCommitter, WalEnv
 from shared import offsets
 from shared.config import MiB
@@ -48,9 +56,10 @@ class Harness:
         self.store = Store(self.wal, clock=clock, seal=seal)
         self._own_loop = loop is None
         self.loop = loop or asyncio.new_event_loop()
+        self.durable: list[Committed] = []  # what each durable commit changed, as on_durable got it
         self.committer = GroupCommitter(
             self.wal, self.loop, on_abort=self.store.reset, on_commit=self.store.flush,
-            on_durable=lambda changed: None,
+            on_durable=self.durable.append,
         )
         self.committer.start()
         self.reads = Reads(self.wal, self.store.touches, threads=1)
