@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import queue
 import threading
 import time
@@ -27,6 +28,9 @@ from shared.errors import DS3Error, Unavailable
 log = logging.getLogger("ds3.wal")
 T = TypeVar("T")
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+MAP_FULL_LOG_SECONDS = 60.0
+MAP_FULL_MESSAGE = ("the write-ahead log is full; nothing was stored. Retry later (the server's operator "
+                    "must raise --wal-map-size / DS3_WAL_MAP_SIZE)")
 COMMIT_SECONDS_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 
@@ -116,6 +120,8 @@ class GroupCommitter:
         self.batches = 0
         self.ops = 0
         self.last_batch_size = 0
+        self.map_full_refusals = 0
+        self._map_full_logged_at = -math.inf
         # Observed once per commit on the writer thread (not per operation); collected by
         # ingester.metrics at scrape time.
         self.batch_sizes = Histogram("ds3_wal_commit_batch_size", "Operations per group commit.",
@@ -195,6 +201,9 @@ class GroupCommitter:
                             outcome.append((p, p.op(txn), True))
                         except DS3Error as e:
                             outcome.append((p, e, False))
+                        except lmdb.MapFullError:
+                            failed_at = i
+                            raise _MapFull from None
                         except Exception as e:
                             log.exception("write operation failed; aborting its batch")
                             failed_at = i
@@ -212,10 +221,16 @@ class GroupCommitter:
                 bad = todo[failed_at]
                 results.append((bad, Unavailable("internal error while writing; nothing was stored"), False))
                 todo = todo[:failed_at] + todo[failed_at + 1 :]
-            except lmdb.MapFullError:
+            except _MapFull:
+                # The operations before the one that found no room run again (they fit); it
+                # and the rest are refused: each would fill the map again.
                 self._on_abort()
-                log.error("write-ahead log map is full (raise --wal-map-size)")
-                results.extend((p, Unavailable("write-ahead log is full", 30), False) for p in todo)
+                assert failed_at is not None
+                results.extend((p, self._map_full(), False) for p in todo[failed_at:])
+                todo = todo[:failed_at]
+            except lmdb.MapFullError:  # while committing
+                self._on_abort()
+                results.extend((p, self._map_full(), False) for p in todo)
                 todo = []
             except lmdb.Error:
                 self._on_abort()
@@ -235,6 +250,18 @@ class GroupCommitter:
         self.commit_seconds.observe(time.perf_counter() - started)
         self.batch_sizes.observe(len(batch))
         self._deliver_threadsafe(results, changed)
+
+    def _map_full(self) -> Unavailable:
+        """The refusal of an operation that found the LMDB map full; the operator is told at
+        most once per MAP_FULL_LOG_SECONDS (not once per operation, with no traceback)."""
+        self.map_full_refusals += 1
+        now = time.monotonic()
+        if now - self._map_full_logged_at >= MAP_FULL_LOG_SECONDS:
+            self._map_full_logged_at = now
+            log.error("the write-ahead log's LMDB map is full: writes are refused with 503 (%d so far) until "
+                      "sealing frees room; raise --wal-map-size (DS3_WAL_MAP_SIZE) and restart",
+                      self.map_full_refusals)
+        return Unavailable(MAP_FULL_MESSAGE, 30)
 
     def _deliver_threadsafe(self, results: Iterable[tuple[_Pending[Any], Any, bool]], changed: Any) -> None:
         loop_items: list[tuple[asyncio.Future[Any] | Delivery, Any, bool]] = []
@@ -274,4 +301,8 @@ class GroupCommitter:
 
 
 class _AbortBatch(Exception):
+    pass
+
+
+class _MapFull(Exception):
     pass

@@ -7,12 +7,14 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import lmdb
 import pytest
 
 from ingester.store import AppendRequest, SealPolicy
 from shared.config import MiB
 from shared.errors import Unavailable
+from tests.procs import ingester
 from tests.wal_harness import Clock, Harness
 
 
@@ -70,3 +72,58 @@ async def test_a_delete_whose_commit_fails_deletes_no_objects(tmp_path: Path, cl
         assert [r for news in h.durable for r in news.removed] == [(meta.uid, "s")]
     finally:
         h.close()
+
+
+async def test_a_full_map_refuses_writes_cleanly_and_loses_nothing(tmp_path: Path) -> None:
+    """A real ingester on the smallest map (16 MiB, no object store: the WAL keeps it all),
+    filled by appends. Before: MapFullError inside an operation aborted the batch with a
+    traceback per operation, reran it once per operation, and the answer said "internal
+    error" (the setting to raise was never named). Now each refused write is a 503 with
+    Retry-After naming --wal-map-size, the log says so once, and every acknowledged append
+    is stored."""
+    p = ingester(tmp_path / "data", "--wal-map-size", str(16 * MiB), "--write-rate", "0", "--log-level", "info")
+    p.start()
+    try:
+        url = p.url + "/v1/stream/full"
+        text = {"Content-Type": "application/octet-stream"}
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s:
+            async with s.put(url, headers=text) as r:
+                assert r.status == 201
+            kept: list[bytes] = []
+            refused: list[tuple[int, str, str]] = []
+
+            async def append(body: bytes) -> None:
+                async with s.post(url, data=body, headers=text) as r:
+                    if r.status in (200, 204):
+                        kept.append(body)
+                    else:
+                        refused.append((r.status, r.headers.get("Retry-After", ""), await r.text()))
+
+            n = 0
+            while not refused and n < 400:  # sequential appends until the map is full
+                await append(bytes([65 + n % 26]) * 100_000 + n.to_bytes(4, "big"))
+                n += 1
+            assert refused, "16 MiB of map took 40 MB of appends"
+            sequential = b"".join(kept)
+            # a burst of concurrent writes into a full map: each answered cleanly
+            await asyncio.gather(*(append(bytes([97 + i]) * 100_000) for i in range(20)))
+            assert len(refused) >= 10
+            for status, retry_after, message in refused:
+                assert status == 503 and retry_after.isdigit(), (status, retry_after, message)
+                assert "--wal-map-size" in message and "DS3_WAL_MAP_SIZE" in message, message
+            stored, offset = b"", "-1"
+            while True:  # every page of it
+                async with s.get(url, params={"offset": offset}) as r:
+                    assert r.status == 200
+                    stored += await r.read()
+                    offset = r.headers["Stream-Next-Offset"]
+                    if r.headers.get("Stream-Up-To-Date") == "true":
+                        break
+            assert stored.startswith(sequential)
+            assert len(stored) == sum(len(b) for b in kept), "acknowledged appends missing, or refused ones stored"
+            assert all(b in stored for b in kept)
+        log = p.log_path.read_text(errors="replace")
+        assert log.count("--wal-map-size") == 1, log[-3000:]
+        assert "Traceback" not in log, log[-3000:]
+    finally:
+        p.stop()
