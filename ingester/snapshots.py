@@ -8,6 +8,7 @@ page (--max-read-bytes) whatever the history's size."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -49,6 +50,7 @@ class Snapshots:
         self.sealer = sealer
         self.reaper = reaper
         self.max_read_bytes = max_read_bytes
+        self._cleanups: set[asyncio.Task[None]] = set()  # blob deletes of abandoned publishes
 
     # --- publish / delete -----------------------------------------------------------------
 
@@ -75,15 +77,33 @@ class Snapshots:
         key = keys.snapshot_key(meta.uid, str(off))
         await self.objects.put(key, body, content_type=content_type)
         req = retention.SnapshotRequest(path, meta.sid, str(off), off.position, content_type, len(body), key)
+        commit = self.committer.submit(partial(retention.publish, self.store, req=req))
         try:
-            garbage = await self.committer.submit(partial(retention.publish, self.store, req=req))
-        except BaseException:
+            garbage = await asyncio.shield(commit)
+        except asyncio.CancelledError:
+            # The caller went away, not the commit: it goes on in the writer, and its outcome
+            # decides whether the blob is the committed snapshot (kept) or an orphan (deleted).
+            commit.add_done_callback(partial(self._after_abandoned_commit, key))
+            raise
+        except BaseException:  # the commit did not happen: nothing points at the blob
             with contextlib.suppress(Exception):
                 await self.objects.delete(key)
             raise
         self.reaper.enqueue(garbage)
         if self.sealer is not None:  # readers answer 410 before the earliest offset once we answer
             await self.sealer.published(path, 2.0)
+
+    def _after_abandoned_commit(self, key: str, commit: asyncio.Future[list[str]]) -> None:
+        if commit.cancelled() or commit.exception() is not None:
+            task = asyncio.get_running_loop().create_task(self._delete_quietly(key))
+            self._cleanups.add(task)
+            task.add_done_callback(self._cleanups.discard)
+        else:
+            self.reaper.enqueue(commit.result())  # what the committed snapshot superseded
+
+    async def _delete_quietly(self, key: str) -> None:
+        with contextlib.suppress(Exception):
+            await self.objects.delete(key)
 
     async def check_delete(self, path: str, offset_text: str | None) -> None:
         off = extensions.snapshot_offset(offset_text)
