@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import heapq
 import secrets
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -129,6 +130,25 @@ class SealPolicy:
     wal_max_bytes: int  # past this many bytes of unsealed records, appends get 503
 
 
+class Touches(dict[str, float]):
+    """TTL renewals by path: set on the event loop, forgotten by the writer thread. The lock
+    makes "forget it unless renewed since" one step (a get, then a del, lost a renewal the
+    loop made between them); reads on other threads only get()."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._lock = threading.Lock()
+
+    def __setitem__(self, path: str, at: float) -> None:
+        with self._lock:
+            super().__setitem__(path, at)
+
+    def forget(self, path: str, at: float) -> None:
+        with self._lock:
+            if self.get(path) == at:
+                del self[path]
+
+
 @dataclass(slots=True)
 class Committed:
     """What one durable commit changed, for the event loop to act on."""
@@ -150,7 +170,7 @@ class Store:
         self.clock = clock
         self.seal = seal
         # Reads record TTL renewals here (from the event loop); the writer folds them in.
-        self.touches: dict[str, float] = {}
+        self.touches = Touches()
         # Last append time per stream, newer than its stored metadata says (plain appends do
         # not rewrite it): read by bucket listings, persisted when the metadata is written.
         self.last_writes: dict[str, float] = {}
@@ -666,7 +686,9 @@ class Store:
         return n
 
     def fold_touches(self, txn: lmdb.Transaction) -> int:
-        """Persist TTL renewals that reads recorded, so they survive a restart."""
+        """Persist TTL renewals that reads recorded, so they survive a restart. An entry is
+        forgotten by a later fold, once a commit holds it (reads need it until then, and an
+        aborted batch must not lose it), and only if no read renewed it since."""
         n = 0
         for path, t in list(self.touches.items()):
             meta = self._load(txn, path)
@@ -674,9 +696,16 @@ class Store:
                 meta.last_access = t
                 self._dirty[path] = meta
                 n += 1
-            if self.touches.get(path) == t:
-                del self.touches[path]
+            elif self._stored_covers(txn, path, t):
+                self.touches.forget(path, t)
         return n
+
+    def _stored_covers(self, txn: lmdb.Transaction, path: str, touched: float) -> bool:
+        """The last commit renewed the stream at `touched` or later, or holds no live stream
+        (metadata reaches the transaction only in flush: txn.get sees the last commit's)."""
+        raw = txn.get(path.encode(), db=self.wal.streams)
+        stored = StreamMeta.decode(raw) if raw is not None else None
+        return stored is None or stored.soft_deleted or stored.last_access >= touched
 
     def sweep_expired(self, txn: lmdb.Transaction, limit: int = 1000) -> int:
         """Delete streams whose time is up (soft-delete those that forks still read)."""

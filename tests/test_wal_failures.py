@@ -5,46 +5,15 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
-from typing import Any
 
 import aiohttp
-import lmdb
 import pytest
 
 from ingester.store import AppendRequest, SealPolicy
 from shared.config import MiB
 from shared.errors import Unavailable
 from tests.procs import ingester
-from tests.wal_harness import Clock, Harness
-
-
-class FailingCommits:
-    """An LMDB environment whose write transactions fail to commit, as with EIO from
-    fdatasync: LMDB aborts the transaction, so nothing it did is stored."""
-
-    def __init__(self, env: lmdb.Environment) -> None:
-        self._env = env
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._env, name)
-
-    def begin(self, write: bool = False, **kw: Any) -> Any:
-        txn = self._env.begin(write=write, **kw)
-        return _FailingCommit(txn) if write else txn
-
-
-class _FailingCommit:
-    def __init__(self, txn: lmdb.Transaction) -> None:
-        self.txn = txn
-
-    def __enter__(self) -> lmdb.Transaction:
-        return self.txn
-
-    def __exit__(self, exc_type: object, *rest: object) -> bool:
-        self.txn.abort()
-        if exc_type is None:
-            raise lmdb.DiskError("injected: the commit failed")
-        return False
+from tests.wal_harness import Clock, FailingCommits, Harness
 
 
 async def test_a_delete_whose_commit_fails_deletes_no_objects(tmp_path: Path, clock: Clock) -> None:

@@ -137,6 +137,35 @@ class Harness:
         return meta, (self.contents(path) if meta is not None and not meta.soft_deleted else b"")
 
 
+class FailingCommits:
+    """An LMDB environment whose write transactions fail to commit, as with EIO from
+    fdatasync: LMDB aborts the transaction, so nothing it did is stored."""
+
+    def __init__(self, env: lmdb.Environment) -> None:
+        self._env = env
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._env, name)
+
+    def begin(self, write: bool = False, **kw: Any) -> Any:
+        txn = self._env.begin(write=write, **kw)
+        return _FailingCommit(txn) if write else txn
+
+
+class _FailingCommit:
+    def __init__(self, txn: lmdb.Transaction) -> None:
+        self.txn = txn
+
+    def __enter__(self) -> lmdb.Transaction:
+        return self.txn
+
+    def __exit__(self, exc_type: object, *rest: object) -> bool:
+        self.txn.abort()
+        if exc_type is None:
+            raise lmdb.DiskError("injected: the commit failed")
+        return False
+
+
 @pytest.fixture
 def clock() -> Clock:
     return Clock()
