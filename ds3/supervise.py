@@ -78,7 +78,8 @@ def run_dev(
             env=env,
         )
         children.append(reader)
-        if not _wait_ready(f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}", reader):
+        local = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)  # (asyncio binds "::" IPv6-only)
+        if not _wait_ready(f"http://{f'[{local}]' if ':' in local else local}:{port}", reader):
             log.error("the reader did not start")
             return 1
         log.info("ds3 dev ready on http://%s:%d (no auth: local development only; data in %s)",
