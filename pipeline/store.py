@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from shared.errors import ObjectNotFound
-from shared.objectstore.base import TEMP_PREFIX
+from shared.objectstore.base import TEMP_PREFIX, check_range
 from shared.objectstore.url import FileStoreURL, StoreURLError, parse_store_url
 
 # URLs are parsed by the servers' own parser, so a URL means the same store here as in
@@ -39,7 +39,8 @@ class SyncStore(Protocol):
     url: str
 
     def get(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
-        """The object's bytes [start, end) (end exclusive; None: to the end). ObjectNotFound."""
+        """The object's bytes [start, end) (end exclusive; None: to the end). ObjectNotFound;
+        ValueError for a range with start > end or a negative bound."""
 
     def list(self, prefix: str, start_after: str | None = None) -> Iterator[Listed]:
         """Every object under `prefix`, in key order, after `start_after` when given."""
@@ -53,11 +54,11 @@ class LocalSyncStore:
     root: Path
 
     def get(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
+        lo, hi = check_range(start, end)  # (start > end read to the end of the file)
         try:
             with open(self.root / key, "rb") as f:
-                if start:
-                    f.seek(start)
-                return f.read() if end is None else f.read(end - (start or 0))
+                f.seek(lo)
+                return f.read() if hi is None else f.read(hi - lo)
         except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
             raise ObjectNotFound(key) from None
 
@@ -130,9 +131,12 @@ class S3SyncStore:
         return self._client
 
     def get(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
+        lo, hi = check_range(start, end)
+        if hi == lo:  # no byte asked for ("bytes=5-4" is no range: S3 would send the whole object)
+            return b""
         kw: dict[str, Any] = {"Bucket": self.bucket, "Key": self.prefix + key}
         if start is not None or end is not None:
-            kw["Range"] = f"bytes={start or 0}-{'' if end is None else end - 1}"
+            kw["Range"] = f"bytes={lo}-{'' if hi is None else hi - 1}"
         try:
             obj = self.client().get_object(**kw)
         except Exception as e:
