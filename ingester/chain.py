@@ -17,7 +17,17 @@ from typing import Protocol
 import lmdb
 
 from ingester import journal
-from ingester.records import SEALED, SID, ChunkInfo, Record, StreamMeta, chunk_key, decode_record, record_key
+from ingester.records import (
+    KEY,
+    SEALED,
+    SID,
+    ChunkInfo,
+    Record,
+    StreamMeta,
+    chunk_key,
+    decode_record,
+    record_key,
+)
 
 MetaLookup = Callable[[str], StreamMeta | None]
 
@@ -79,20 +89,37 @@ def stream_records(txn: lmdb.Transaction, dbs: Dbs, sid: int, position: int) -> 
 
 
 def sealed_chunk_at(txn: lmdb.Transaction, dbs: Dbs, meta: StreamMeta, position: int) -> tuple[int, ChunkInfo] | None:
-    """The sealed chunk holding `position` (chunk ids and positions rise together)."""
+    """The sealed chunk holding `position`. Chunk ids and positions rise together, so this is
+    a binary search over the manifest's ids: O(log chunks) seeks, not a walk from the first
+    chunk on every sealed read (ids may have gaps where retention dropped old chunks)."""
     prefix = SID.pack(meta.sid)
     cur = txn.cursor(dbs.chunks)
-    if not cur.set_range(chunk_key(meta.sid, 0)):
+
+    def first_from(chunk: int) -> tuple[int, ChunkInfo] | None:
+        """The manifest's first chunk with an id >= `chunk`."""
+        if not cur.set_range(chunk_key(meta.sid, chunk)) or cur.key()[:8] != prefix:
+            return None
+        return KEY.unpack(cur.key())[1], ChunkInfo.decode(cur.value())
+
+    found = first_from(0)
+    if found is None or found[1].start > position:
         return None
-    for key, raw in cur:
-        if key[:8] != prefix:
-            return None
-        info = ChunkInfo.decode(raw)
-        if info.start <= position < info.end:
-            return (SID.unpack(key[8:16])[0], info) if info.state == SEALED else None
-        if info.start > position:
-            return None
-    return None
+    lo, hi = found[0] + 1, _last_chunk_id(cur, meta.sid)  # the answer is `found` or an id in [lo, hi]
+    while lo <= hi:
+        probe = first_from((lo + hi) // 2)
+        if probe is None or probe[1].start > position:
+            hi = (lo + hi) // 2 - 1
+        else:
+            found, lo = probe, probe[0] + 1
+    chunk, info = found
+    return (chunk, info) if info.start <= position < info.end and info.state == SEALED else None
+
+
+def _last_chunk_id(cur: lmdb.Cursor, sid: int) -> int:
+    """The highest chunk id in `sid`'s manifest (which holds at least one)."""
+    found = cur.prev() if cur.set_range(chunk_key(sid + 1, 0)) else cur.last()
+    assert found and cur.key()[:8] == SID.pack(sid)
+    return int(KEY.unpack(cur.key())[1])
 
 
 def _sealed(txn: lmdb.Transaction, dbs: Dbs, meta: StreamMeta, position: int, end: int) -> Sealed:
