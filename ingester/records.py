@@ -8,7 +8,11 @@ Named databases in one environment (`<data-dir>/wal`):
     jtail      key: sid u64 BE                          value: serial of the stream's newest journal record
     producers  key: sid u64 BE | producer id (UTF-8)    value: [epoch, last_seq, updated_at] JSON
     chunks     key: sid u64 BE | chunk id u64 BE        value: ChunkInfo as JSON (the manifest)
-    sys        key: b"next_sid"                         value: u64 BE
+    sys        key: b"next_sid"                         value: u64 BE (the next stream's sid)
+               key: b"gc:" uid                          value: path (a removed stream's objects to delete)
+               key: b"pub:" path                        value: b"" (a descriptor to publish again)
+               key: b"del:" object key                  value: b"" (an unreachable object to delete, retention.py)
+               key: b"cursor_secret"                    value: 32 random bytes (sealed listing cursors, listing.py)
     buckets    key: bucket id (ASCII)                   value: BucketMeta as JSON (ingester/buckets.py)
 
 One record is one message: one append of a byte stream, or one element of a JSON append.

@@ -1,4 +1,5 @@
-"""Domain errors. Services map them to HTTP statuses in one function each (see http_errors)."""
+"""Domain errors. One function maps them to HTTP statuses for both services:
+shared.web.error_response (the status each class names below)."""
 
 from __future__ import annotations
 
@@ -79,7 +80,8 @@ class Unavailable(DS3Error):
 
 
 class ObjectStoreError(DS3Error):
-    """The object store refused a request for a reason that retrying will not fix (500)."""
+    """The object store refused a request for a reason that retrying will not fix (502: the
+    gateway's upstream failed, not this server)."""
 
 
 class ObjectNotFound(ObjectStoreError):
