@@ -191,6 +191,7 @@ class GroupCommitter:
         results: list[tuple[_Pending[Any], Any, bool]] = []
         todo = batch
         changed: Any = None
+        reran = False
         while todo:
             failed_at: int | None = None
             outcome: list[tuple[_Pending[Any], Any, bool]] = []
@@ -220,14 +221,14 @@ class GroupCommitter:
                 assert failed_at is not None
                 bad = todo[failed_at]
                 results.append((bad, Unavailable("internal error while writing; nothing was stored"), False))
-                todo = todo[:failed_at] + todo[failed_at + 1 :]
+                todo, reran = todo[:failed_at] + todo[failed_at + 1 :], True
             except _MapFull:
                 # The operations before the one that found no room run again (they fit); it
                 # and the rest are refused: each would fill the map again.
                 self._on_abort()
                 assert failed_at is not None
                 results.extend((p, self._map_full(), False) for p in todo[failed_at:])
-                todo = todo[:failed_at]
+                todo, reran = todo[:failed_at], True
             except lmdb.MapFullError:  # while committing
                 self._on_abort()
                 results.extend((p, self._map_full(), False) for p in todo)
@@ -244,6 +245,9 @@ class GroupCommitter:
                     (p, Unavailable("internal error while writing; nothing was stored"), False) for p in todo
                 )
                 todo = []
+        if reran and len(results) > 1:  # refusals came before the rerun: answer in the order they came
+            order = {id(p): i for i, p in enumerate(batch)}
+            results.sort(key=lambda r: order[id(r[0])])
         self.batches += 1
         self.ops += len(batch)
         self.last_batch_size = len(batch)

@@ -4,9 +4,11 @@ even what the event loop does after a commit (no objects deleted for a delete th
 from __future__ import annotations
 
 import asyncio
+import threading
 from pathlib import Path
 
 import aiohttp
+import lmdb
 import pytest
 
 from ingester.store import AppendRequest, SealPolicy
@@ -96,3 +98,35 @@ async def test_a_full_map_refuses_writes_cleanly_and_loses_nothing(tmp_path: Pat
         assert "Traceback" not in log, log[-3000:]
     finally:
         p.stop()
+
+
+async def test_outcomes_of_a_batch_that_ran_again_arrive_in_submission_order(tmp_path: Path, clock: Clock) -> None:
+    """One operation of a batch fails unexpectedly: the batch runs again without it. Its
+    refusal was delivered before the others' answers; a connection answering pipelined
+    appends from these callbacks would answer out of order."""
+    h = Harness(tmp_path / "wal", clock, loop=asyncio.get_running_loop())
+    try:
+        h.create("s")
+        started, release = threading.Event(), threading.Event()
+
+        def block(txn: lmdb.Transaction) -> None:
+            started.set()
+            release.wait(10)
+
+        def broken(txn: lmdb.Transaction) -> None:
+            raise RuntimeError("a bug in an operation")
+
+        got: list[tuple[int, bool]] = []
+        blocked = h.committer.submit(block)
+        await asyncio.to_thread(started.wait, 10)
+        for i in range(6):  # all queued behind the blocker: one batch
+            op = broken if i == 3 else (lambda txn: h.store.append(txn, AppendRequest("s", "text/plain", b"x", None)))
+            h.committer.submit_callback(op, lambda value, ok, i=i: got.append((i, ok)))
+        last = h.committer.submit(lambda txn: None)
+        release.set()
+        await blocked
+        await last
+        assert got == [(0, True), (1, True), (2, True), (3, False), (4, True), (5, True)]
+        assert h.contents("s") == b"xxxxx"
+    finally:
+        h.close()
