@@ -48,6 +48,9 @@ async def handle_stream(request: web.Request) -> web.StreamResponse:
         return await handle_get(request, st, path)
     if method not in ("PUT", "POST", "DELETE", "HEAD"):
         return method_not_allowed(method)
+    if method == "PUT" and len(request.headers.getall(P.FORKED_FROM, ())) > 1:
+        # auth checks the first, and forwarding would keep one of them: refuse rather than guess
+        raise BadRequest("send one Stream-Forked-From header, not several")
     body = await read_body(request, st.config.max_body_bytes) if method in ("PUT", "POST") else None
     headers = IngesterClient._request_headers(request)
     st.forwarded += 1
