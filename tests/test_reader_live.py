@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
@@ -16,6 +17,7 @@ from multidict import CIMultiDict
 from tests.cluster import (
     TIMEOUT,
     Cluster,
+    Page,
     StoreView,
     append,
     create,
@@ -111,3 +113,147 @@ async def test_a_fork_request_with_two_sources_is_refused(tmp_path: Path, local_
                     assert "Stream-Forked-From" in await r.text()
                 async with s.head(url) as r:
                     assert r.status == 404, (url, r.status)
+
+
+# ---------------------------------------------------------------- the reader answers as the ingester does
+# (issue 12 item 1: SSE from offset=now through a reader delivered nothing; issue 13 item 3: long-polls
+# answered from the reader's live channel must be the ingester's answers)
+KINDS = {
+    TEXT: [b"line one\r\nline\rtwo\n", b"\xff not utf-8 \xfe", b" leading space"],
+    OCTET: [b"\x00\x01binary\r\n", b"\xff\xfe", b"more"],
+    JSON: [b'[{"a": 1},\r\n {"b": "two"}]', b'{"c": [3]}', b"[4, 5]"],
+}
+NOT_COMPARED = {"date", "server", "x-request-id"}
+
+
+def answer(p: Page) -> tuple[int, dict[str, str], bytes]:
+    """What a client sees of a response, with the values that differ by design normalised:
+    the time, the request id, and the cursor's value (a number; random when the client's is
+    ahead of the clock)."""
+    headers = {k.lower(): v for k, v in p.headers.items() if k.lower() not in NOT_COMPARED}
+    if "stream-cursor" in headers:
+        assert headers["stream-cursor"].isdigit(), headers
+        headers["stream-cursor"] = "<n>"
+    return p.status, headers, p.body
+
+
+def events(got: list[tuple[str, str]]) -> list[tuple[str, object]]:
+    out: list[tuple[str, object]] = []
+    for kind, data in got:
+        if kind == "control":
+            control = json.loads(data)
+            if "streamCursor" in control:
+                assert str(control["streamCursor"]).isdigit(), control
+                control["streamCursor"] = "<n>"
+            out.append((kind, control))
+        else:
+            out.append((kind, data))
+    return out
+
+
+@dataclass
+class Pair:
+    """The same stream seen through the ingester and through the reader."""
+
+    s: aiohttp.ClientSession
+    ingester: str
+    reader: str
+    content_type: str
+
+    async def create(self) -> None:
+        await create(self.s, self.ingester, self.content_type)
+
+    async def append(self, body: bytes) -> str:
+        return await append(self.s, self.ingester, body, self.content_type)
+
+    async def long_poll(self, offset: str, then: bytes | None = None, **params: str) -> str:
+        """The same GET on both; `then` is appended while they wait. Returns the next offset."""
+        q = {"live": "long-poll", **params} if offset != "none" else {}
+        tasks = [asyncio.create_task(get_page(self.s, url, offset, params=q)) for url in (self.ingester, self.reader)]
+        if offset == "none":
+            tasks = [asyncio.create_task(self._get(url)) for url in (self.ingester, self.reader)]
+        if then is not None:
+            await asyncio.sleep(0.3)  # both are waiting
+            assert not any(t.done() for t in tasks), [(n, t.result()) for n, t in enumerate(tasks) if t.done()]
+            await self.append(then)
+        ing, rdr = await asyncio.wait_for(asyncio.gather(*tasks), 15)
+        assert answer(rdr) == answer(ing), f"offset={offset} {params}"
+        return ing.headers.get("Stream-Next-Offset", "")
+
+    async def _get(self, url: str) -> Page:
+        async with self.s.get(url) as r:
+            return Page("", r.status, CIMultiDict(r.headers), await r.read())
+
+    async def sse(self, offset: str, then: bytes | None, want: str, **params: str) -> None:
+        """SSE from `offset` on both until a data event containing `want` (or the end)."""
+        q = {"offset": offset, "live": "sse", **params}
+        responses = [await self.s.get(url, params=q) for url in (self.ingester, self.reader)]
+        try:
+            assert [r.status for r in responses] == [200, 200]
+            assert responses[0].headers.get("Stream-SSE-Data-Encoding") == responses[1].headers.get(
+                "Stream-SSE-Data-Encoding")
+            reading = [asyncio.create_task(read_sse_until(r, want, 10)) for r in responses]
+            if then is not None:
+                await asyncio.sleep(0.3)  # both are subscribed
+                await self.append(then)
+            ing, rdr = await asyncio.gather(*reading)
+            assert events(rdr) == events(ing), f"SSE offset={offset}"
+            if want != END:
+                assert any(kind == "data" for kind, _ in ing), ing
+        finally:
+            for r in responses:
+                r.close()
+
+
+END = "\x00the end"  # never in a data event: read until the server ends the response
+
+
+@pytest.mark.parametrize("content_type", list(KINDS))
+async def test_live_reads_through_the_reader_answer_what_the_ingester_answers(
+    tmp_path: Path, local_store: StoreView, content_type: str
+) -> None:
+    one, two, three = KINDS[content_type]
+    timeouts = ["--long-poll-timeout", "1"]
+    with Cluster(tmp_path, local_store, seal_bytes=1 << 20, ingester_args=timeouts, reader_args=timeouts) as c:
+        async with aiohttp.ClientSession(timeout=TIMEOUT) as s:
+            async with s.put(f"{c.ingester.url}/v1/buckets/live-bkt") as r:
+                assert r.status == 201
+            for surface in (("/v1/stream/live ", "/v1/buckets/live-bkt/live ")):
+                def pair(name: str, surface: str = surface) -> Pair:
+                    return Pair(s, f"{c.ingester.url}{surface}{name}", f"{c.reader.url}{surface}{name}", content_type)
+
+                # long-poll from -1 on an empty stream waits; with data it answers at once
+                p = pair("start")
+                await p.create()
+                await p.long_poll("-1", then=one)
+                await p.long_poll("-1")
+                await p.long_poll("none")
+                # from now: only what comes after; a timeout is a 204 with a cursor
+                p = pair("now")
+                await p.create()
+                await p.append(one)
+                await p.long_poll("now", then=two)
+                tail = await p.long_poll("now", cursor="12")
+                # from the tail, with and without a cursor (one ahead of the clock too), twice
+                tail = await p.long_poll(tail, then=three)
+                tail = await p.long_poll(tail, then=one, cursor="1")
+                tail = await p.long_poll(tail, then=two, cursor="99999999999")
+                await p.long_poll(tail)  # 204 after the timeout
+                await p.long_poll(tail, then=three, cursor="bogus")
+                # SSE from now (delivered nothing before), from -1, from the tail, with a cursor
+                await p.sse("now", then=one, want="")  # "": up to the first data event
+                await p.sse("-1", then=None, want="")
+                await p.sse(await p.append(three), then=two, want="", cursor="5")
+                # a closed stream: long-poll at its end is a 204 without a cursor; before, a 200
+                p = pair("closed")
+                await p.create()
+                await p.append(one)
+                async with s.post(p.ingester, headers={"Stream-Closed": "true"}) as r:
+                    assert r.status in (200, 204), await r.text()
+                    final = r.headers["Stream-Next-Offset"]
+                await p.long_poll(final)
+                await p.long_poll(final, cursor="3")
+                await p.long_poll("now")  # (from -1 the reader serves the sealed chunk: its own ETag)
+                await p.sse("-1", then=None, want=END)
+                await p.sse(final, then=None, want=END)
+                await p.sse("now", then=None, want=END)
