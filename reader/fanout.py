@@ -135,20 +135,42 @@ class Channel:
         self.path = path
         self.offset = offset  # where the running (or next) upstream long-poll starts
         self.latest: Answer | None = None  # the last answer, from its start to `offset`
-        self.waiters: dict[asyncio.Future[Answer | Upstream], None] = {}  # long-polls parked at `offset`
+        # long-polls parked at `offset`, in arrival order with their deadlines: one timer per
+        # channel answers the expired ones (cheaper than a timeout per waiter)
+        self.waiters: dict[asyncio.Future[Answer | Upstream | None], float] = {}
+        self._timer: asyncio.TimerHandle | None = None
         self.subscribers: set[Subscriber] = set()
         self.wanted = True  # someone waited on the channel during the current poll
         self.content_type: str | None = None  # the stream's, once a read or an answer said it
         self.task: asyncio.Task[None] | None = None
 
-    def park(self) -> asyncio.Future[Answer | Upstream]:
-        fut: asyncio.Future[Answer | Upstream] = asyncio.get_running_loop().create_future()
-        self.waiters[fut] = None
+    def park(self, timeout: float) -> asyncio.Future[Answer | Upstream | None]:
+        """A future for the next answer; None when `timeout` passes first."""
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[Answer | Upstream | None] = loop.create_future()
+        deadline = loop.time() + timeout
+        self.waiters[fut] = deadline
         self.wanted = True
+        if self._timer is None:
+            self._timer = loop.call_at(deadline, self._expire)
         return fut
+
+    def _expire(self) -> None:
+        self._timer = None
+        now = asyncio.get_running_loop().time()
+        for fut, deadline in list(self.waiters.items()):
+            if deadline > now + 0.001:
+                self._timer = asyncio.get_running_loop().call_at(deadline, self._expire)
+                return
+            del self.waiters[fut]
+            if not fut.done():
+                fut.set_result(None)
 
     def _answer_waiters(self, result: Answer | Upstream | Exception) -> None:
         waiters, self.waiters = self.waiters, {}
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         for fut in waiters:
             if not fut.done():
                 if isinstance(result, Exception):
@@ -228,6 +250,12 @@ class LiveHub:
                 ch.task.cancel()
 
     # ------------------------------------------------------------------------ long-poll
+    def follows(self, path: str, offset: str) -> bool:
+        """A long-poll at `offset` is answered by the stream's live channel: it is where the
+        channel polls (the tail, as far as this reader knows) or where its last answer began."""
+        ch = self.channels.get(path)
+        return ch is not None and (ch.offset == offset or (ch.latest is not None and ch.latest.start == offset))
+
     async def long_poll(self, request: web.Request, path: str, offset: str,
                         cursor: str | None) -> web.StreamResponse | None:
         """The answer to a long-poll at a concrete offset, or None: forward it as a read."""
@@ -243,14 +271,13 @@ class LiveHub:
             ch = self.channel(path, offset)
         else:
             self.ingester.collapsed += 1
-        fut = ch.park()
+        fut = ch.park(self.long_poll_timeout)
         try:
-            async with asyncio.timeout(self.long_poll_timeout):
-                result = await fut
-        except TimeoutError:
-            return self._no_content(offset, cursor)
+            result = await fut
         finally:
             ch.waiters.pop(fut, None)
+        if result is None:
+            return self._no_content(offset, cursor)
         if isinstance(result, Answer):
             return result.response(cursor, request.headers.get("If-None-Match"))
         return to_response(result)

@@ -77,6 +77,12 @@ async def handle_get(request: web.Request, st: ReaderState, path: str) -> web.St
     if live == "sse":
         assert given is not None
         return await st.sse.serve_sse(request, path, _offset_text(given), request.query.get("cursor"))
+    if live == "long-poll" and isinstance(given, offsets.Offset) and st.sse.follows(path, str(given)):
+        # At the stream's live channel: nothing from here on is sealed that its answer does not
+        # hold, so the store is not asked (two chunk lookups that miss, per long-poll).
+        answered = await st.sse.long_poll(request, path, str(given), request.query.get("cursor"))
+        if answered is not None:
+            return answered
     desc: Descriptor | None = None
     if given is None or isinstance(given, offsets.Offset) or given == offsets.START:
         start = given if isinstance(given, offsets.Offset) else offsets.ZERO
