@@ -7,10 +7,9 @@ headers, encoded once and handed as they are to every client it answers. Long-po
 at the channel's offset park on the channel and get the next answer (their own cursor is
 the one header added per waiter); one that arrives just after an answer, at the offset the
 answer started from, gets that same answer. Any other waiter is forwarded like a plain read
-(reader.http). SSE clients catch up with ordinary reads (sealed chunks from the object store,
-the rest from the ingester), attach when a read says they are up to date, and then take
-each answer that continues exactly where they are; one that falls behind (an answer from an
-offset before theirs) reads again. Nothing is skipped or repeated.
+(reader.http). SSE clients (reader.sse_fanout) catch up with ordinary reads, attach when a
+read says they are up to date, and then get each answer that continues exactly where they
+are, written by the channel straight to their connections.
 
 Why long-polls and not the ingester's SSE upstream: an SSE data event carries text streams
 as UTF-8 lines, so the exact bytes (a CR, invalid UTF-8) and the ingester's headers (ETag,
@@ -26,11 +25,10 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import contextlib
 import logging
-import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Protocol
 
 from aiohttp import web
 
@@ -122,11 +120,11 @@ class Tick:
     closed: bool
 
 
-@dataclass(eq=False)
-class Subscriber:
-    offset: str
-    cursor: str | None
-    queue: asyncio.Queue[Answer | Tick | None] = field(default_factory=lambda: asyncio.Queue(maxsize=1024))
+class Listener(Protocol):
+    """An SSE client attached to a channel (reader.sse_fanout.Subscriber)."""
+
+    def take(self, item: Answer | Tick | None) -> None:
+        """An answer, a tick, or None when the channel ends; called on the channel's loop."""
 
 
 class Channel:
@@ -139,7 +137,7 @@ class Channel:
         # channel answers the expired ones (cheaper than a timeout per waiter)
         self.waiters: dict[asyncio.Future[Answer | Upstream | None], float] = {}
         self._timer: asyncio.TimerHandle | None = None
-        self.subscribers: set[Subscriber] = set()
+        self.subscribers: set[Listener] = set()
         self.wanted = True  # someone waited on the channel during the current poll
         self.content_type: str | None = None  # the stream's, once a read or an answer said it
         self.task: asyncio.Task[None] | None = None
@@ -180,13 +178,7 @@ class Channel:
 
     def _publish(self, item: Answer | Tick | None) -> None:
         for sub in list(self.subscribers):
-            try:
-                sub.queue.put_nowait(item)
-            except asyncio.QueueFull:  # a client that stopped reading: cut it loose
-                self.hub.dropped += 1
-                self.subscribers.discard(sub)
-                with contextlib.suppress(asyncio.QueueFull):
-                    sub.queue.put_nowait(None)
+            sub.take(item)
 
     async def run(self) -> None:
         failure: Exception | None = None
@@ -289,105 +281,3 @@ class LiveHub:
             P.NEXT_OFFSET: offset, P.UP_TO_DATE: "true", "Cache-Control": "no-store",
             P.CURSOR: P.response_cursor(cursor),
         })
-
-    # ------------------------------------------------------------------------ SSE
-    async def serve_sse(self, request: web.Request, path: str, start: str, cursor: str | None) -> web.StreamResponse:
-        sub = Subscriber(start, cursor)
-        first: list[bytes] = []
-        ch = self.channels.get(path)
-        if ch is not None and ch.offset == start and ch.content_type is not None:
-            # at the channel's offset: up to date as far as this reader knows, no read needed
-            self.shared += 1
-            ch.wanted = True
-            ch.subscribers.add(sub)
-            first.append(self._control(sub, start, up_to_date=True, closed=False))
-            content_type = ch.content_type
-        else:
-            page = await self.read_page(path, start)  # 404/410 before the 200
-            content_type = page.content_type
-            first.append(self._page_events(sub, page))
-            sub.offset = page.next_offset
-            if page.closed:
-                sub.offset = ""
-            elif page.up_to_date:
-                self._attach(path, sub, page.content_type)
-        headers = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-        if not P.is_text_for_sse(content_type):
-            headers[P.SSE_ENCODING] = "base64"
-        resp = web.StreamResponse(status=200, headers=headers)
-        self.clients += 1
-        try:
-            await resp.prepare(request)
-            with contextlib.suppress(ConnectionResetError, asyncio.CancelledError):
-                await resp.write(b"".join(first))
-                if sub.offset:  # "" once the stream's end was sent
-                    await self._pump(resp, path, sub, time.monotonic() + self.max_seconds)
-        finally:
-            self.clients -= 1
-            self._detach(path, sub)
-        with contextlib.suppress(Exception):
-            await resp.write_eof()
-        return resp
-
-    def _attach(self, path: str, sub: Subscriber, content_type: str) -> None:
-        ch = self.channel(path, sub.offset)
-        if ch.content_type is None:
-            ch.content_type = content_type
-        ch.wanted = True
-        ch.subscribers.add(sub)
-        if ch.latest is not None and ch.latest.start == sub.offset:
-            sub.queue.put_nowait(ch.latest)  # the channel is a step ahead: take its last answer
-
-    def _detach(self, path: str, sub: Subscriber) -> None:
-        ch = self.channels.get(path)
-        if ch is not None:
-            ch.subscribers.discard(sub)
-
-    def _attached(self, path: str, sub: Subscriber) -> bool:
-        ch = self.channels.get(path)
-        return ch is not None and sub in ch.subscribers
-
-    async def _pump(self, resp: web.StreamResponse, path: str, sub: Subscriber, ends_at: float) -> None:
-        while time.monotonic() < ends_at:
-            if not self._attached(path, sub) and sub.queue.empty():
-                # catch up with reads until a read says this client is up to date, then attach
-                page = await self.read_page(path, sub.offset)
-                await resp.write(self._page_events(sub, page))
-                sub.offset = page.next_offset
-                if page.closed:
-                    return
-                if page.up_to_date:
-                    self._attach(path, sub, page.content_type)
-                continue
-            try:
-                async with asyncio.timeout(max(0.01, ends_at - time.monotonic())):
-                    item = await sub.queue.get()
-            except TimeoutError:
-                return
-            if item is None:
-                return  # the channel ended: the client reconnects from its last offset
-            if isinstance(item, Tick):
-                if item.offset == sub.offset:
-                    await resp.write(self._control(sub, sub.offset, up_to_date=True, closed=item.closed))
-                    if item.closed:
-                        return
-                continue
-            if item.start != sub.offset:
-                if position(item.next_offset) > position(sub.offset):
-                    self._detach(path, sub)  # an answer from before this client: read the rest
-                continue  # else: already sent (the client caught up past it)
-            control = self._control(sub, item.next_offset, item.up_to_date, item.closed)
-            await resp.write(item.sse_data() + control)  # data and its control in one write
-            sub.offset = item.next_offset
-            if item.closed:
-                return
-
-    def _page_events(self, sub: Subscriber, page: Page) -> bytes:
-        return data_event(page.body, page.content_type) + self._control(
-            sub, page.next_offset, page.up_to_date, page.closed)
-
-    @staticmethod
-    def _control(sub: Subscriber, offset: str, up_to_date: bool, closed: bool) -> bytes:
-        return sse.control_event(offset, cursor=P.response_cursor(sub.cursor), up_to_date=up_to_date,
-                                 closed=closed)
-

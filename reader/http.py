@@ -10,7 +10,7 @@ from urllib.parse import urlencode
 import orjson
 from aiohttp import web
 
-from reader import extension_http
+from reader import extension_http, sse_fanout
 from reader.fanout import Page
 from reader.proxy import IngesterClient, Upstream, to_response
 from reader.sealed import SealedRead
@@ -76,7 +76,7 @@ async def handle_get(request: web.Request, st: ReaderState, path: str) -> web.St
     live = live_mode(request, given)
     if live == "sse":
         assert given is not None
-        return await st.sse.serve_sse(request, path, _offset_text(given), request.query.get("cursor"))
+        return await sse_fanout.serve(st.sse, request, path, _offset_text(given), request.query.get("cursor"))
     if live == "long-poll" and isinstance(given, offsets.Offset) and st.sse.follows(path, str(given)):
         # At the stream's live channel: nothing from here on is sealed that its answer does not
         # hold, so the store is not asked (two chunk lookups that miss, per long-poll).
