@@ -257,3 +257,44 @@ async def test_live_reads_through_the_reader_answer_what_the_ingester_answers(
                 await p.sse("-1", then=None, want=END)
                 await p.sse(final, then=None, want=END)
                 await p.sse("now", then=None, want=END)
+
+
+# ---------------------------------------------------------------- one channel per stream (issue 13 item 3)
+async def test_long_polls_and_sse_clients_share_the_streams_live_channel(tmp_path: Path, local_store: StoreView) -> None:
+    """Long-polls and SSE clients at the tail wait on one upstream long-poll; the client that
+    started it leaving changes nothing for the others; a long-poll that comes back late, at the
+    offset the last answer started from, gets that answer without asking the ingester."""
+    with Cluster(tmp_path, local_store) as c:
+        async with aiohttp.ClientSession(timeout=TIMEOUT) as s:
+            ing = f"{c.ingester.url}/v1/stream/shared"
+            await create(s, ing, TEXT)
+            tail = await append(s, ing, b"history", TEXT)
+            url = f"{c.reader.url}/v1/stream/shared"
+            target = f"/v1/stream/shared?offset={tail}&live=long-poll"
+            before = reader_metrics(c.reader.url)
+
+            async def leaver() -> None:
+                with pytest.raises(TimeoutError):
+                    async with asyncio.timeout(0.3):
+                        await raw_get(c.reader.port, target)
+
+            await leaver()  # the first long-poll starts the channel, then its client goes
+            polls = [asyncio.create_task(raw_get(c.reader.port, target)) for _ in range(10)]
+            streams = [await s.get(url, params={"offset": tail, "live": "sse"}) for _ in range(5)]
+            try:
+                reading = [asyncio.create_task(read_sse_until(r, "news", 10)) for r in streams]
+                await asyncio.sleep(0.3)  # all parked or attached
+                waiting = reader_metrics(c.reader.url)[UPSTREAM] - before[UPSTREAM]
+                assert waiting <= 2, f"15 live clients of one stream made {waiting} upstream requests"
+                assert not any(t.done() for t in polls)
+                nxt = await append(s, ing, b"news", TEXT)
+                assert await asyncio.wait_for(asyncio.gather(*polls), 10) == [(200, b"news")] * 10
+                for got in await asyncio.gather(*reading):
+                    assert got[-1] == ("data", "news"), got
+                settled = reader_metrics(c.reader.url)[UPSTREAM]
+                late = await get_page(s, url, tail, params={"live": "long-poll"})
+                assert (late.status, late.body, late.next_offset) == (200, b"news", nxt)
+                assert reader_metrics(c.reader.url)[UPSTREAM] == settled, "the late long-poll went upstream"
+            finally:
+                for r in streams:
+                    r.close()
