@@ -116,7 +116,7 @@ def _sample(ps: psutil.Process, peak: dict[str, float]) -> None:
 
 
 def _raise_nofile() -> None:
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    _soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
