@@ -6,6 +6,7 @@ request down with it; a fork request names one source."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -298,3 +299,37 @@ async def test_long_polls_and_sse_clients_share_the_streams_live_channel(tmp_pat
             finally:
                 for r in streams:
                     r.close()
+
+
+async def test_an_sse_client_that_stops_reading_is_cut_loose_and_the_others_go_on(
+    tmp_path: Path, local_store: StoreView
+) -> None:
+    """The channel writes to SSE clients' connections itself: a client that takes nothing
+    must not make the reader hold an unbounded backlog for it, nor hold up the others."""
+    with Cluster(tmp_path, local_store, seal_bytes=64 << 20) as c:
+        async with aiohttp.ClientSession(timeout=TIMEOUT, read_bufsize=16 << 20) as s:
+            ing = f"{c.ingester.url}/v1/stream/stall"
+            await create(s, ing, OCTET)
+            tail = await append(s, ing, b"start", OCTET)
+            target = f"/v1/stream/stall?offset={tail}&live=sse"
+            _, w = await asyncio.open_connection("127.0.0.1", c.reader.port)  # asks, then never reads
+            w.write(f"GET {target} HTTP/1.1\r\nHost: test\r\n\r\n".encode())
+            await w.drain()
+            reader_resp = await s.get(f"{c.reader.url}{target}")
+            try:
+                reading = asyncio.create_task(read_sse_until(reader_resp, "", 30))
+                await asyncio.sleep(0.3)
+                piece = bytes(range(256)) * 4096  # 1 MiB
+                for _ in range(24):
+                    await append(s, ing, piece, OCTET)
+                total = 0
+                async with asyncio.timeout(30):
+                    while total < 24 * len(piece):
+                        got = await reading
+                        total += sum(len(base64.b64decode(d)) for k, d in got if k == "data")
+                        reading = asyncio.create_task(read_sse_until(reader_resp, "", 30))
+                reading.cancel()
+                assert reader_metrics(c.reader.url)["ds3_reader_sse_dropped_total"] == 1
+            finally:
+                reader_resp.close()
+                w.close()
