@@ -21,6 +21,7 @@ from aiohttp import web
 from reader.fanout import Answer, LiveHub, Page, Tick, data_event, position
 from shared import protocol as P
 from shared import sse
+from shared.errors import DS3Error
 
 MAX_BUFFERED = 1 << 20
 
@@ -158,7 +159,10 @@ async def _follow(hub: LiveHub, resp: web.StreamResponse, sub: Subscriber, ends_
     say it ended the client or detached it."""
     while not sub.ended and time.monotonic() < ends_at:
         if not sub.attached():
-            page = await hub.read_page(sub.path, sub.offset)
+            try:
+                page = await hub.read_page(sub.path, sub.offset)
+            except DS3Error:
+                return  # the head is out: end here; the client's reconnect gets the error itself
             await resp.write(sub.page_events(page))
             sub.offset = page.next_offset
             if page.closed:
