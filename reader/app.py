@@ -10,7 +10,7 @@ from aiohttp import web
 from reader import bucket_http, console_http
 from reader import metrics as reader_metrics
 from reader.descriptors import DescriptorCache
-from reader.fanout import Page, SseHub
+from reader.fanout import LiveHub, Page
 from reader.http import add_routes, read_page
 from reader.proxy import IngesterClient
 from reader.sealed import SealedLocator
@@ -47,12 +47,10 @@ def create_app(config: ReaderConfig) -> web.Application:
         state = app[READER] = ReaderState(
             config=config, objects=objects, chunks=chunks, descriptors=descriptors,
             locator=SealedLocator(descriptors, chunks, config.max_read_bytes), ingester=ingester,
-            sse=SseHub(ingester, page, config.sse_max_seconds, config.long_poll_timeout + 30),
+            sse=LiveHub(ingester, page, config.sse_max_seconds, config.long_poll_timeout),
         )
         yield
-        for channel in list(state.sse.channels.values()):
-            if channel.task is not None:
-                channel.task.cancel()
+        state.sse.stop()
         await session.close()
         await objects.close()
 

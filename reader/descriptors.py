@@ -7,9 +7,9 @@ objects are keyed by the stream's uid."""
 
 from __future__ import annotations
 
-import asyncio
 import time
 
+from reader.singleflight import SingleFlight
 from shared import keys
 from shared.descriptor import Descriptor
 from shared.errors import ObjectNotFound
@@ -22,7 +22,7 @@ class DescriptorCache:
         self.ttl = ttl
         self._max = max_entries
         self._entries: dict[str, tuple[float, Descriptor | None]] = {}
-        self._inflight: dict[str, asyncio.Future[Descriptor | None]] = {}
+        self._fetching: SingleFlight[str, Descriptor | None] = SingleFlight("descriptor")
         self.hits = 0
         self.misses = 0
 
@@ -34,30 +34,22 @@ class DescriptorCache:
         if hit is not None and now - hit[0] < (self.ttl if max_age is None else max_age):
             self.hits += 1
             return hit[1]
-        pending = self._inflight.get(path)
-        if pending is not None:  # collapse concurrent misses into one GET
-            return await asyncio.shield(pending)
-        self.misses += 1
-        fut: asyncio.Future[Descriptor | None] = asyncio.get_running_loop().create_future()
-        self._inflight[path] = fut
+        if path not in self._fetching:
+            self.misses += 1
+        return await self._fetching.do(path, lambda: self._fetch(path))
+
+    async def _fetch(self, path: str) -> Descriptor | None:
+        """One GET of the descriptor, shared by concurrent misses (reader.singleflight)."""
         try:
-            try:
-                found = Descriptor.decode(await self.store.get(keys.descriptor_key(path)))
-                # a sha256 collision would be news; never serve it
-                desc: Descriptor | None = found if found.path == path else None
-            except ObjectNotFound:
-                desc = None
-            if len(self._entries) >= self._max:
-                self._entries.clear()
-            self._entries[path] = (time.monotonic(), desc)
-            fut.set_result(desc)
-            return desc
-        except BaseException as e:
-            fut.set_exception(e)
-            fut.exception()  # retrieved: followers re-raise it, nobody logs it as lost
-            raise
-        finally:
-            del self._inflight[path]
+            found = Descriptor.decode(await self.store.get(keys.descriptor_key(path)))
+            # a sha256 collision would be news; never serve it
+            desc: Descriptor | None = found if found.path == path else None
+        except ObjectNotFound:
+            desc = None
+        if len(self._entries) >= self._max:
+            self._entries.clear()
+        self._entries[path] = (time.monotonic(), desc)
+        return desc
 
     def forget(self, path: str) -> None:
         self._entries.pop(path, None)

@@ -1,36 +1,44 @@
-"""SSE fan-out: all SSE clients of one stream on this reader share one upstream SSE
-connection to the ingester.
+"""Live fan-out: the long-poll and SSE clients of one stream on this reader share one
+upstream subscription to the ingester.
 
-A channel holds the upstream subscription and the offset it has reached. A client that
-starts at that offset attaches at once; one that starts behind catches up with ordinary
-reads (sealed chunks from the object store, the rest from the ingester, collapsed) and
-attaches when its offset meets the channel's. Each upstream event is a data event followed
-by its control event; a client takes an event only when it continues exactly where the
-client is, so nothing is skipped or repeated even when a client is ahead of the channel.
-Control events are re-encoded per client: cursors must never go back for that client.
+A channel follows a stream with one long-poll at a time, each from where the last one
+ended (`Channel.offset`). Every upstream 200 becomes an `Answer`: the ingester's body and
+headers, encoded once and handed as they are to every client it answers. Long-poll waiters
+at the channel's offset park on the channel and get the next answer (their own cursor is
+the one header added per waiter); one that arrives just after an answer, at the offset the
+answer started from, gets that same answer. Any other waiter is forwarded like a plain read
+(reader.http). SSE clients (reader.sse_fanout) catch up with ordinary reads, attach when a
+read says they are up to date, and then get each answer that continues exactly where they
+are, written by the channel straight to their connections.
+
+Why long-polls and not the ingester's SSE upstream: an SSE data event carries text streams
+as UTF-8 lines, so the exact bytes (a CR, invalid UTF-8) and the ingester's headers (ETag,
+Cache-Control) of a long-poll answer could not be rebuilt from it. Framing SSE events from
+exact bytes is easy; the reverse is not.
+
+A channel keeps polling while anyone waited on it during its last poll, so long-poll clients
+coming back with the next offset find it running; it stops after a poll nobody waited on,
+when the stream closes, or on an upstream failure (which its waiters get).
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
-import contextlib
 import logging
-import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Protocol
 
-import aiohttp
-import orjson
 from aiohttp import web
 
-from reader.proxy import SKIP_AUTO, IngesterClient, upstream_url
+from reader.proxy import IngesterClient, Upstream, to_response
+from shared import offsets, sse
 from shared import protocol as P
-from shared import sse
 from shared.buckets import url_path
-from shared.errors import Unavailable
+from shared.errors import DS3Error, Unavailable
 
-log = logging.getLogger("ds3.reader.sse")
+log = logging.getLogger("ds3.reader.live")
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,239 +55,229 @@ class Page:
 PageReader = Callable[[str, str], Awaitable[Page]]
 
 
-@dataclass(slots=True)
-class Event:
-    """A data event (maybe none) and the control event that ends it."""
-
-    data: bytes | None  # the raw `event: data` block, as the ingester framed it
-    control: dict[str, object]
-    before: str  # the offset the event continues from
-
-    @property
-    def after(self) -> str:
-        return str(self.control["streamNextOffset"])
-
-    @property
-    def closed(self) -> bool:
-        return bool(self.control.get("streamClosed"))
+def position(offset: str) -> int:
+    return offsets.parse(offset).position
 
 
-@dataclass(eq=False)
-class Subscriber:
+class Answer:
+    """An upstream long-poll 200 from `start`: what every client it answers gets."""
+
+    __slots__ = (
+        "_sse_data",
+        "body",
+        "closed",
+        "content_type",
+        "etag",
+        "headers",
+        "next_offset",
+        "start",
+        "up_to_date",
+    )
+
+    def __init__(self, start: str, up: Upstream) -> None:
+        self.start = start
+        self.next_offset = up.headers.get(P.NEXT_OFFSET, start)
+        self.up_to_date = up.headers.get(P.UP_TO_DATE) == "true"
+        self.closed = up.headers.get(P.CLOSED) == "true"
+        self.content_type = up.headers.get("Content-Type", "")
+        headers = up.headers.copy()
+        headers.popall(P.CURSOR, None)  # each client gets its own
+        self.headers = headers
+        self.body = up.body
+        self.etag = up.headers.get("ETag")
+        self._sse_data: bytes | None = None
+
+    def response(self, cursor: str | None, if_none_match: str | None) -> web.Response:
+        """This answer to one long-poll client (with its cursor), or 304 when it has it."""
+        if if_none_match is not None and self.etag and self.etag in (t.strip() for t in if_none_match.split(",")):
+            return web.Response(status=304, headers={"ETag": self.etag,
+                                                     "Cache-Control": self.headers.get("Cache-Control", "")})
+        headers = self.headers.copy()
+        headers[P.CURSOR] = P.response_cursor(cursor)
+        return web.Response(status=200, headers=headers, body=self.body)
+
+    def sse_data(self) -> bytes:
+        """The data event, framed once for every SSE client (b"" for an empty page)."""
+        if self._sse_data is None:
+            self._sse_data = data_event(self.body, self.content_type)
+        return self._sse_data
+
+
+def data_event(body: bytes, content_type: str) -> bytes:
+    """The SSE data event of a page, as the ingester frames it (base64 for binary streams)."""
+    if not body or (body == b"[]" and P.is_json(content_type)):
+        return b""
+    if not P.is_text_for_sse(content_type):
+        return sse.data_event(base64.b64encode(body).decode("ascii"))
+    return sse.data_event(body.decode("utf-8", "replace"))
+
+
+@dataclass(frozen=True, slots=True)
+class Tick:
+    """The channel's poll at `offset` timed out (keep-alive) or found the stream closed there."""
+
     offset: str
-    cursor: str | None
-    queue: asyncio.Queue[Event | None] = field(default_factory=lambda: asyncio.Queue(maxsize=1024))
-    dropped: bool = False
+    closed: bool
+
+
+class Listener(Protocol):
+    """An SSE client attached to a channel (reader.sse_fanout.Subscriber)."""
+
+    def take(self, item: Answer | Tick | None) -> None:
+        """An answer, a tick, or None when the channel ends; called on the channel's loop."""
 
 
 class Channel:
-    def __init__(self, hub: SseHub, path: str, offset: str) -> None:
+    def __init__(self, hub: LiveHub, path: str, offset: str) -> None:
         self.hub = hub
         self.path = path
-        self.offset = offset
-        self.subscribers: set[Subscriber] = set()
-        self.clients = 0  # attached or catching up; the upstream closes when none is left
-        self.content_type: str | None = None
+        self.offset = offset  # where the running (or next) upstream long-poll starts
+        self.latest: Answer | None = None  # the last answer, from its start to `offset`
+        # long-polls parked at `offset`, in arrival order with their deadlines: one timer per
+        # channel answers the expired ones (cheaper than a timeout per waiter)
+        self.waiters: dict[asyncio.Future[Answer | Upstream | None], float] = {}
+        self._timer: asyncio.TimerHandle | None = None
+        self.subscribers: set[Listener] = set()
+        self.wanted = True  # someone waited on the channel during the current poll
+        self.content_type: str | None = None  # the stream's, once a read or an answer said it
         self.task: asyncio.Task[None] | None = None
-        self.ready = asyncio.Event()  # the first upstream response arrived (or failed)
-        self.error: Exception | None = None
-        self.status: int | None = None
-        self.failure: tuple[int, bytes, dict[str, str]] | None = None
 
-    def publish(self, ev: Event) -> None:
-        self.offset = ev.after
-        for sub in list(self.subscribers):
-            try:
-                sub.queue.put_nowait(ev)
-            except asyncio.QueueFull:  # a client that stopped reading: cut it loose
-                sub.dropped = True
-                self.hub.dropped += 1
-                self.subscribers.discard(sub)
-                with contextlib.suppress(asyncio.QueueFull):
-                    sub.queue.put_nowait(None)
+    def park(self, timeout: float) -> asyncio.Future[Answer | Upstream | None]:
+        """A future for the next answer; None when `timeout` passes first."""
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[Answer | Upstream | None] = loop.create_future()
+        deadline = loop.time() + timeout
+        self.waiters[fut] = deadline
+        self.wanted = True
+        if self._timer is None:
+            self._timer = loop.call_at(deadline, self._expire)
+        return fut
 
-    def end(self) -> None:
+    def _expire(self) -> None:
+        self._timer = None
+        now = asyncio.get_running_loop().time()
+        for fut, deadline in list(self.waiters.items()):
+            if deadline > now + 0.001:
+                self._timer = asyncio.get_running_loop().call_at(deadline, self._expire)
+                return
+            del self.waiters[fut]
+            if not fut.done():
+                fut.set_result(None)
+
+    def _answer_waiters(self, result: Answer | Upstream | Exception) -> None:
+        waiters, self.waiters = self.waiters, {}
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        for fut in waiters:
+            if not fut.done():
+                if isinstance(result, Exception):
+                    fut.set_exception(result)
+                else:
+                    fut.set_result(result)
+
+    def _publish(self, item: Answer | Tick | None) -> None:
         for sub in list(self.subscribers):
-            with contextlib.suppress(asyncio.QueueFull):
-                sub.queue.put_nowait(None)
-        self.subscribers.clear()
+            sub.take(item)
 
     async def run(self) -> None:
-        """Hold the upstream subscription while anyone listens; reconnect on rotation."""
-        backoff = 0.1
+        failure: Exception | None = None
         try:
             while True:
-                try:
-                    closed = await self._follow()
-                    backoff = 0.1
-                except (aiohttp.ClientError, TimeoutError, Unavailable) as e:
-                    self.error = e if isinstance(e, Unavailable) else Unavailable(f"the ingester is unreachable ({e})", 2)
-                    self.ready.set()
-                    log.info("upstream SSE for %s ended (%s)", self.path, e)
-                    closed = False
-                    await asyncio.sleep(backoff)
-                    backoff = min(backoff * 2, 5.0)
-                    if not self.subscribers:
-                        return
-                    if backoff >= 5.0:
-                        return
-                if closed or not self.subscribers or self.failure is not None:
+                self.wanted = bool(self.waiters or self.subscribers)
+                up = await self._poll()
+                if up.status == 200:
+                    ans = Answer(self.offset, up)
+                    self.latest, self.offset, self.content_type = ans, ans.next_offset, ans.content_type
+                    self._answer_waiters(ans)
+                    self._publish(ans)
+                elif up.status == 204 and up.headers.get(P.CLOSED) != "true":
+                    self._publish(Tick(self.offset, closed=False))  # waiters keep their own time
+                else:  # closed at our offset, or an error status: everyone gets it, and we stop
+                    self._answer_waiters(up)
+                    self._publish(Tick(self.offset, closed=True) if up.status == 204 else None)
                     return
+                if not (self.wanted or self.waiters or self.subscribers):
+                    return
+        except DS3Error as e:
+            failure = e
+        except Exception as e:
+            log.exception("the live channel of %r failed", self.path)
+            failure = Unavailable(f"the live subscription failed ({type(e).__name__})", 1)
         finally:
-            self.ready.set()
-            self.end()
-            self.hub.channels.pop(self.path, None) if self.hub.channels.get(self.path) is self else None
+            if self.hub.channels.get(self.path) is self:
+                del self.hub.channels[self.path]
+            self._answer_waiters(failure or Unavailable("the live subscription ended", 1))
+            self._publish(None)
+            self.subscribers.clear()
 
-    async def _follow(self) -> bool:
-        """One upstream connection; True when the stream closed."""
-        client = self.hub.ingester
-        url = f"{client.base}{url_path(self.path)}?live=sse&offset={self.offset}"
-        client.requests += 1
-        async with client.session.get(
-            upstream_url(url), skip_auto_headers=SKIP_AUTO, headers=client.upstream_headers({}),
-            timeout=aiohttp.ClientTimeout(total=None, connect=5, sock_read=self.hub.idle_timeout),
-        ) as up:
-            if up.status != 200:
-                body = await up.read()
-                hdrs = {k: v for k, v in up.headers.items() if k.lower() in ("content-type", "retry-after")}
-                self.failure = (up.status, body, hdrs)
-                self.ready.set()
-                return False
-            self.content_type = up.headers.get(P.SSE_ENCODING, "")
-            self.ready.set()
-            pending_data: bytes | None = None
-            before = self.offset
-            buf = b""
-            async for piece in up.content.iter_any():
-                buf += piece
-                while b"\n\n" in buf:
-                    block, buf = buf.split(b"\n\n", 1)
-                    kind, payload = _parse_block(block)
-                    if kind == "data":
-                        pending_data = block + b"\n\n"
-                    elif kind == "control":
-                        control = orjson.loads(payload)
-                        ev = Event(pending_data, control, before)
-                        pending_data = None
-                        before = ev.after
-                        self.publish(ev)
-                        if ev.closed:
-                            return True
-                if not self.subscribers:
-                    return False
-        return False
+    async def _poll(self) -> Upstream:
+        qs = f"{url_path(self.path)}?offset={self.offset}&live=long-poll"
+        return await self.hub.ingester.call("GET", qs, {}, None)
 
 
-def _parse_block(block: bytes) -> tuple[str, bytes]:
-    kind = ""
-    data: list[bytes] = []
-    for line in block.split(b"\n"):
-        if line.startswith(b"event:"):
-            kind = line[6:].strip().decode()
-        elif line.startswith(b"data:"):
-            data.append(line[5:][1:] if line[5:6] == b" " else line[5:])
-    return kind, b"\n".join(data)
-
-
-class SseHub:
+class LiveHub:
     def __init__(self, ingester: IngesterClient, read_page: PageReader, max_seconds: float,
-                 idle_timeout: float) -> None:
+                 long_poll_timeout: float) -> None:
         self.ingester = ingester
         self.read_page = read_page
-        self.max_seconds = max_seconds
-        self.idle_timeout = idle_timeout
+        self.max_seconds = max_seconds  # an SSE response ends after this long
+        self.long_poll_timeout = long_poll_timeout  # a parked long-poll answers 204 after this long
         self.channels: dict[str, Channel] = {}
-        self.shared = 0  # clients that attached to an existing upstream subscription
-        self.dropped = 0  # clients cut loose because they stopped reading
+        self.clients = 0  # SSE clients served now
+        self.shared = 0  # SSE clients that attached to a running channel
+        self.dropped = 0  # SSE clients cut loose because they stopped reading
 
-    async def serve(self, request: web.Request, path: str, start: str, cursor: str | None) -> web.StreamResponse:
-        channel = self.channels.get(path)
-        if channel is None:
-            channel = self.channels[path] = Channel(self, path, start)
-            channel.task = asyncio.create_task(channel.run(), name=f"ds3-sse-{path[:40]}")
+    def channel(self, path: str, offset: str) -> Channel:
+        """The stream's channel, started at `offset` when there is none."""
+        ch = self.channels.get(path)
+        if ch is None:
+            ch = self.channels[path] = Channel(self, path, offset)
+            ch.task = asyncio.create_task(ch.run(), name=f"ds3-live-{path[:40]}")
+        return ch
+
+    def stop(self) -> None:
+        for ch in list(self.channels.values()):
+            if ch.task is not None:
+                ch.task.cancel()
+
+    # ------------------------------------------------------------------------ long-poll
+    def follows(self, path: str, offset: str) -> bool:
+        """A long-poll at `offset` is answered by the stream's live channel: it is where the
+        channel polls (the tail, as far as this reader knows) or where its last answer began."""
+        ch = self.channels.get(path)
+        return ch is not None and (ch.offset == offset or (ch.latest is not None and ch.latest.start == offset))
+
+    async def long_poll(self, request: web.Request, path: str, offset: str,
+                        cursor: str | None) -> web.StreamResponse | None:
+        """The answer to a long-poll at a concrete offset, or None: forward it as a read."""
+        ch = self.channels.get(path)
+        if ch is not None and ch.offset != offset:
+            latest = ch.latest
+            if latest is not None and latest.start == offset:
+                ch.wanted = True
+                self.ingester.collapsed += 1
+                return latest.response(cursor, request.headers.get("If-None-Match"))
+            return None
+        if ch is None:
+            ch = self.channel(path, offset)
         else:
-            self.shared += 1
-        sub = Subscriber(start, cursor)
-        if channel.offset == start:
-            channel.subscribers.add(sub)
-        channel.clients += 1
+            self.ingester.collapsed += 1
+        fut = ch.park(self.long_poll_timeout)
         try:
-            return await self._serve(request, channel, sub, path)
+            result = await fut
         finally:
-            channel.clients -= 1
-            channel.subscribers.discard(sub)
-            if channel.clients == 0 and channel.task is not None:
-                channel.task.cancel()  # nobody listens: drop the upstream subscription
-                if self.channels.get(path) is channel:
-                    del self.channels[path]
-
-    async def _serve(self, request: web.Request, channel: Channel, sub: Subscriber, path: str) -> web.StreamResponse:
-        await channel.ready.wait()
-        if channel.failure is not None:
-            channel.subscribers.discard(sub)
-            status, body, hdrs = channel.failure
-            return web.Response(status=status, body=body, headers=hdrs)
-        if channel.error is not None and channel.content_type is None:
-            channel.subscribers.discard(sub)
-            raise channel.error
-        binary = channel.content_type == "base64"
-        headers = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-        if binary:
-            headers[P.SSE_ENCODING] = "base64"
-        resp = web.StreamResponse(status=200, headers=headers)
-        await resp.prepare(request)
-        ends_at = time.monotonic() + self.max_seconds
-        with contextlib.suppress(ConnectionResetError, asyncio.CancelledError):
-            try:
-                await self._pump(resp, channel, sub, path, binary, ends_at)
-            finally:
-                channel.subscribers.discard(sub)
-        with contextlib.suppress(Exception):
-            await resp.write_eof()
-        return resp
-
-    async def _pump(self, resp: web.StreamResponse, channel: Channel, sub: Subscriber, path: str,
-                    binary: bool, ends_at: float) -> None:
-        while time.monotonic() < ends_at:
-            if sub not in channel.subscribers:
-                # catch up with reads until this client meets the channel, then attach
-                page = await self.read_page(path, sub.offset)
-                data = sse.data_event(_payload(page, binary)) if page.body and page.body != b"[]" else b""
-                await resp.write(data + self._control(sub, page.next_offset, page.up_to_date, page.closed))
-                sub.offset = page.next_offset
-                if page.closed:
-                    return
-                if page.up_to_date or sub.offset == channel.offset:
-                    if channel.task is None or channel.task.done():
-                        return  # the upstream went away: the client reconnects
-                    channel.subscribers.add(sub)
-                continue
-            try:
-                ev = await asyncio.wait_for(sub.queue.get(), max(0.01, ends_at - time.monotonic()))
-            except TimeoutError:
-                return
-            if ev is None:
-                if sub.dropped:
-                    return
-                return
-            if ev.after <= sub.offset and not ev.closed:
-                continue  # already sent (the client caught up past it)
-            if ev.before != sub.offset and ev.after > sub.offset:
-                channel.subscribers.discard(sub)  # a gap: read it instead
-                continue
-            control = self._control(sub, ev.after, bool(ev.control.get("upToDate")), ev.closed)
-            await resp.write((ev.data or b"") + control)  # data and its control in one write
-            sub.offset = ev.after
-            if ev.closed:
-                return
+            ch.waiters.pop(fut, None)
+        if result is None:
+            return self._no_content(offset, cursor)
+        if isinstance(result, Answer):
+            return result.response(cursor, request.headers.get("If-None-Match"))
+        return to_response(result)
 
     @staticmethod
-    def _control(sub: Subscriber, offset: str, up_to_date: bool, closed: bool) -> bytes:
-        return sse.control_event(offset, cursor=P.response_cursor(sub.cursor), up_to_date=up_to_date,
-                                 closed=closed)
-
-
-def _payload(page: Page, binary: bool) -> str:
-    if binary:
-        return base64.b64encode(page.body).decode("ascii")
-    return page.body.decode("utf-8", "replace")
+    def _no_content(offset: str, cursor: str | None) -> web.Response:
+        """Nothing new within the timeout: the ingester's own 204."""
+        return web.Response(status=204, headers={
+            P.NEXT_OFFSET: offset, P.UP_TO_DATE: "true", "Cache-Control": "no-store",
+            P.CURSOR: P.response_cursor(cursor),
+        })

@@ -10,16 +10,25 @@ from urllib.parse import urlencode
 import orjson
 from aiohttp import web
 
-from reader import extension_http
+from reader import extension_http, sse_fanout
 from reader.fanout import Page
-from reader.proxy import IngesterClient, to_response
+from reader.proxy import IngesterClient, Upstream, to_response
 from reader.sealed import SealedRead
 from reader.state import READER, ReaderState, servable
 from shared import extensions, jsonmode, offsets
 from shared import protocol as P
 from shared.buckets import url_path
 from shared.descriptor import Descriptor
-from shared.errors import BadRequest, Gone, NotFound, ObjectStoreError, Retained, Unavailable
+from shared.errors import (
+    BadRequest,
+    DS3Error,
+    Forbidden,
+    Gone,
+    NotFound,
+    ObjectStoreError,
+    Retained,
+    Unavailable,
+)
 from shared.web import (
     IMMUTABLE,
     PREPARED,
@@ -48,6 +57,9 @@ async def handle_stream(request: web.Request) -> web.StreamResponse:
         return await handle_get(request, st, path)
     if method not in ("PUT", "POST", "DELETE", "HEAD"):
         return method_not_allowed(method)
+    if method == "PUT" and len(request.headers.getall(P.FORKED_FROM, ())) > 1:
+        # auth checks the first, and forwarding would keep one of them: refuse rather than guess
+        raise BadRequest("send one Stream-Forked-From header, not several")
     body = await read_body(request, st.config.max_body_bytes) if method in ("PUT", "POST") else None
     headers = IngesterClient._request_headers(request)
     st.forwarded += 1
@@ -64,7 +76,13 @@ async def handle_get(request: web.Request, st: ReaderState, path: str) -> web.St
     live = live_mode(request, given)
     if live == "sse":
         assert given is not None
-        return await st.sse.serve(request, path, _offset_text(given), request.query.get("cursor"))
+        return await sse_fanout.serve(st.sse, request, path, _offset_text(given), request.query.get("cursor"))
+    if live == "long-poll" and isinstance(given, offsets.Offset) and st.sse.follows(path, str(given)):
+        # At the stream's live channel: nothing from here on is sealed that its answer does not
+        # hold, so the store is not asked (two chunk lookups that miss, per long-poll).
+        answered = await st.sse.long_poll(request, path, str(given), request.query.get("cursor"))
+        if answered is not None:
+            return answered
     desc: Descriptor | None = None
     if given is None or isinstance(given, offsets.Offset) or given == offsets.START:
         start = given if isinstance(given, offsets.Offset) else offsets.ZERO
@@ -86,7 +104,15 @@ async def handle_get(request: web.Request, st: ReaderState, path: str) -> web.St
             log.warning("object store read failed for %s (%s); asking the ingester", path, e)
     st.forwarded += 1
     try:
-        up = await st.ingester.get_collapsed(request.path_qs, IngesterClient._request_headers(request))
+        if live == "long-poll" and isinstance(given, offsets.Offset):
+            # waiters share the stream's live channel (reader.fanout)
+            answered = await st.sse.long_poll(request, path, str(given), request.query.get("cursor"))
+            if answered is not None:
+                return answered
+        if given == offsets.NOW:  # "now" is the tail when this request came: never a shared one
+            up = await st.ingester.call("GET", request.path_qs, IngesterClient._request_headers(request), None)
+        else:
+            up = await st.ingester.get_collapsed(request.path_qs, IngesterClient._request_headers(request))
     except Unavailable:
         eof = _eof_from_descriptor(desc, given)
         if eof is not None:
@@ -119,20 +145,25 @@ async def read_page(st: ReaderState, path: str, offset: str) -> Page:
             log.warning("object store read failed for %s (%s); asking the ingester", path, e)
     qs = f"{url_path(path)}?" + urlencode({"offset": offset})
     st.forwarded += 1
-    up = await st.ingester.get_collapsed(qs, {})
-    if up.status == 404:
-        raise NotFound("stream not found")
-    if up.status == 410:
-        retained = _retained_offset(up.body)
-        if retained is not None:
-            raise Retained(retained)
-        raise Gone("stream was deleted")
+    up = await (st.ingester.call("GET", qs, {}, None) if offset == offsets.NOW else st.ingester.get_collapsed(qs, {}))
     if up.status != 200:
-        raise Unavailable(f"the ingester answered {up.status} to a catch-up read", 1)
+        raise _upstream_error(up)
     return Page(
         up.headers.get("Content-Type", ""), up.body, up.headers.get(P.NEXT_OFFSET, offset),
         up.headers.get(P.UP_TO_DATE) == "true", up.headers.get(P.CLOSED) == "true",
     )
+
+
+def _upstream_error(up: Upstream) -> DS3Error:
+    """The ingester's refusal of a catch-up read, as the same error of our own."""
+    said = up.body.decode("utf-8", "replace").strip()[:300]
+    if up.status == 410:
+        retained = _retained_offset(up.body)
+        return Retained(retained) if retained is not None else Gone(said or "stream was deleted")
+    refusal = {400: BadRequest, 403: Forbidden, 404: NotFound}.get(up.status)
+    if refusal is not None:
+        return refusal(said or f"the ingester answered {up.status}")
+    return Unavailable(f"the ingester answered {up.status} to a catch-up read", 1)
 
 
 def check_retained(desc: Descriptor, given: offsets.Offset | str | None) -> None:

@@ -33,9 +33,11 @@ def collect(app: web.Application) -> Iterator[Metric]:
                   st.ingester.collapsed)
     yield counter("ds3_reader_sse_shared", "SSE clients that joined an existing upstream subscription.",
                   st.sse.shared)
-    yield gauge("ds3_reader_sse_upstreams", "Upstream SSE subscriptions open now.", len(st.sse.channels))
-    yield gauge("ds3_reader_sse_clients", "SSE clients served through the fan-out now.",
-                sum(c.clients for c in list(st.sse.channels.values())))
+    yield gauge("ds3_reader_sse_upstreams", "Live channels (one upstream subscription per stream, for "
+                "long-poll and SSE) open now.", len(st.sse.channels))
+    yield gauge("ds3_reader_sse_clients", "SSE clients served through the fan-out now.", st.sse.clients)
+    yield gauge("ds3_reader_long_poll_waiters", "Long-polls parked on a live channel now.",
+                sum(len(c.waiters) for c in list(st.sse.channels.values())))
     yield counter("ds3_reader_sse_dropped", "SSE clients cut loose because they stopped reading.", st.sse.dropped)
     yield counter("ds3_reader_descriptor_cache_hits", "Descriptor lookups served from memory.", st.descriptors.hits)
     yield counter("ds3_reader_descriptor_cache_misses", "Descriptor lookups that read the object store.",

@@ -6,7 +6,6 @@ request, so ingester connections grow with readers × active streams, not with c
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator
@@ -18,6 +17,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 from yarl import URL
 
+from reader.singleflight import SingleFlight
 from shared.authmw import INTERNAL_HEADER
 from shared.errors import Unavailable
 from shared.logs import REQUEST_ID_HEADER, request_id
@@ -62,7 +62,7 @@ class IngesterClient:
         # callers it checked and call /_ds3/, and leaves limiting its clients to it.
         self.internal_headers = {INTERNAL_HEADER: internal_token} if internal_token else {}
         self._timeout = aiohttp.ClientTimeout(total=None, connect=5, sock_read=long_poll_timeout + 30)
-        self._inflight: dict[str, asyncio.Future[Upstream]] = {}
+        self._inflight: SingleFlight[str, Upstream] = SingleFlight("upstream")
         self.requests = 0
         self.collapsed = 0
 
@@ -121,23 +121,11 @@ class IngesterClient:
         return await self.collapsed_call("GET", path_qs, headers, key=path_qs + "\x00" + headers.get("If-None-Match", ""))
 
     async def collapsed_call(self, method: str, path_qs: str, headers: dict[str, str], *, key: str) -> Upstream:
-        """Calls with the same key share one upstream request while it runs."""
-        pending = self._inflight.get(key)
-        if pending is not None:
+        """Calls with the same key share one upstream request while it runs (reader.singleflight:
+        a caller that goes away does not take the others' answer with it)."""
+        if key in self._inflight:
             self.collapsed += 1
-            return await asyncio.shield(pending)
-        fut: asyncio.Future[Upstream] = asyncio.get_running_loop().create_future()
-        self._inflight[key] = fut
-        try:
-            result = await self.call(method, path_qs, headers, None)
-            fut.set_result(result)
-            return result
-        except BaseException as e:
-            fut.set_exception(e)
-            fut.exception()
-            raise
-        finally:
-            del self._inflight[key]
+        return await self._inflight.do(key, lambda: self.call(method, path_qs, headers, None))
 
 
 def to_response(up: Upstream) -> web.Response:

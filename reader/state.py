@@ -9,7 +9,7 @@ from typing import Final
 from aiohttp import web
 
 from reader.descriptors import DescriptorCache
-from reader.fanout import SseHub
+from reader.fanout import LiveHub
 from reader.proxy import IngesterClient
 from reader.sealed import SealedLocator
 from shared.chunkstore import ChunkReader
@@ -26,7 +26,7 @@ class ReaderState:
     descriptors: DescriptorCache
     locator: SealedLocator
     ingester: IngesterClient
-    sse: SseHub
+    sse: LiveHub  # the live channels: long-poll and SSE fan-out
     sealed_responses: int = 0
     forwarded: int = 0
 

@@ -252,12 +252,15 @@ async def test_long_polls_on_one_offset_share_one_upstream_request(tmp_path: Pat
                     break
                 await asyncio.sleep(0.05)
             assert not any(t.done() for t in waiting), "a long-poll returned before data arrived"
+            waited = reader_metrics(c.reader.url)
+            assert waited[UPSTREAM] - before[UPSTREAM] == 1, "long-polls on one offset made several upstream requests"
             await append(s, ing, b"news", OCTET)
             pages = await asyncio.wait_for(asyncio.gather(*waiting), 10)
             assert all(p.status == 200 and p.body == b"news" for p in pages), [(p.status, p.body) for p in pages]
             assert len({p.next_offset for p in pages}) == 1
             after = reader_metrics(c.reader.url)
-            assert after[UPSTREAM] - before[UPSTREAM] == 1, "long-polls on one offset made several upstream requests"
+            # the stream's live channel goes on polling from the new offset for the next wave
+            assert after[UPSTREAM] - before[UPSTREAM] <= 2
             assert after[COLLAPSED] - before[COLLAPSED] == n - 1
 
 
@@ -281,5 +284,7 @@ async def test_sse_subscribers_share_one_upstream_subscription(tmp_path: Path, l
             finally:
                 for r in responses:
                     r.close()
+            # the first subscriber's catch-up read, then the stream's one live channel: a long-poll
+            # answered by the append, and the next one it keeps waiting
             upstream = reader_metrics(c.reader.url)[UPSTREAM] - before[UPSTREAM]
-            assert upstream == 1, f"{n} SSE subscribers of one stream opened {upstream} upstream subscriptions"
+            assert upstream <= 3, f"{n} SSE subscribers of one stream made {upstream} upstream requests"
