@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -186,11 +187,29 @@ def _build(create: Callable[[Any], web.Application], config: Any) -> web.Applica
         raise click.UsageError(str(e)) from e
 
 
+def _raise_fd_limit() -> None:
+    """Every connection is a file descriptor (10,000 live subscribers need about 10,050): take
+    the hard limit, since the usual soft limit of 1,024 would refuse connections far earlier."""
+    try:
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if hard == resource.RLIM_INFINITY or soft < hard:
+            want = hard if hard != resource.RLIM_INFINITY else max(soft, 1_048_576)
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+            log.info("open files limit raised from %d to %d (connections each take one)", soft, want)
+    except (ImportError, ValueError, OSError) as e:  # pragma: no cover - not on Linux/macOS, or refused
+        log.warning("could not raise the open files limit: %s", e)
+
+
 def _run(app: web.Application, host: str, port: int, banner: str, config: IngesterConfig | ReaderConfig,
-         runner_class: type[web.AppRunner] = web.AppRunner) -> None:
+         runner_class: type[web.AppRunner] = web.AppRunner, *, unix_path: str | None = None,
+         reuse_port: bool = False) -> None:
     """Serve `app` until SIGINT/SIGTERM (web.run_app's behaviour, with a runner of our choice:
-    the ingester's adds the fast lane for appends)."""
+    the ingester's adds the fast lane for appends). A reader worker shares its port with its
+    siblings (`reuse_port`) and also listens on a private unix socket (`unix_path`)."""
     _install_uvloop()
+    _raise_fd_limit()
     from shared.authmw import describe
 
     async def serve() -> None:
@@ -202,15 +221,39 @@ def _run(app: web.Application, host: str, port: int, banner: str, config: Ingest
                               handler_cancellation=True, keepalive_timeout=config.limits.keepalive_timeout)
         await runner.setup()
         try:
-            await web.TCPSite(runner, host, port).start()
-            log.info("%s listening on http://%s:%d", banner, host, port)
+            await web.TCPSite(runner, host, port, reuse_port=reuse_port or None).start()
+            if unix_path is not None:
+                await web.UnixSite(runner, unix_path).start()
+            log.info("%s listening on http://%s", banner, _host_port(host, port))
             log.info("%s", describe(config.auth))
-            await asyncio.Event().wait()
+            await _wait_while_parent_lives()
         finally:
             await runner.cleanup()
 
     with contextlib.suppress(GracefulExit, KeyboardInterrupt):
         asyncio.run(serve())
+
+
+def _host_port(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+async def _wait_while_parent_lives() -> None:
+    """Forever, for a process of its own; a reader worker leaves when its parent is gone (a
+    SIGKILLed parent cannot pass on SIGTERM, and orphans would keep the port)."""
+    from reader.workers import identity
+
+    me = identity()
+    if me is None:
+        await asyncio.Event().wait()
+        return
+    import signal
+
+    while os.getppid() == me.parent:
+        await asyncio.sleep(1.0)
+    log.warning("reader worker %d: the parent process is gone; stopping", me.index)
+    os.kill(os.getpid(), signal.SIGTERM)
+    await asyncio.Event().wait()
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -245,20 +288,36 @@ def ingester(**kw: Any) -> None:
       help="Seconds a stream descriptor read from the store is trusted.")
 @_opt("--sse-max-seconds", env="DS3_SSE_MAX_SECONDS", type=float, default=60.0,
       help="SSE connections are closed after this long so CDNs can collapse them.")
+@_opt("--workers", env="DS3_WORKERS", type=int, default=None,
+      help="Reader processes sharing the port (SO_REUSEPORT), supervised by this one. Default: the "
+           "number of CPUs.")
 @_access_options
 def reader(**kw: Any) -> None:
     """Run a stateless reader: sealed history straight from the object store, the rest
     (tail, long-poll, SSE, writes) through the ingester."""
-    _setup_logging(kw, "reader")
+    from reader.workers import identity, supervise
+
+    me = identity()
+    _setup_logging(kw, "reader" if me is None else f"reader-{me.index}")
+    if kw["workers"] is None:
+        kw["workers"] = os.cpu_count() or 1
     names = set(ReaderConfig.__dataclass_fields__)
     try:
         config = ReaderConfig(**{k: v for k, v in kw.items() if k in names - {"auth", "limits"}},
                               **_access_configs(kw))
     except ConfigError as e:
         raise click.UsageError(str(e)) from e
+    if me is None and config.workers > 1:
+        _raise_fd_limit()
+        sys.exit(supervise(sys.argv[sys.argv.index("reader") + 1:], config.workers))
     from reader.app import create_app
 
-    _run(_build(create_app, config), config.host, config.port, "ds3 reader", config)
+    app = _build(create_app, config)
+    if me is None:
+        _run(app, config.host, config.port, "ds3 reader", config)
+    else:
+        _run(app, config.host, config.port, f"ds3 reader worker {me.index}", config,
+             reuse_port=True, unix_path=str(me.socket_path(me.index)))
 
 
 @main.command()

@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 import aiohttp
 from aiohttp import web
 
-from reader import bucket_http, console_http
+from reader import bucket_http, console_http, worker_metrics, workers
 from reader import metrics as reader_metrics
 from reader.descriptors import DescriptorCache
 from reader.fanout import LiveHub, Page
@@ -24,7 +24,9 @@ from shared.web import common_headers, errors_middleware
 
 def create_app(config: ReaderConfig) -> web.Application:
     app = web.Application(middlewares=[errors_middleware], client_max_size=config.max_body_bytes)
-    metrics = accessmw.install(app)  # request ids, access log, /metrics, /healthz, /readyz (outermost)
+    worker = workers.identity()  # one of `ds3 reader --workers N`: /metrics answers for all of them
+    # request ids, access log, /metrics, /healthz, /readyz (outermost)
+    metrics = accessmw.install(app, worker_metrics.handler(worker) if worker is not None else None)
     reader_metrics.install(app, metrics)
     authmw.install(app, config.auth, accepts_internal=False)  # before the limits: they count per token subject
     limitmw.install(app, config.limits)

@@ -203,6 +203,7 @@ class ReaderConfig:
     max_path_bytes: int = LMDB_MAX_KEY
     descriptor_ttl: float = 1.0  # seconds a stream descriptor is trusted before re-reading it
     sse_max_seconds: float = 60.0  # SSE client connections are closed after this long
+    workers: int = 1  # processes sharing the port (reader/workers.py)
     auth: AuthConfig = field(default_factory=AuthConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
 
@@ -211,6 +212,7 @@ class ReaderConfig:
             if not ok:
                 raise ConfigError(f"{setting}: {why}")
 
+        need(1 <= self.workers <= 256, "workers (DS3_WORKERS)", f"{self.workers} is not between 1 and 256")
         need(self.ingester.startswith(("http://", "https://")), "ingester (DS3_INGESTER)",
              "must be an http(s):// URL")
         _check_store_url(self.store)

@@ -84,6 +84,9 @@ def reader(work_dir: Path, ingester_url: str, store_url: str, *extra: str, port:
     """An unstarted `ds3 reader` on 127.0.0.1 in front of `ingester_url`."""
     port = port or free_port()
     work_dir.mkdir(parents=True, exist_ok=True)
+    # One worker unless the test asks for more: `--workers` defaults to the CPU count, and most
+    # tests count one process's requests (tests/test_workers.py runs several).
+    workers = [] if "--workers" in extra else ["--workers", "1"]
     args = ["reader", "--host", "127.0.0.1", "--port", str(port), "--ingester", ingester_url,
-            "--store", store_url, *extra]
+            "--store", store_url, *workers, *extra]
     return Proc(args=args, port=port, log_path=work_dir / f"reader-{port}.log")

@@ -1,0 +1,133 @@
+"""`ds3 reader --workers N`: N reader processes on one port, supervised by a parent.
+
+A reader is stateless, so it scales over cores by running it N times. The parent starts each
+worker as `ds3 reader` with the same arguments and DS3_READER_WORKER=<index> in its
+environment; every worker listens on the public port with SO_REUSEPORT, so the kernel spreads
+connections over them. The parent serves nothing itself:
+
+- a worker that dies is started again (after a short, capped pause); if workers keep dying as
+  they start (a port in use, a bad setting the parent could not see), the parent gives up and
+  exits 1 rather than spin;
+- SIGTERM or SIGINT is passed to every worker, which drains like a single reader does
+  (aiohttp's shutdown: no new connections, in-flight requests get up to 5 s), then the parent
+  exits 0;
+- workers stay in the parent's process group (a `kill -9 -PGID` takes them all) and leave by
+  themselves when the parent is gone (they watch their parent pid).
+
+Each worker also listens on a private unix socket, `<run dir>/worker-<index>.sock`, so the
+worker that receives a scrape of /metrics can gather every sibling's (reader/worker_metrics.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final
+
+log = logging.getLogger("ds3.reader.workers")
+
+WORKER_ENV: Final = "DS3_READER_WORKER"  # this process's index, 0..N-1 (set by the parent)
+WORKERS_ENV: Final = "DS3_READER_WORKERS"  # N
+RUN_DIR_ENV: Final = "DS3_READER_RUN_DIR"  # where the workers' metrics sockets live
+PARENT_ENV: Final = "DS3_READER_PARENT"  # the parent's pid: a worker leaves when it changes
+
+QUICK_DEATH: Final = 2.0  # a worker that exits sooner than this after starting failed to start
+MAX_QUICK_DEATHS: Final = 5  # in a row, over all workers: give up
+RESTART_PAUSE_MAX: Final = 5.0
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerIdentity:
+    """What a worker knows of its place among its siblings (None when it runs alone)."""
+
+    index: int
+    count: int
+    run_dir: Path
+    parent: int
+
+    def socket_path(self, index: int) -> Path:
+        return self.run_dir / f"worker-{index}.sock"
+
+
+def identity() -> WorkerIdentity | None:
+    """This process's place among the reader's workers, from the parent's environment."""
+    index = os.environ.get(WORKER_ENV)
+    if index is None:
+        return None
+    return WorkerIdentity(int(index), int(os.environ[WORKERS_ENV]), Path(os.environ[RUN_DIR_ENV]),
+                          int(os.environ[PARENT_ENV]))
+
+
+@dataclass
+class _Worker:
+    index: int
+    popen: subprocess.Popen[bytes]
+    started: float
+
+
+def supervise(argv: list[str], count: int) -> int:
+    """Run `count` workers of `ds3 reader` with `argv` until SIGTERM/SIGINT; the exit code."""
+    stopping = False
+
+    def stop(signum: int, _frame: Any) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    with tempfile.TemporaryDirectory(prefix="ds3-reader-") as run_dir:
+        base_env = {**os.environ, WORKERS_ENV: str(count), RUN_DIR_ENV: run_dir, PARENT_ENV: str(os.getpid())}
+
+        def start(index: int) -> _Worker:
+            popen = subprocess.Popen([sys.executable, "-m", "ds3.cli", "reader", *argv],
+                                     env={**base_env, WORKER_ENV: str(index)})
+            return _Worker(index, popen, time.monotonic())
+
+        workers = [start(i) for i in range(count)]
+        log.info("ds3 reader: %d workers (pids %s)", count, ", ".join(str(w.popen.pid) for w in workers))
+        quick_deaths = 0
+        code = 0
+        try:
+            while not stopping:
+                time.sleep(0.1)
+                for i, w in enumerate(workers):
+                    rc = w.popen.poll()
+                    if rc is None or stopping:
+                        continue
+                    lived = time.monotonic() - w.started
+                    quick_deaths = quick_deaths + 1 if lived < QUICK_DEATH else 0
+                    if quick_deaths >= MAX_QUICK_DEATHS:
+                        log.error("reader workers keep exiting as they start (last: code %s); giving up", rc)
+                        code = 1
+                        stopping = True
+                        break
+                    pause = min(RESTART_PAUSE_MAX, 0.1 * 2 ** quick_deaths) if quick_deaths else 0.0
+                    log.warning("reader worker %d (pid %d) exited with code %s after %.1f s; starting it again",
+                                w.index, w.popen.pid, rc, lived)
+                    time.sleep(pause)
+                    if not stopping:
+                        workers[i] = start(w.index)
+        finally:
+            _stop_all(workers)
+    return code
+
+
+def _stop_all(workers: list[_Worker], grace: float = 15.0) -> None:
+    for w in workers:
+        if w.popen.poll() is None:
+            w.popen.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    for w in workers:
+        try:
+            w.popen.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            log.warning("reader worker %d did not stop in %.0f s; killing it", w.index, grace)
+            w.popen.kill()
+            w.popen.wait()
