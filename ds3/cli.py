@@ -330,13 +330,25 @@ def reader(**kw: Any) -> None:
 @_opt("--seal-bytes", env="DS3_SEAL_BYTES", type=int, default=8 * MiB, help="Chunk size that triggers a seal.")
 @_opt("--seal-age", env="DS3_SEAL_AGE", type=float, default=60.0, help="Chunk age that triggers a seal.")
 @_opt("--log-level", env="DS3_LOG_LEVEL", default="info", type=click.Choice(["debug", "info", "warning", "error"]))
+@_opt("--workers", env="DS3_WORKERS", type=int, default=None,
+      help="Reader processes sharing the public port. Default: the number of CPUs.")
 @_log_options
 def dev(**kw: Any) -> None:
     """Run an ingester and a reader on this machine with a local-directory object store
-    (no S3 needed). The reader is public; the ingester listens on a private port."""
-    _setup_logging(kw, "dev")
-    from ds3.supervise import run_dev
+    (no S3 needed). The reader is public; the ingester listens on a private port.
 
+    Every other DS3_* variable (limits, auth, timeouts: see `ds3 ingester --help` and `ds3 reader
+    --help`) reaches both processes; DS3_STORE, DS3_S3_ENDPOINT and DS3_INGESTER cannot apply
+    and are refused."""
+    _setup_logging(kw, "dev")
+    from ds3.supervise import DevSettingError, child_environment, run_dev
+
+    if kw["workers"] is not None and not 1 <= kw["workers"] <= 256:
+        raise click.UsageError(f"workers (DS3_WORKERS): {kw['workers']} is not between 1 and 256")
+    try:
+        child_environment(dict(os.environ))
+    except DevSettingError as e:
+        raise click.UsageError(str(e)) from e
     sys.exit(run_dev(**kw))
 
 

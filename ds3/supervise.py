@@ -11,8 +11,9 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 log = logging.getLogger("ds3.dev")
 
@@ -37,9 +38,51 @@ def _wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float = 30.0) 
     return False
 
 
+# Settings `ds3 dev` takes itself and hands on as flags (its own options).
+DEV_OWN: Final = frozenset({
+    "DS3_HOST", "DS3_PORT", "DS3_DATA_DIR", "DS3_LONG_POLL_TIMEOUT", "DS3_SEAL_BYTES", "DS3_SEAL_AGE",
+    "DS3_LOG_LEVEL", "DS3_LOG_FORMAT", "DS3_ACCESS_LOG", "DS3_WORKERS",
+})
+# Settings that cannot apply: `ds3 dev` decides them.
+NOT_FOR_DEV: Final = {
+    "DS3_STORE": "ds3 dev keeps its objects in DATA_DIR/objects; run `ds3 ingester` and `ds3 reader` "
+                 "for another store",
+    "DS3_S3_ENDPOINT": "ds3 dev uses a local-directory store, not S3",
+    "DS3_INGESTER": "ds3 dev starts its own ingester",
+}
+
+
+class DevSettingError(ValueError):
+    """A DS3_* variable that `ds3 dev` cannot apply (the message names it and says why)."""
+
+
+def child_environment(environ: dict[str, str]) -> dict[str, str]:
+    """The environment of `ds3 dev`'s ingester and reader: every DS3_* setting of the user's
+    goes on to both (each takes the options it has and ignores the rest, as `ds3 ingester` and
+    `ds3 reader` do), except those dev took as its own options (passed as flags) and those
+    that cannot apply, which are refused."""
+    for name, why in NOT_FOR_DEV.items():
+        if environ.get(name):
+            raise DevSettingError(f"{name} cannot be set for `ds3 dev`: {why}")
+    return {k: v for k, v in environ.items() if k not in DEV_OWN}
+
+
+AUTH_SETTINGS: Final = ("DS3_TOKENS_FILE", "DS3_TOKENS", "DS3_JWT_SECRET", "DS3_JWKS_FILE", "DS3_JWKS_URL")
+
+
+def _supervise(children: list[subprocess.Popen[bytes]], stopping: Callable[[], bool]) -> int:
+    while not stopping():
+        for child in children:
+            if child.poll() is not None:
+                log.error("a ds3 process exited (code %s); stopping the other", child.returncode)
+                return 1
+        time.sleep(0.2)
+    return 0
+
+
 def run_dev(
     *, host: str, port: int, data_dir: Path, long_poll_timeout: float, seal_bytes: int, seal_age: float,
-    log_level: str, log_format: str = "text", access_log: bool | None = None,
+    log_level: str, log_format: str = "text", access_log: bool | None = None, workers: int | None = None,
 ) -> int:
     data_dir = data_dir.resolve()
     objects = data_dir / "objects"
@@ -50,10 +93,10 @@ def run_dev(
     common = ["--long-poll-timeout", str(long_poll_timeout), "--log-level", log_level, "--log-format", log_format]
     if access_log is not None:  # else each process's own default
         common.append("--access-log" if access_log else "--no-access-log")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("DS3_")}  # flags say it all
-    # The pair shares a fresh internal token (in the environment: not visible in `ps`), so
-    # the ingester knows its reader and leaves per-client limits to it.
-    env["DS3_INTERNAL_TOKEN"] = secrets.token_urlsafe(32)
+    env = child_environment(dict(os.environ))
+    # The pair shares an internal token (in the environment: not visible in `ps`), so the
+    # ingester knows its reader and leaves per-client limits to it: the user's, or a fresh one.
+    env.setdefault("DS3_INTERNAL_TOKEN", secrets.token_urlsafe(32))
     ingester = subprocess.Popen(
         [*ds3, "ingester", "--host", "127.0.0.1", "--port", str(ingester_port), "--data-dir", str(data_dir),
          "--store", objects.as_uri(), "--seal-bytes", str(seal_bytes), "--seal-age", str(seal_age), *common],
@@ -74,7 +117,7 @@ def run_dev(
             return 1
         reader = subprocess.Popen(
             [*ds3, "reader", "--host", host, "--port", str(port), "--ingester", ingester_url,
-             "--store", objects.as_uri(), *common],
+             "--store", objects.as_uri(), *(["--workers", str(workers)] if workers else []), *common],
             env=env,
         )
         children.append(reader)
@@ -82,18 +125,15 @@ def run_dev(
         if not _wait_ready(f"http://{f'[{local}]' if ':' in local else local}:{port}", reader):
             log.error("the reader did not start")
             return 1
+        if any(env.get(k) for k in AUTH_SETTINGS):
+            log.info("ds3 dev ready on http://%s:%d (auth on; data in %s)", host, port, data_dir)
+            return _supervise(children, lambda: stopping)
         log.info("ds3 dev ready on http://%s:%d (no auth: local development only; data in %s)",
                  host, port, data_dir)
         log.info("auth is off: anyone who can reach the port may write and delete. To require tokens, run "
                  "`ds3 ingester` and `ds3 reader` with --tokens-file, --jwt-secret, --jwks-file or --jwks-url "
                  "(README: Deploying with auth)")
-        while not stopping:
-            for child in children:
-                if child.poll() is not None:
-                    log.error("a ds3 process exited (code %s); stopping the other", child.returncode)
-                    return 1
-            time.sleep(0.2)
-        return 0
+        return _supervise(children, lambda: stopping)
     finally:
         for child in reversed(children):
             if child.poll() is None:

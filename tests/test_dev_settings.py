@@ -1,0 +1,83 @@
+"""DS3_* settings reach `ds3 dev`'s ingester and reader (before, dev dropped every DS3_*
+variable, so limits, auth and workers could not be set for it), and those that cannot apply
+are refused with their name."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import jwt
+import pytest
+
+from tests.cluster import scrape
+from tests.procs import DS3, free_port
+
+SECRET = "s" * 40
+
+
+@contextmanager
+def dev(tmp_path: Path, env: dict[str, str]) -> Iterator[str]:
+    port = free_port()
+    log = tmp_path / "dev.log"
+    full = {**{k: v for k, v in os.environ.items() if not k.startswith("DS3_")}, **env}
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([DS3, "dev", "--port", str(port), "--data-dir", str(tmp_path / "d")],
+                                stdout=out, stderr=subprocess.STDOUT, env=full, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 40
+        while "ds3 dev ready" not in log.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.1)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(20)
+
+
+def _call(url: str, method: str, body: bytes | None = None, token: str | None = None) -> int:
+    headers = {"Content-Type": "text/plain"}
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, data=body, method=method, headers=headers),
+                                    timeout=10) as r:
+            return int(r.status)
+    except urllib.error.HTTPError as e:
+        return int(e.code)
+
+
+def test_limits_and_workers_set_in_the_environment_apply(tmp_path: Path) -> None:
+    with dev(tmp_path, {"DS3_WRITE_RATE": "0.5", "DS3_WRITE_BURST": "3", "DS3_WORKERS": "2",
+                         "DS3_TRUSTED_PROXIES": "none"}) as base:
+        assert scrape(base)["ds3_reader_workers"] == 2
+        statuses = [_call(f"{base}/v1/stream/lim", "PUT")]
+        statuses += [_call(f"{base}/v1/stream/lim", "POST", b"x") for _ in range(10)]
+        # limits are per worker: at most 2 x 3 writes pass, then 429
+        assert statuses[0] == 201 and statuses.count(429) >= 3, statuses
+
+
+def test_auth_set_in_the_environment_applies(tmp_path: Path) -> None:
+    with dev(tmp_path, {"DS3_JWT_SECRET": SECRET}) as base:
+        assert _call(f"{base}/v1/stream/sec", "PUT") == 401
+        token = jwt.encode({"sub": "t", "scope": "read:* write:*", "exp": int(time.time()) + 60}, SECRET,
+                           algorithm="HS256")
+        assert _call(f"{base}/v1/stream/sec", "PUT", token=token) == 201
+        assert _call(f"{base}/v1/stream/sec", "POST", b"x", token=token) == 204
+    assert "auth on" in (tmp_path / "dev.log").read_text()
+
+
+@pytest.mark.parametrize("name, value", [("DS3_STORE", "s3://bucket/p"), ("DS3_INGESTER", "http://127.0.0.1:1"),
+                                         ("DS3_S3_ENDPOINT", "http://127.0.0.1:1")])
+def test_settings_that_cannot_apply_are_refused_by_name(tmp_path: Path, name: str, value: str) -> None:
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("DS3_")}, name: value}
+    r = subprocess.run([DS3, "dev", "--port", str(free_port()), "--data-dir", str(tmp_path / "d")],
+                       env=env, capture_output=True, text=True, timeout=30)
+    assert r.returncode == 2 and name in r.stderr, r.stderr

@@ -1,0 +1,170 @@
+"""`ds3 reader --workers N` with real processes: the workers share the public port, one scrape
+of /metrics answers for all of them, a dead worker is replaced, SIGTERM drains, and workers do
+not outlive their parent."""
+
+from __future__ import annotations
+
+import http.client
+import os
+import signal
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil  # type: ignore[import-untyped, unused-ignore]
+import pytest
+
+from tests.cluster import Cluster, StoreView, parse_metrics, scrape
+from tests.procs import free_port, reader
+
+
+def _request(base_port: int, method: str, path: str, body: bytes | None = None,
+             headers: dict[str, str] | None = None, timeout: float = 10) -> tuple[int, bytes]:
+    """One request on a fresh connection (the kernel picks a worker per connection)."""
+    conn = http.client.HTTPConnection("127.0.0.1", base_port, timeout=timeout)
+    try:
+        conn.request(method, path, body=body, headers=headers or {})
+        r = conn.getresponse()
+        return r.status, r.read()
+    finally:
+        conn.close()
+
+
+def _workers(parent_pid: int) -> list[int]:
+    return sorted(c.pid for c in psutil.Process(parent_pid).children() if c.status() != psutil.STATUS_ZOMBIE)
+
+
+def _wait(cond: object, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if callable(cond) and cond():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _all_ready(port: int, parent: int, n: int) -> bool:
+    """`n` workers are up and each answers on its private socket (the gathered /metrics says so)."""
+    if len(_workers(parent)) != n:
+        return False
+    try:
+        m = scrape(f"http://127.0.0.1:{port}")
+    except OSError:
+        return False
+    return m.get("ds3_reader_worker_scrape_errors") == 0 and all(
+        f'process_cpu_seconds_total{{worker="{i}"}}' in m for i in range(n))
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[Cluster]:
+    with Cluster(tmp_path, StoreView.local(tmp_path / "objects"), reader_args=["--workers", "3"]) as c:
+        assert c.reader.popen is not None
+        _wait(lambda: _all_ready(c.reader.port, c.reader.popen.pid, 3), 20, "3 workers")  # type: ignore[union-attr]
+        yield c
+
+
+def test_workers_share_the_port_and_one_scrape_counts_them_all(cluster: Cluster) -> None:
+    port = cluster.reader.port
+    assert _request(port, "PUT", "/v1/stream/w", headers={"Content-Type": "text/plain"})[0] == 201
+    for i in range(40):
+        assert _request(port, "POST", "/v1/stream/w", f"{i},".encode(), {"Content-Type": "text/plain"})[0] == 204
+    status, body = _request(port, "GET", "/v1/stream/w?offset=-1")
+    assert status == 200 and body == b"".join(f"{i},".encode() for i in range(40))
+
+    m = scrape(cluster.reader.url)
+    assert m["ds3_reader_workers"] == 3 and m["ds3_reader_worker_scrape_errors"] == 0
+    per_worker = {i: m.get(f'ds3_http_requests_total{{route="stream_append",status="204",worker="{i}"}}', 0.0)
+                  for i in range(3)}
+    assert sum(per_worker.values()) == 40, per_worker  # every append counted once, by the worker that took it
+    assert sum(1 for v in per_worker.values() if v > 0) >= 2, per_worker  # the kernel spread the connections
+    # ?scope=worker: the answering worker's own figures, unlabelled
+    own = parse_metrics(_request(port, "GET", "/metrics?scope=worker")[1].decode())
+    assert "ds3_reader_workers" not in own and not any('worker="' in k for k in own)
+
+
+def test_a_killed_worker_is_replaced_and_the_port_keeps_answering(cluster: Cluster) -> None:
+    assert cluster.reader.popen is not None
+    parent = cluster.reader.popen.pid
+    before = _workers(parent)
+    assert len(before) == 3
+    os.kill(before[0], signal.SIGKILL)
+    _wait(lambda: _all_ready(cluster.reader.port, parent, 3) and before[0] not in _workers(parent), 20,
+          "the killed worker's replacement")
+    assert len(set(_workers(parent)) - set(before)) == 1
+    port = cluster.reader.port
+    assert _request(port, "PUT", "/v1/stream/k", headers={"Content-Type": "text/plain"})[0] == 201
+    statuses = [_request(port, "POST", "/v1/stream/k", b"x", {"Content-Type": "text/plain"})[0] for _ in range(30)]
+    assert statuses == [204] * 30
+    assert "starting it again" in cluster.reader.log_path.read_text()
+
+
+def test_sigterm_drains_the_workers_and_the_parent_exits_0(cluster: Cluster) -> None:
+    assert cluster.reader.popen is not None
+    parent = cluster.reader.popen.pid
+    workers = _workers(parent)
+    port = cluster.reader.port
+    assert _request(port, "PUT", "/v1/stream/d", headers={"Content-Type": "text/plain"})[0] == 201
+    tail = _request(port, "HEAD", "/v1/stream/d")
+    assert tail[0] == 200
+    outcome: list[object] = []
+
+    def long_poll() -> None:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        try:
+            conn.request("GET", "/v1/stream/d?offset=now&live=long-poll")
+            r = conn.getresponse()
+            outcome.append((r.status, r.read()))
+        except (OSError, http.client.HTTPException) as e:  # a clean close is an answer too
+            outcome.append(e)
+        finally:
+            conn.close()
+
+    t = threading.Thread(target=long_poll)
+    t.start()
+    time.sleep(0.5)  # the long-poll is parked in a worker
+    os.kill(parent, signal.SIGTERM)
+    assert cluster.reader.popen.wait(20) == 0
+    t.join(20)
+    assert not t.is_alive() and outcome, "the in-flight long-poll got neither an answer nor a close"
+    if isinstance(outcome[0], tuple):
+        assert outcome[0][0] in (200, 204, 503), outcome
+    for pid in workers:
+        assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    with socket.socket() as s:  # nothing listens on the port any more
+        assert s.connect_ex(("127.0.0.1", port)) != 0
+
+
+def test_workers_leave_when_their_parent_is_killed(cluster: Cluster) -> None:
+    assert cluster.reader.popen is not None
+    parent = cluster.reader.popen.pid
+    workers = _workers(parent)
+    os.kill(parent, signal.SIGKILL)  # the parent alone: it cannot pass anything on
+    cluster.reader.popen.wait(10)
+
+    def gone() -> bool:
+        return all(not psutil.pid_exists(p) or psutil.Process(p).status() == psutil.STATUS_ZOMBIE for p in workers)
+
+    _wait(gone, 10, "orphaned workers to stop")
+
+
+def test_workers_that_cannot_start_make_the_parent_give_up(tmp_path: Path) -> None:
+    port = free_port()
+    with socket.socket() as taken:  # an ordinary listener (no SO_REUSEPORT) holds the port
+        taken.bind(("127.0.0.1", port))
+        taken.listen()
+        proc = reader(tmp_path / "r", "http://127.0.0.1:1", (tmp_path / "o").as_uri(), "--workers", "2", port=port)
+        (tmp_path / "o").mkdir()
+        with open(proc.log_path, "wb") as log:
+            import subprocess
+
+            from tests.procs import DS3
+
+            p = subprocess.Popen([DS3, *proc.args], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            assert p.wait(60) == 1
+        finally:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+    assert "giving up" in proc.log_path.read_text()
