@@ -1,8 +1,10 @@
 """The public Durable Streams conformance suite against real ds3 processes.
 
 Three topologies: the ingester alone (the WAL keeps everything), and a reader in front of an
-ingester that seals 4 KiB / 0.5 s chunks into moto's S3 or into a local directory, so the
-suite's reads cross sealed chunks, the open tail and the boundary between them.
+ingester that seals 4 KiB / 0.5 s chunks into moto's S3 (one reader process) or into a local
+directory (two reader workers sharing the port, as `ds3 dev` runs them), so the suite's reads
+cross sealed chunks, the open tail and the boundary between them, and consecutive requests of
+one test land on different worker processes.
 
 Runs tests/conformance/run-conformance.sh (vitest + @durable-streams/server-conformance-tests)
 with a 3 s long-poll timeout on both sides. Needs Node/npm; installs tests/conformance/node_modules
@@ -103,7 +105,8 @@ def _topology(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> tupl
         (tmp_path / "objects").mkdir()
         store, extra = (tmp_path / "objects").as_uri(), []
     ing = ingester(tmp_path / "data", *lp, "--store", store, *SEAL, *extra)
-    rdr = reader(tmp_path, ing.url, store, *lp, *extra)
+    workers = ["--workers", "2"] if kind == "reader-local" else []
+    rdr = reader(tmp_path, ing.url, store, *lp, *extra, *workers)
     for p in (ing, rdr):
         p.env.update(env)
     return [ing, rdr], rdr.url
