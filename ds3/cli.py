@@ -282,7 +282,7 @@ def ingester(**kw: Any) -> None:
 @_server_options
 @_opt("--ingester", env="DS3_INGESTER", required=True, help="Base URL of the ingester.")
 @_opt("--store", env="DS3_STORE", required=True, help="Object store: s3://bucket/prefix or file:///path.")
-@_opt("--max-read-bytes", env="DS3_MAX_READ_BYTES", type=int, default=8 * MiB,
+@_opt("--max-read-bytes", env="DS3_MAX_READ_BYTES", type=int, default=16 * MiB,
       help="Most bytes of a sealed chunk one response carries.")
 @_opt("--descriptor-ttl", env="DS3_DESCRIPTOR_TTL", type=float, default=1.0,
       help="Seconds a stream descriptor read from the store is trusted.")

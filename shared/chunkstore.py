@@ -10,9 +10,13 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from shared import chunks, keys
-from shared.objectstore.base import ObjectStore
+from shared.objectstore.base import MappedRange, ObjectStore
 
 HEAD_FETCH = 64 * 1024  # one GET usually covers prelude, header and index
+# Pieces a relay reads from the store: large enough that the per-piece cost (an await, a
+# write, for the local store a thread hop) is small against the bytes (measured:
+# scripts/bench_catchup.py).
+RELAY_PIECE = 1024 * 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,5 +70,9 @@ class ChunkReader:
             return b""
         return await self.store.get(s.key, s.obj_start, s.obj_end)
 
-    def stream(self, s: Slice, piece: int = 256 * 1024) -> AsyncIterator[bytes]:
+    def stream(self, s: Slice, piece: int = RELAY_PIECE) -> AsyncIterator[bytes]:
         return self.store.stream(s.key, s.obj_start, s.obj_end, piece)
+
+    async def mapped(self, s: Slice) -> MappedRange | None:
+        """The slice as a view of the store's local file (the local store), else None."""
+        return await self.store.map_range(s.key, s.obj_start, s.obj_end)

@@ -197,7 +197,7 @@ class ReaderConfig:
     port: int = 4437
     s3_endpoint: str | None = None
     long_poll_timeout: float = 30.0  # how long the ingester holds a long-poll (upstream timeouts)
-    max_read_bytes: int = 8 * MiB  # a sealed response covers at most this much of a chunk
+    max_read_bytes: int = 16 * MiB  # a sealed response covers at most this much of a chunk (a chunk sealed at 8 MiB overshoots by its last append: one response carries it whole)
     max_body_bytes: int = 64 * MiB
     max_snapshot_bytes: int = 64 * MiB
     max_path_bytes: int = LMDB_MAX_KEY

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .base import DEFAULT_CHUNK_SIZE, ObjectInfo, ObjectStore, StoreCounters, validate_key
+from .base import DEFAULT_CHUNK_SIZE, MappedRange, ObjectInfo, ObjectStore, StoreCounters, validate_key
 from .local import LocalStore
 from .url import FileStoreURL, S3StoreURL, StoreURL, StoreURLError, parse_store_url
 
@@ -24,6 +24,7 @@ __all__ = [
     "DEFAULT_CHUNK_SIZE",
     "FileStoreURL",
     "LocalStore",
+    "MappedRange",
     "ObjectInfo",
     "ObjectStore",
     "S3StoreURL",

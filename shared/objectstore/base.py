@@ -11,6 +11,7 @@ and the other way round.
 
 from __future__ import annotations
 
+import mmap
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from types import TracebackType
@@ -46,6 +47,26 @@ class StoreCounters:
     bytes_out: int = 0
 
 
+class MappedRange:
+    """A read-only memory map of part of a local object (LocalStore.map_range)."""
+
+    def __init__(self, mapping: mmap.mmap | None, start: int, end: int) -> None:
+        self._mapping = mapping
+        self.view = memoryview(mapping)[start:end] if mapping is not None else memoryview(b"")
+
+    def __len__(self) -> int:
+        return len(self.view)
+
+    def close(self) -> None:
+        self.view.release()
+        if self._mapping is not None:
+            try:
+                self._mapping.close()
+            except BufferError:  # a write still holds a slice of it: the map goes with the last one
+                pass
+            self._mapping = None
+
+
 @runtime_checkable
 class ObjectStore(Protocol):
     url: str
@@ -69,6 +90,11 @@ class ObjectStore(Protocol):
     ) -> AsyncIterator[bytes]:
         """Like get() but yields pieces of at most chunk_size bytes as they arrive. Errors
         (ObjectNotFound included) surface on the first iteration."""
+
+    async def map_range(self, key: str, start: int, end: int) -> MappedRange | None:
+        """Bytes [start, end) as a read-only view of the store's own file, for stores that keep
+        objects in local files (None for the others: S3). A reader sends the view without
+        copying it through Python; the caller closes it. ObjectNotFound if the key is missing."""
 
     async def head(self, key: str) -> ObjectInfo: ...
 

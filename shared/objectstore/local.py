@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import logging
+import mmap
 import os
 import tempfile
 from collections.abc import AsyncIterator
@@ -29,6 +30,7 @@ from shared.errors import ObjectNotFound, ObjectStoreError, ObjectStoreUnavailab
 from .base import (
     DEFAULT_CHUNK_SIZE,
     TEMP_PREFIX,
+    MappedRange,
     ObjectInfo,
     StoreCounters,
     check_range,
@@ -300,6 +302,28 @@ class LocalStore:
             # Closing a regular file does not block; doing it inline also works when the
             # generator is finalised without an event loop turn (never awaited to the end).
             f.close()
+
+    async def map_range(self, key: str, start: int, end: int) -> MappedRange:
+        path = self._path(key)
+        lo, hi = check_range(start, end)
+        self.counters.gets += 1
+        try:
+            mapped = await asyncio.to_thread(self._map, path, lo, hi)
+        except OSError as exc:
+            if not isinstance(exc, _MISSING):
+                self.counters.errors += 1
+            raise _converted(key, exc) from exc
+        self.counters.bytes_in += len(mapped)
+        return mapped
+
+    @staticmethod
+    def _map(path: Path, lo: int, hi: int | None) -> MappedRange:
+        with open(path, "rb") as f:  # the map keeps its own reference to the file
+            size = os.fstat(f.fileno()).st_size
+            hi = size if hi is None else min(hi, size)
+            if hi <= lo:
+                return MappedRange(None, 0, 0)
+            return MappedRange(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ), lo, hi)
 
     @staticmethod
     def _open_at(path: Path, lo: int) -> BinaryIO:

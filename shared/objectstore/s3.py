@@ -328,6 +328,9 @@ class S3Store:
                 self.counters.bytes_in += len(piece)
                 yield piece
 
+    async def map_range(self, key: str, start: int, end: int) -> None:
+        return None  # no local files: read with stream()
+
     async def head(self, key: str) -> ObjectInfo:
         k = self._key(key)
         s3 = await self._client()
