@@ -397,3 +397,20 @@ def test_open_store_urls(url: str, kind: type, tmp_path: Path, monkeypatch: pyte
 def test_open_store_bad_urls(url: str) -> None:
     with pytest.raises(ConfigError):
         open_store(url)
+
+
+@pytest.mark.parametrize(("start", "end"), [(0, 100), (10, 90), (50, 50), (90, 1000)])
+async def test_map_range_is_the_local_file_or_none(store: ObjectStore, start: int, end: int) -> None:
+    data = payload(100)
+    await store.put("m", data)
+    mapped = await store.map_range("m", start, end)
+    if store.url.startswith("s3://"):
+        assert mapped is None  # no local files: readers stream
+        return
+    assert mapped is not None
+    try:
+        assert bytes(mapped.view) == data[start:end] and len(mapped) == len(data[start:end])
+    finally:
+        mapped.close()
+    with pytest.raises(ObjectNotFound):
+        await store.map_range("missing", 0, 10)
