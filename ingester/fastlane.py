@@ -14,12 +14,15 @@ and answered from a callback on its group commit: the same validation
 (ingester.http.append_request), the same answers (append_answer, shared.web.error_response),
 the same headers, metrics and limits, without a task or a Request object.
 
-Everything else is aiohttp's, byte for byte. An httptools parser follows every byte of the
-connection, so aiohttp only ever receives whole messages from their first byte: a message
-that is not a plain append (decided when its head is complete; its first chunks are held
-until then) goes to aiohttp with everything after it until the connection is between
-messages again. Answers keep the request order: bytes that arrive while a fast answer is
-pending (a pipelining client) wait until it is written.
+Everything else is aiohttp's, byte for byte. Bytes received wait in one buffer, in arrival
+order, and one loop (`_pump`) takes messages from its front: when the connection is between
+messages and aiohttp has nothing in progress, a message whose whole head is there is parsed on
+its own (exactly its head: a parser never runs past a message) and, if it is a plain append,
+taken once its Content-Length body is in; anything else, and everything after it, goes to
+aiohttp, with an httptools parser following those bytes so the lane knows when aiohttp's
+messages end. While a fast answer is pending nothing after it is taken, so answers and
+storage keep the request order; a refusal answered at once lets the same loop go on (no
+recursion), and each byte is looked at a bounded number of times (linear in a pipeline).
 
 The lane stands aside (aiohttp answers everything, as before) while auth is on (tokens are
 verified asynchronously), while the access log is on (it is aiohttp's), and with
@@ -33,10 +36,9 @@ import logging
 import os
 import re
 import time
-from collections.abc import Callable
 from email.utils import formatdate
 from http import HTTPStatus
-from typing import Any, Final, cast
+from typing import Any, Final, Literal, cast
 
 import httptools
 from aiohttp import web
@@ -144,55 +146,51 @@ class FastLaneRunner(web.AppRunner):
 FAST_LANE: Final = web.AppKey("ds3_fast_lane", FastLane)
 
 
-class _Tracker:
-    """httptools callbacks: where the connection is between messages, and the head and body
-    of a message the lane may take. `judge` decides, once a fresh message's head is complete,
-    whether it is the lane's."""
+class _Follower:
+    """An httptools parser over the bytes aiohttp is given, so the lane knows whether the
+    connection is between messages (only then may the next message be the lane's)."""
 
-    __slots__ = ("body", "complete", "fresh", "headers", "judge", "parser", "state", "url")
+    __slots__ = ("between", "parser")
 
-    def __init__(self, judge: Callable[[_Tracker], bool]) -> None:
-        self.state = _BETWEEN
-        self.fresh = False  # the message beginning now may be the lane's
-        self.url = b""
-        self.headers: dict[bytes, bytes] = {}
-        self.body: list[bytes] = []
-        self.complete = False  # a fast message is complete and not taken yet
-        self.judge = judge
+    def __init__(self) -> None:
+        self.between = True
         self.parser = httptools.HttpRequestParser(self)
 
     def on_message_begin(self) -> None:
-        if self.complete:  # bytes after a complete fast message: parsed again later (see _start_fast)
-            self.state = _SLOW
-            return
-        self.state = _UNDECIDED if self.fresh else _SLOW
-        self.fresh = False
-        self.url = b""
-        self.headers = {}
-        self.body = []
-
-    def on_url(self, url: bytes) -> None:
-        if self.state == _UNDECIDED:
-            self.url += url
-
-    def on_header(self, name: bytes, value: bytes) -> None:
-        if self.state == _UNDECIDED:
-            name = name.lower()
-            if name not in self.headers:  # the first one counts, as with aiohttp's headers.get()
-                self.headers[name] = value
-
-    def on_headers_complete(self) -> None:
-        if self.state == _UNDECIDED:
-            self.state = _FAST if self.judge(self) else _SLOW
-
-    def on_body(self, body: bytes) -> None:
-        if self.state == _FAST:
-            self.body.append(body)
+        self.between = False
 
     def on_message_complete(self) -> None:
-        if self.state == _FAST:
-            self.complete = True
-        self.state = _BETWEEN
+        self.between = True
+
+
+class _Head:
+    """A candidate's head, parsed on its own (exactly its bytes, never past them)."""
+
+    __slots__ = ("duplicate", "headers", "url")
+
+    def __init__(self) -> None:
+        self.url = b""
+        self.headers: dict[bytes, bytes] = {}
+        self.duplicate = False
+
+    def on_url(self, url: bytes) -> None:
+        self.url += url
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        name = name.lower()
+        if name in self.headers:
+            self.duplicate = self.duplicate or name in _SINGLE_HEADERS
+        else:  # the first one counts, as with aiohttp's headers.get()
+            self.headers[name] = value
+
+
+class _Fast:
+    """A plain append the lane took: where it ends in the buffer, and its head."""
+
+    __slots__ = ("head_len", "headers", "total", "url")
+
+    def __init__(self, head_len: int, total: int, url: bytes, headers: dict[bytes, bytes]) -> None:
+        self.head_len, self.total, self.url, self.headers = head_len, total, url, headers
 
 
 class _Headers:
@@ -212,22 +210,30 @@ class _Headers:
 
 
 _HEADER_KEYS: dict[str, bytes] = {}
+_FAST_PREFIX: Final = b"POST /v1/stream/"
+_MAX_HEAD: Final = 16 * 1024  # a candidate's head must be complete within this many bytes
+_SINGLE_HEADERS: Final = frozenset({b"content-type", b"host", b"content-length"})  # aiohttp: 400 if repeated
+_PAUSE_ABOVE: Final = 256 * 1024  # unprocessed bytes held while an answer is pending
 
 
 class FastLaneHandler(RequestHandler):
     def __init__(self, manager: web.Server, *, lane: FastLane, **kwargs: Any) -> None:
         super().__init__(manager, **kwargs)
         self._lane = lane
-        self._tracker = _Tracker(self._judge)
-        self._head_len = 0  # of the fast message being read
-        self._fast_left = 0  # its bytes still to come
-        self._backlog: list[bytes] = []  # what arrived while a fast answer was pending
-        self._answering = False  # a fast answer is pending
+        self._follower = _Follower()
+        # Bytes received and not yet handed on, in arrival order: a message the lane is taking,
+        # and whatever came after it. One buffer, consumed from `_pos` on by one loop (`_pump`),
+        # so pipelined requests are taken in order, each byte looked at a bounded number of times.
+        self._buf = bytearray()
+        self._pos = 0
+        self._pumping = False
+        self._fast: _Fast | None = None  # a fast message whose body is still arriving
+        self._answering = False  # a fast answer is pending: nothing after it is taken yet
         self._drained: asyncio.Future[None] | None = None  # shutdown waits on it for that answer
         self._paused_by_lane = False
         self._body_timer: asyncio.TimerHandle | None = None
         self._watched = False
-        self._lane_off = False  # the tracker lost the thread (a parse error): aiohttp's from now on
+        self._lane_off = False  # the follower lost the thread (a parse error): aiohttp's from now on
         self._client: str | object | None = _UNKNOWN  # the limits' identity of this connection's peer
         self._plain_url = b""  # the last URL judged plain (see _judge)
         self._path_of: tuple[bytes, str] = (b"", "")  # the last URL served and its stream path
@@ -236,72 +242,111 @@ class FastLaneHandler(RequestHandler):
 
     def data_received(self, data: bytes) -> None:
         if self._lane_off or self._force_close or self._close:
+            if self._pos < len(self._buf):  # (cannot happen: nothing is held once the lane is off)
+                data = bytes(self._buf[self._pos:]) + data
+                self._buf.clear()
+                self._pos = 0
             super().data_received(data)
             return
-        if self._answering:  # a pipelining client: after the pending answer
-            self._backlog.append(data)
-            if not self._paused_by_lane and self.transport is not None:
-                self._paused_by_lane = True
-                self.transport.pause_reading()
-            return
-        t = self._tracker
-        if t.state == _FAST:  # more of a fast message's body
-            if len(data) > self._fast_left:
-                self._backlog.append(data[self._fast_left:])
-                data = data[: self._fast_left]
-            self._fast_left -= len(data)
-            self._feed(t, data)
-            if t.complete:
-                self._take_fast()
-            return
-        if t.state == _BETWEEN and data.startswith(b"POST /v1/stream/") and self._aiohttp_idle():
-            # Heads are taken only whole, in one chunk, with CRLF line ends (a bare LF, which
-            # parsers may tolerate, would make the first blank CRLF line not the head's end).
-            head_end = data.find(b"\r\n\r\n")
-            if (head_end > 0 and data.count(b"\n", 0, head_end) == data.count(b"\r\n", 0, head_end)
-                    and self._lane.service() is not None):
-                t.fresh = True
-                self._head_len = head_end + 4
-        if not self._feed(t, data):
-            return
-        t.fresh = False
-        if t.complete or t.state == _FAST:  # a fast message began in this chunk
-            total = self._head_len + int(t.headers[b"content-length"])
-            if len(data) > total:  # a pipelined request follows: parse it again after this answer
-                self._backlog.append(data[total:])
-            self._fast_left = total - len(data)
-            if t.complete:
-                self._take_fast()
-            else:  # the body must arrive within the body timeout, as through aiohttp (read_body)
-                self._body_timer = self._loop.call_later(self._lane.body_timeout(), self._body_late)
-            return
-        super().data_received(data)
+        self._buf += data
+        self._pump()
 
-    def _feed(self, t: _Tracker, data: bytes) -> bool:
-        """Parse `data`; False when it went wrong and was dealt with."""
+    def _pump(self) -> None:
+        """Take messages from the buffer in order until an answer is pending or more bytes are
+        needed. Iterative: an answer given at once (a refusal) does not recurse into the next."""
+        if self._pumping:
+            return
+        self._pumping = True
         try:
-            t.parser.feed_data(data)
+            while not self._answering and self._pos < len(self._buf) and not self._lane_off:
+                if not self._step():
+                    break
+            buf = self._buf
+            if self._pos == len(buf):
+                buf.clear()
+                self._pos = 0
+            elif self._pos > 64 * 1024:
+                del buf[: self._pos]
+                self._pos = 0
+            held = len(buf) - self._pos
+            if self.transport is not None:
+                if self._answering and held > _PAUSE_ABOVE and not self._paused_by_lane:
+                    self._paused_by_lane = True
+                    self.transport.pause_reading()
+                elif self._paused_by_lane and (not self._answering or held <= _PAUSE_ABOVE):
+                    self._paused_by_lane = False
+                    self.transport.resume_reading()
+        finally:
+            self._pumping = False
+
+    def _step(self) -> bool:
+        """Handle the message at the buffer's position; False when it needs more bytes."""
+        buf, pos = self._buf, self._pos
+        fast = self._fast
+        if fast is None and self._follower.between and self._aiohttp_idle() and self._lane.service() is not None:
+            verdict = self._candidate(buf, pos)
+            if verdict is None:
+                return False  # a head that may be the lane's is not complete yet
+            if verdict is not False:
+                fast = self._fast = verdict
+                if len(buf) - pos < fast.total:
+                    # the body must arrive within the body timeout, as through aiohttp (read_body)
+                    self._body_timer = self._loop.call_later(self._lane.body_timeout(), self._body_late)
+        if fast is not None:
+            if len(buf) - pos < fast.total:
+                return False
+            if self._body_timer is not None:
+                self._body_timer.cancel()
+                self._body_timer = None
+            body = bytes(buf[pos + fast.head_len: pos + fast.total])
+            self._pos = pos + fast.total
+            self._fast = None
+            self._answering = True
+            self._serve(fast.url, fast.headers, body)
             return True
+        # aiohttp's: all we hold goes to it (it queues pipelined messages itself), and the
+        # follower parses the same bytes to know where its messages end.
+        chunk = bytes(buf[pos:])
+        self._pos = len(buf)
+        try:
+            self._follower.parser.feed_data(chunk)
         except httptools.HttpParserError:
-            if t.complete:  # garbage after a whole fast append: the append stands, aiohttp gets the rest
-                return True
-            # aiohttp parses the same bytes and answers 400; the tracker cannot follow any more.
-            self._lane_off = True
-            if t.state != _FAST:
-                super().data_received(data)
-            else:  # cannot happen with a Content-Length body; drop the connection rather than guess
-                self.force_close()
+            self._lane_off = True  # aiohttp parses the same bytes and answers 400
+        super().data_received(chunk)
+        return True
+
+    def _candidate(self, buf: bytearray, pos: int) -> _Fast | Literal[False] | None:
+        """The message at `pos` as a plain append the lane answers; None if its head is not
+        all here yet; False if it is aiohttp's."""
+        held = len(buf) - pos
+        if not buf.startswith(_FAST_PREFIX, pos):
+            return None if held < len(_FAST_PREFIX) and _FAST_PREFIX.startswith(buf[pos:]) else False
+        end = buf.find(b"\r\n\r\n", pos, pos + _MAX_HEAD)
+        if end < 0:
+            return None if held < _MAX_HEAD else False
+        head_len = end + 4 - pos
+        head = bytes(buf[pos: pos + head_len])
+        # CRLF line ends only (a bare LF, which parsers may tolerate, would make the first blank
+        # CRLF line not the head's end).
+        if head.count(b"\n") != head.count(b"\r\n"):
             return False
+        h = _Head()
+        parser = httptools.HttpRequestParser(h)
+        try:
+            parser.feed_data(head)
+        except httptools.HttpParserError:
+            return False  # aiohttp answers the 400
+        if h.duplicate or not self._judge(parser, h.url, h.headers):
+            return False
+        return _Fast(head_len, head_len + int(h.headers[b"content-length"]), h.url, h.headers)
 
     def _aiohttp_idle(self) -> bool:
         return not self._messages and not self._request_in_progress and not self._upgraded
 
-    def _judge(self, t: _Tracker) -> bool:
-        """Whether the message whose head `t` holds is a plain append the lane answers."""
-        p = t.parser
+    def _judge(self, p: httptools.HttpRequestParser, url: bytes, headers: dict[bytes, bytes]) -> bool:
+        """Whether the message whose head `p` parsed is a plain append the lane answers."""
         if p.get_method() != b"POST" or p.get_http_version() != "1.1" or not p.should_keep_alive():
             return False
-        url, headers = t.url, t.headers
         if b"content-length" not in headers or not _REFUSED_HEADERS.isdisjoint(headers):
             return False
         svc = self._lane.svc
@@ -328,21 +373,6 @@ class FastLaneHandler(RequestHandler):
         self._write(r.status, dict(r.headers), r.body if isinstance(r.body, bytes) else b"",
                     logs.accept_request_id(None))
         self.force_close()
-
-    def _take_fast(self) -> None:
-        if self._body_timer is not None:
-            self._body_timer.cancel()
-            self._body_timer = None
-        t = self._tracker
-        url, headers = t.url, t.headers
-        body = t.body[0] if len(t.body) == 1 else b"".join(t.body)
-        if self._backlog:  # the parser ran over bytes past the message: a fresh one parses them
-            self._tracker = _Tracker(self._judge)
-        else:
-            t.complete = False
-            t.body = []
-        self._answering = True
-        self._serve(url, headers, body)
 
     # --- the append ----------------------------------------------------------------------
 
@@ -414,11 +444,7 @@ class FastLaneHandler(RequestHandler):
         drained, self._drained = self._drained, None
         if drained is not None and not drained.done():
             drained.set_result(None)
-        while self._backlog and not self._answering:
-            self.data_received(self._backlog.pop(0))
-        if self._paused_by_lane and not self._answering and self.transport is not None:
-            self._paused_by_lane = False
-            self.transport.resume_reading()
+        self._pump()  # what came after it (a no-op when the answer came from inside the pump)
 
     def _write(self, status: int, headers: dict[str, str], body: bytes, rid: str) -> None:
         lines = [f"HTTP/1.1 {status} {_REASONS.get(status, 'Unknown')}\r\n"]
