@@ -235,8 +235,11 @@ async def serve_sealed(
         resp = web.StreamResponse(status=200, headers=headers)
         await resp.prepare(request)
         request[PREPARED] = True
-        await _send_slice(resp, st, piece, json_mode, mapped)
-        await resp.write_eof()
+        try:
+            await _send_slice(resp, st, piece, json_mode, mapped)
+            await resp.write_eof()
+        except ConnectionResetError:  # the client left mid-body: nothing to answer, nothing to log
+            pass
         return resp
     finally:
         if mapped is not None:
