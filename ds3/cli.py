@@ -78,6 +78,10 @@ def _server_options(f: FC) -> FC:
              help="TCP port (4437 is the protocol's default)."),
         _opt("--long-poll-timeout", env="DS3_LONG_POLL_TIMEOUT", type=float, default=30.0,
              help="Seconds a long-poll waits for data before answering 204."),
+        _opt("--tail-max-age", env="DS3_TAIL_MAX_AGE", type=int, default=1,
+             help="Seconds shared caches (a CDN, nginx) may keep an answer that says 'nothing more yet' "
+                  "(an empty tail page, a long-poll 204), so a crowd at the tail costs one origin request "
+                  "per that long; 0: never stored."),
         _opt("--max-body-bytes", env="DS3_MAX_BODY_BYTES", type=int, default=64 * MiB,
              help="Largest request body (413 above)."),
         _opt("--max-path-bytes", env="DS3_MAX_PATH_BYTES", type=int, default=480,

@@ -174,15 +174,15 @@ async def handle_get(request: web.Request, svc: IngesterService, path: str) -> w
         here = offsets.parse(res.next_offset) if start == offsets.NOW else start
         while not res.messages:
             if res.closed_at_end:
-                return no_content(res, cursor=None)
+                return no_content(res, None, svc.config.tail_max_age)
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                return no_content(res, cursor=P.response_cursor(cursor))
+                return no_content(res, P.response_cursor(cursor), svc.config.tail_max_age)
             await svc.notifier.wait(path, seen, remaining)
             seen = svc.notifier.version(path)
             res = await svc.read(path, here)
-        return data_response(request, res, cursor=P.response_cursor(cursor))
-    return data_response(request, res, cursor=None)
+        return data_response(request, res, P.response_cursor(cursor), svc.config.tail_max_age)
+    return data_response(request, res, None, svc.config.tail_max_age)
 
 
 def _read_headers(res: ReadResult) -> dict[str, str]:
@@ -205,8 +205,12 @@ def tail_response(res: ReadResult) -> web.Response:
     return web.Response(status=200, body=_body(res), headers=headers)
 
 
-def no_content(res: ReadResult, cursor: str | None) -> web.Response:
-    headers = {P.NEXT_OFFSET: res.next_offset, P.UP_TO_DATE: "true", "Cache-Control": "no-store"}
+def no_content(res: ReadResult, cursor: str | None, tail_max_age: int) -> web.Response:
+    """A long-poll that found nothing new (or the end of a closed stream). Cacheable for
+    --tail-max-age: keyed by offset and cursor, and the cursor it names differs from the one
+    asked with, so a cached 204 answers one round of a client's polling, never the next."""
+    headers = {P.NEXT_OFFSET: res.next_offset, P.UP_TO_DATE: "true",
+               "Cache-Control": P.tail_cache_control(tail_max_age)}
     if res.meta.closed:
         headers[P.CLOSED] = "true"
     if cursor is not None and not res.meta.closed:
@@ -214,22 +218,24 @@ def no_content(res: ReadResult, cursor: str | None) -> web.Response:
     return web.Response(status=204, headers=headers)
 
 
-def data_response(request: web.Request, res: ReadResult, cursor: str | None) -> web.Response:
+def data_response(request: web.Request, res: ReadResult, cursor: str | None, tail_max_age: int) -> web.Response:
     headers = _read_headers(res)
     if cursor is not None:
         headers[P.CURSOR] = cursor
     etag = f'"{res.meta.sid}.{res.start}.{res.end}{".c" if res.closed_at_end else ""}"'
     headers["ETag"] = etag
-    headers["Cache-Control"] = _cache_control(res)
+    headers["Cache-Control"] = _cache_control(res, tail_max_age)
     if_none_match = request.headers.get("If-None-Match")
     if if_none_match is not None and etag in (t.strip() for t in if_none_match.split(",")):
         return web.Response(status=304, headers={"ETag": etag, "Cache-Control": headers["Cache-Control"]})
     return web.Response(status=200, body=_body(res), headers=headers)
 
 
-def _cache_control(res: ReadResult) -> str:
+def _cache_control(res: ReadResult, tail_max_age: int) -> str:
     if not res.messages:
-        return "no-store"  # an empty page at the tail changes as soon as data arrives
+        # An empty page at the tail changes as soon as data arrives: cacheable only briefly (a
+        # client that got it goes live at the same offset, so a cached one delays, never hides).
+        return P.tail_cache_control(tail_max_age)
     deadline = res.meta.deadline()
     if deadline is not None:
         left = int(deadline - time.time())

@@ -16,6 +16,7 @@ from reader.proxy import IngesterClient
 from reader.sealed import SealedLocator
 from reader.state import READER, ReaderState
 from shared import accessmw, authmw, limitmw
+from shared import protocol as P
 from shared.chunkstore import ChunkReader
 from shared.config import ReaderConfig
 from shared.objectstore import open_store
@@ -49,7 +50,8 @@ def create_app(config: ReaderConfig) -> web.Application:
         state = app[READER] = ReaderState(
             config=config, objects=objects, chunks=chunks, descriptors=descriptors,
             locator=SealedLocator(descriptors, chunks, config.max_read_bytes), ingester=ingester,
-            sse=LiveHub(ingester, page, config.sse_max_seconds, config.long_poll_timeout),
+            sse=LiveHub(ingester, page, config.sse_max_seconds, config.long_poll_timeout,
+                       P.tail_cache_control(config.tail_max_age)),
         )
         yield
         state.sse.stop()

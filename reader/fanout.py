@@ -218,8 +218,9 @@ class Channel:
 
 class LiveHub:
     def __init__(self, ingester: IngesterClient, read_page: PageReader, max_seconds: float,
-                 long_poll_timeout: float) -> None:
+                 long_poll_timeout: float, tail_cache: str = "no-store") -> None:
         self.ingester = ingester
+        self.tail_cache = tail_cache  # Cache-Control of a 204 (nothing new yet): see P.tail_cache_control
         self.read_page = read_page
         self.max_seconds = max_seconds  # an SSE response ends after this long
         self.long_poll_timeout = long_poll_timeout  # a parked long-poll answers 204 after this long
@@ -274,10 +275,9 @@ class LiveHub:
             return result.response(cursor, request.headers.get("If-None-Match"))
         return to_response(result)
 
-    @staticmethod
-    def _no_content(offset: str, cursor: str | None) -> web.Response:
+    def _no_content(self, offset: str, cursor: str | None) -> web.Response:
         """Nothing new within the timeout: the ingester's own 204."""
         return web.Response(status=204, headers={
-            P.NEXT_OFFSET: offset, P.UP_TO_DATE: "true", "Cache-Control": "no-store",
+            P.NEXT_OFFSET: offset, P.UP_TO_DATE: "true", "Cache-Control": self.tail_cache,
             P.CURSOR: P.response_cursor(cursor),
         })

@@ -132,6 +132,7 @@ class IngesterConfig:
     port: int = 4437
     data_dir: Path = Path(".ds3")
     long_poll_timeout: float = 30.0
+    tail_max_age: int = 1  # seconds shared caches may keep an empty tail page or a long-poll 204
     sse_max_seconds: float = 60.0
     max_body_bytes: int = 64 * MiB
     max_snapshot_bytes: int = 64 * MiB
@@ -156,6 +157,7 @@ class IngesterConfig:
 
         need(bool(self.host), "host (DS3_HOST)", "must not be empty")
         need(0 <= self.port <= 65535, "port (DS3_PORT)", f"{self.port} is not a TCP port")
+        need(0 <= self.tail_max_age <= 60, "tail-max-age (DS3_TAIL_MAX_AGE)", "must be between 0 and 60 seconds")
         need(0.1 <= self.long_poll_timeout <= 3600, "long-poll-timeout (DS3_LONG_POLL_TIMEOUT)",
              "must be between 0.1 and 3600 seconds")
         need(1 <= self.sse_max_seconds <= 3600, "sse-max-seconds (DS3_SSE_MAX_SECONDS)",
@@ -197,6 +199,7 @@ class ReaderConfig:
     port: int = 4437
     s3_endpoint: str | None = None
     long_poll_timeout: float = 30.0  # how long the ingester holds a long-poll (upstream timeouts)
+    tail_max_age: int = 1  # seconds shared caches may keep a long-poll 204 the reader answers itself
     max_read_bytes: int = 16 * MiB  # a sealed response covers at most this much of a chunk (a chunk sealed at 8 MiB overshoots by its last append: one response carries it whole)
     max_body_bytes: int = 64 * MiB
     max_snapshot_bytes: int = 64 * MiB
@@ -217,6 +220,7 @@ class ReaderConfig:
              "must be an http(s):// URL")
         _check_store_url(self.store)
         need(0 <= self.port <= 65535, "port (DS3_PORT)", f"{self.port} is not a TCP port")
+        need(0 <= self.tail_max_age <= 60, "tail-max-age (DS3_TAIL_MAX_AGE)", "must be between 0 and 60 seconds")
         need(0.1 <= self.long_poll_timeout <= 3600, "long-poll-timeout (DS3_LONG_POLL_TIMEOUT)",
              "must be between 0.1 and 3600 seconds")
         need(1024 <= self.max_read_bytes <= 1024 * MiB, "max-read-bytes (DS3_MAX_READ_BYTES)",

@@ -221,3 +221,10 @@ def response_cursor(client_cursor: str | None, now: float | None = None) -> str:
         return str(current)
     jitter_s = random.randint(1, 3600)
     return str(theirs + max(1, -(-jitter_s // CURSOR_INTERVAL_S)))
+
+
+def tail_cache_control(max_age: int) -> str:
+    """Cache-Control of an answer that says "nothing more yet" (an empty page at the tail, a
+    long-poll's 204): shared caches may keep it `max_age` seconds (--tail-max-age) so a crowd
+    at the tail costs the origin one request per that long; 0: never stored."""
+    return f"public, max-age={max_age}" if max_age > 0 else "no-store"

@@ -484,10 +484,28 @@ async def test_cache_control_no_store_on_head_and_now(client: TestClient[Any, An
     await put(client, "j", b"[1]", JSON_CT)
     jnow = await client.get(S + "j?offset=now")
     assert await jnow.read() == b"[]" and jnow.headers["Cache-Control"] == "no-store"
-    # a page with data may be cached; an empty page at the tail may not
+    # a page with data may be cached; an empty page at the tail only for --tail-max-age (1 s)
     assert "no-store" not in (await client.get(S + "s")).headers["Cache-Control"]
     tail = now.headers["Stream-Next-Offset"]
-    assert (await client.get(f"{S}s?offset={tail}")).headers["Cache-Control"] == "no-store"
+    assert (await client.get(f"{S}s?offset={tail}")).headers["Cache-Control"] == "public, max-age=1"
+
+
+@pytest.mark.parametrize(("tail_max_age", "expected"), [(0, "no-store"), (1, "public, max-age=1"),
+                                                        (5, "public, max-age=5")])
+async def test_tail_max_age_sets_what_a_cache_may_keep_of_nothing_new(
+        make_client: MakeClient, tail_max_age: int, expected: str) -> None:
+    """The empty tail page and a long-poll's 204 (nothing within the timeout) carry
+    --tail-max-age; offset=now, HEAD and pages with data keep their own."""
+    client = await make_client(tail_max_age=tail_max_age, long_poll_timeout=0.2)
+    await put(client, "t", b"abc")
+    tail = (await client.head(S + "t")).headers["Stream-Next-Offset"]
+    assert (await client.get(f"{S}t?offset={tail}")).headers["Cache-Control"] == expected
+    lp = await client.get(f"{S}t?offset={tail}&live=long-poll&cursor=1")
+    assert lp.status == 204 and lp.headers["Cache-Control"] == expected
+    assert lp.headers["Stream-Cursor"] != "1"  # a cached 204 is one round: the next asks another key
+    assert (await client.get(f"{S}t?offset=now")).headers["Cache-Control"] == "no-store"
+    assert (await client.head(S + "t")).headers["Cache-Control"] == "no-store"
+    assert "max-age=60" in (await client.get(S + "t")).headers["Cache-Control"]
 
 
 # --- JSON mode round trip --------------------------------------------------------------------------------
