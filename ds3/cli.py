@@ -214,7 +214,7 @@ def _run(app: web.Application, host: str, port: int, banner: str, config: Ingest
     siblings (`reuse_port`) and also listens on a private unix socket (`unix_path`)."""
     _install_uvloop()
     _raise_fd_limit()
-    from shared.authmw import describe
+    from shared.http.auth import describe
 
     async def serve() -> None:
         # handler_cancellation: a client that goes away cancels its handler (an SSE or long-poll

@@ -10,17 +10,17 @@ from ingester import bucket_http, listing
 from ingester import metrics as ingester_metrics
 from ingester.http import add_routes
 from ingester.service import SERVICE, IngesterService
-from shared import accessmw, authmw, limitmw
 from shared.config import IngesterConfig
-from shared.web import common_headers, errors_middleware
+from shared.http import access, auth, limits
+from shared.http.handlers import common_headers, errors_middleware
 
 
 def create_app(config: IngesterConfig) -> web.Application:
     app = web.Application(middlewares=[errors_middleware], client_max_size=config.max_body_bytes)
-    metrics = accessmw.install(app)  # request ids, access log, /metrics, /healthz, /readyz (outermost)
+    metrics = access.install(app)  # request ids, access log, /metrics, /healthz, /readyz (outermost)
     ingester_metrics.install(app, metrics, config)
-    authmw.install(app, config.auth, accepts_internal=True)  # before the limits: they count per token subject
-    limitmw.install(app, config.limits)
+    auth.install(app, config.auth, accepts_internal=True)  # before the limits: they count per token subject
+    limits.install(app, config.limits)
 
     async def service_ctx(app: web.Application) -> AsyncIterator[None]:
         svc = IngesterService(config)

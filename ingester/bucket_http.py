@@ -24,7 +24,7 @@ from ingester.service import SERVICE, IngesterService
 from shared import buckets as B
 from shared import extensions
 from shared.errors import BadRequest, NotFound
-from shared.web import method_not_allowed, preflight
+from shared.http.handlers import method_not_allowed, preflight
 
 DEFAULT_LIMIT = 1000
 MAX_LIMIT = 1000

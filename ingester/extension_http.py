@@ -18,7 +18,7 @@ from shared import extensions
 from shared import protocol as P
 from shared.errors import BadRequest, Conflict, Retained
 from shared.extensions import BOOTSTRAP, Endpoint
-from shared.web import PREPARED, read_body
+from shared.http.handlers import PREPARED, read_body
 
 READ_METHODS = "GET, HEAD, OPTIONS"
 

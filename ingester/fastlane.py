@@ -11,7 +11,7 @@ FastLaneHandler is aiohttp's RequestHandler with one addition: a plain append
 
 that begins while aiohttp has nothing in progress on the connection is parsed with httptools
 and answered from a callback on its group commit: the same validation
-(ingester.http.append_request), the same answers (append_answer, shared.web.error_response),
+(ingester.http.append_request), the same answers (append_answer, shared.http.handlers.error_response),
 the same headers, metrics and limits, without a task or a Request object.
 
 Everything else is aiohttp's, byte for byte. Bytes received wait in one buffer, in arrival
@@ -49,12 +49,12 @@ from ingester.http import append_answer, append_request
 from ingester.service import SERVICE, IngesterService
 from shared import extensions, logs
 from shared import protocol as P
-from shared.authmw import AUTH, INTERNAL_HEADER
 from shared.errors import DS3Error, RequestTimeout
-from shared.limitmw import LIMITS, Limits
+from shared.http.auth import AUTH, INTERNAL_HEADER
+from shared.http.handlers import BODY_TIMEOUT, error_response, stream_path_of
+from shared.http.limits import LIMITS, Limits
+from shared.http.metrics import METRICS, HttpMetrics
 from shared.limits import client_address, client_identity
-from shared.metrics import METRICS, HttpMetrics
-from shared.web import BODY_TIMEOUT, error_response, stream_path_of
 
 log = logging.getLogger("ds3.http")
 access_log = logging.getLogger("ds3.access")
@@ -422,7 +422,7 @@ class FastLaneHandler(RequestHandler):
             self._answer_failure(e, url, rid, started)
 
     def _answer_failure(self, e: Exception, url: bytes, rid: str, started: float) -> None:
-        """A refusal (DS3Error) as shared.web.error_response has it; anything else is a 500, logged."""
+        """A refusal (DS3Error) as shared.http.handlers.error_response has it; anything else is a 500, logged."""
         if isinstance(e, DS3Error):
             r = error_response(e)
             self._answer(r.status, dict(r.headers), r.body if isinstance(r.body, bytes) else b"", rid, started)

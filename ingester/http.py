@@ -19,7 +19,14 @@ from shared import extensions, jsonmode, offsets, sse
 from shared import protocol as P
 from shared.buckets import fork_source_path
 from shared.errors import BadRequest, Gone, NotFound
-from shared.web import live_mode, method_not_allowed, preflight, read_body, start_offset, stream_path_of
+from shared.http.handlers import (
+    live_mode,
+    method_not_allowed,
+    preflight,
+    read_body,
+    start_offset,
+    stream_path_of,
+)
 
 log = logging.getLogger("ds3.http")
 PUBLIC_CACHE: Final = "public, max-age=60, stale-while-revalidate=300"

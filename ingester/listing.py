@@ -23,7 +23,7 @@ Bucketed streams are keyed `\\x00b/...` and plain paths never start with a contr
 (protocol.validate_stream_path), so the plain-stream scan starts at b"\\x01" at the lowest and
 never walks over bucketed keys.
 
-Visibility follows the read rules (shared/auth.py): a stream or bucket that is private (a
+Visibility follows the read rules (shared/auth/policy.py): a stream or bucket that is private (a
 --private grant covers it) is listed only for a caller whose token may read it. Readers
 forward the caller's Authorization header; a bad token is 401 as on every other route."""
 
@@ -50,9 +50,9 @@ from ingester.records import StreamMeta
 from ingester.service import SERVICE, IngesterService
 from ingester.wal import WalEnv
 from shared import protocol as P
-from shared.auth import Principal, Target
-from shared.authmw import AUTH
-from shared.web import preflight
+from shared.auth.policy import Principal, Target
+from shared.http.auth import AUTH
+from shared.http.handlers import preflight
 
 STREAMS_PATH: Final = "/ds3/streams"
 BUCKETS_PATH: Final = "/ds3/buckets"

@@ -1,5 +1,5 @@
 """The ingester's metrics and readiness checks, read from its components when scraped or
-probed (shared/metrics.py, shared/health.py)."""
+probed (shared/http/metrics.py, shared/http/health.py)."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ from prometheus_client.metrics_core import CounterMetricFamily, Metric
 from ingester.fastlane import FAST_LANE
 from ingester.service import SERVICE, IngesterService
 from shared.config import IngesterConfig
-from shared.health import READINESS, store_check
-from shared.limitmw import LIMITS
-from shared.metrics import AppMetrics, StoreCollector, counter, gauge
+from shared.http.health import READINESS, store_check
+from shared.http.limits import LIMITS
+from shared.http.metrics import AppMetrics, StoreCollector, counter, gauge
 from shared.objectstore.base import ObjectStore
 
 

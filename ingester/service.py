@@ -36,7 +36,7 @@ from shared import offsets
 from shared.chunkstore import ChunkReader
 from shared.config import IngesterConfig
 from shared.errors import BadRequest
-from shared.metrics import LoopHistogram
+from shared.http.metrics import LoopHistogram
 from shared.objectstore import LocalStore, ObjectStore, open_store
 from shared.protocol import is_json
 

@@ -15,22 +15,22 @@ from reader.http import add_routes, read_page
 from reader.proxy import IngesterClient
 from reader.sealed import SealedLocator
 from reader.state import READER, ReaderState
-from shared import accessmw, authmw, limitmw
 from shared import protocol as P
 from shared.chunkstore import ChunkReader
 from shared.config import ReaderConfig
+from shared.http import access, auth, limits
+from shared.http.handlers import common_headers, errors_middleware
 from shared.objectstore import open_store
-from shared.web import common_headers, errors_middleware
 
 
 def create_app(config: ReaderConfig) -> web.Application:
     app = web.Application(middlewares=[errors_middleware], client_max_size=config.max_body_bytes)
     worker = workers.identity()  # one of `ds3 reader --workers N`: /metrics answers for all of them
     # request ids, access log, /metrics, /healthz, /readyz (outermost)
-    metrics = accessmw.install(app, worker_metrics.handler(worker) if worker is not None else None)
+    metrics = access.install(app, worker_metrics.handler(worker) if worker is not None else None)
     reader_metrics.install(app, metrics)
-    authmw.install(app, config.auth, accepts_internal=False)  # before the limits: they count per token subject
-    limitmw.install(app, config.limits)
+    auth.install(app, config.auth, accepts_internal=False)  # before the limits: they count per token subject
+    limits.install(app, config.limits)
 
     async def clients_ctx(app: web.Application) -> AsyncIterator[None]:
         objects = open_store(config.store, s3_endpoint=config.s3_endpoint)

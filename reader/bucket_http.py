@@ -12,7 +12,7 @@ from reader.proxy import IngesterClient, to_response
 from reader.state import READER
 from shared import buckets as B
 from shared import extensions
-from shared.web import method_not_allowed, preflight, read_body
+from shared.http.handlers import method_not_allowed, preflight, read_body
 
 
 async def handle(request: web.Request) -> web.StreamResponse:

@@ -19,7 +19,7 @@ from aiohttp import web
 
 from reader.proxy import IngesterClient, to_response
 from reader.state import READER
-from shared.web import preflight
+from shared.http.handlers import preflight
 
 STATIC_DIR: Final = Path(__file__).resolve().parent / "console"
 FILES: Final = {

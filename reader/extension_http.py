@@ -22,7 +22,7 @@ from shared.buckets import url_path
 from shared.descriptor import Descriptor
 from shared.errors import BadRequest, Gone, NotFound, ObjectNotFound, Unavailable
 from shared.extensions import BOOTSTRAP, Endpoint
-from shared.web import PREPARED, read_body
+from shared.http.handlers import PREPARED, read_body
 
 log = logging.getLogger("ds3.reader")
 

@@ -31,8 +31,7 @@ from shared.errors import (
     Retained,
     Unavailable,
 )
-from shared.objectstore import MappedRange
-from shared.web import (
+from shared.http.handlers import (
     IMMUTABLE,
     PREPARED,
     live_mode,
@@ -42,6 +41,7 @@ from shared.web import (
     start_offset,
     stream_path_of,
 )
+from shared.objectstore import MappedRange
 
 log = logging.getLogger("ds3.reader")
 START_URL_CACHE: Final = "public, max-age=60, stale-while-revalidate=300"

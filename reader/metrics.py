@@ -1,5 +1,5 @@
 """The reader's metrics and readiness checks, read from its state when scraped or probed
-(shared/metrics.py, shared/health.py). The counters are the ones the reader keeps anyway;
+(shared/http/metrics.py, shared/http/health.py). The counters are the ones the reader keeps anyway;
 their names predate prometheus-client here and tests rely on them."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from aiohttp import web
 from prometheus_client.metrics_core import Metric
 
 from reader.state import READER
-from shared.health import READINESS, store_check
-from shared.limitmw import LIMITS
-from shared.metrics import AppMetrics, StoreCollector, counter, gauge
+from shared.http.health import READINESS, store_check
+from shared.http.limits import LIMITS
+from shared.http.metrics import AppMetrics, StoreCollector, counter, gauge
 from shared.objectstore.base import ObjectStore
 
 INGESTER_PROBE_TIMEOUT = aiohttp.ClientTimeout(total=2)

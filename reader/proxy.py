@@ -18,10 +18,10 @@ from multidict import CIMultiDict
 from yarl import URL
 
 from reader.singleflight import SingleFlight
-from shared.authmw import INTERNAL_HEADER
 from shared.errors import Unavailable
+from shared.http.auth import INTERNAL_HEADER
+from shared.http.handlers import PREPARED
 from shared.logs import REQUEST_ID_HEADER, request_id
-from shared.web import PREPARED
 
 log = logging.getLogger("ds3.reader.proxy")
 
@@ -29,7 +29,7 @@ log = logging.getLogger("ds3.reader.proxy")
 DROP_REQUEST: Final = frozenset(
     {"host", "connection", "keep-alive", "proxy-connection", "te", "trailer", "transfer-encoding",
      "upgrade", "content-length", "accept-encoding", INTERNAL_HEADER.lower(),
-     REQUEST_ID_HEADER.lower()}  # replaced by the id this reader accepted or made (shared.accessmw)
+     REQUEST_ID_HEADER.lower()}  # replaced by the id this reader accepted or made (shared.http.access)
 )
 DROP_RESPONSE: Final = frozenset(
     {"connection", "keep-alive", "transfer-encoding", "content-length", "date", "server", "trailer"}

@@ -25,7 +25,7 @@ from prometheus_client.registry import Collector
 from prometheus_client.samples import Sample
 
 from reader.workers import WorkerIdentity
-from shared.metrics import METRICS
+from shared.http.metrics import METRICS
 
 SCRAPE_TIMEOUT = 2.0
 
@@ -70,7 +70,7 @@ async def _sibling_text(me: WorkerIdentity, index: int) -> str:
 
 def handler(me: WorkerIdentity) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
     """GET /metrics for worker `me`: every worker's series, labelled (see the module doc)."""
-    from shared.metrics import metrics_handler
+    from shared.http.metrics import metrics_handler
 
     async def gather(request: web.Request) -> web.StreamResponse:
         if request.query.get("scope") == "worker":

@@ -38,10 +38,10 @@ def _need(ok: bool, setting: str, why: str) -> None:
 
 @dataclass(frozen=True, slots=True)
 class AuthConfig:
-    """Access control (shared/auth.py; README "Deploying with auth"). Auth is on when any
+    """Access control (shared/auth/policy.py; README "Deploying with auth"). Auth is on when any
     credential source is set: then writes need a bearer token with write scope, and reads
     of `private` prefixes/buckets need one with read scope. The files and keys are loaded
-    (and checked) by shared.auth.Authenticator at start."""
+    (and checked) by shared.auth.policy.Authenticator at start."""
 
     tokens_file: Path | None = None  # JSON list of static tokens with their scopes
     tokens: str | None = None  # the same JSON, inline (DS3_TOKENS)

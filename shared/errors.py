@@ -1,5 +1,5 @@
 """Domain errors. One function maps them to HTTP statuses for both services:
-shared.web.error_response (the status each class names below)."""
+shared.http.handlers.error_response (the status each class names below)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Per-client limits, pure: token buckets for write and create rates, live-connection
-counts, and who the client is. The aiohttp glue is shared/limitmw.py."""
+counts, and who the client is. The aiohttp glue is shared/http/limits.py."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ pipelines), and the request id of the request being handled.
     {"ts": "2025-01-01T12:00:00.123Z", "level": "info", "logger": "ds3.access",
      "msg": "POST /v1/stream/a 204 1.9ms 0B", "request_id": "5f0c...", "method": "POST", ...}
 
-The request id lives in a context variable set by shared.accessmw for the duration of a
+The request id lives in a context variable set by shared.http.access for the duration of a
 request, so every record logged while handling it (by any module) carries it, and tasks a
 request starts (an SSE upstream subscription) inherit it."""
 

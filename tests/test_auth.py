@@ -28,7 +28,8 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from jwt.algorithms import ECAlgorithm, RSAAlgorithm
 
-from shared.auth import (
+from shared.auth.authenticate import Authenticator
+from shared.auth.policy import (
     Grant,
     Policy,
     Principal,
@@ -38,7 +39,6 @@ from shared.auth import (
     parse_grant,
     target_of,
 )
-from shared.authn import Authenticator
 from shared.config import AuthConfig, ConfigError
 from shared.errors import Forbidden, Unauthorized
 from tests.cluster import Cluster, StoreView, await_for, reader_metrics

@@ -1,4 +1,4 @@
-"""shared/errors.py says which HTTP status each domain error becomes; shared.web.error_response
+"""shared/errors.py says which HTTP status each domain error becomes; shared.http.handlers.error_response
 is where that happens. They must agree (the docstring of ObjectStoreError said 500 while
 error_response sent 502)."""
 
@@ -8,7 +8,7 @@ import inspect
 import re
 
 from shared import errors
-from shared.web import error_response
+from shared.http.handlers import error_response
 
 
 def _example(cls: type[errors.DS3Error]) -> errors.DS3Error:

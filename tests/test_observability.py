@@ -25,7 +25,7 @@ from prometheus_client.registry import Collector
 
 from shared import logs
 from shared.config import AuthConfig
-from shared.metrics import LATENCY_BUCKETS, ROUTES, LoopHistogram, route_of
+from shared.http.metrics import LATENCY_BUCKETS, ROUTES, LoopHistogram, route_of
 from tests.cluster import Cluster, StoreView, append, create, parse_metrics, read_pages, scrape, wait_for
 from tests.tcpgate import TcpGate
 

@@ -1,6 +1,6 @@
 """Access control: who may read and write which streams. Pure, apart from reading the token
-file at start; signature checks are pyjwt's (shared/jwtauth.py), the HTTP glue is
-shared/authmw.py.
+file at start; signature checks are pyjwt's (shared/auth/jwt_verify.py), the HTTP glue is
+shared/http/auth.py.
 
 Grants name what a token may touch, in the `ds3` claim of a JWT, a `scope` string, a static
 token's entry, and the `--private` setting alike:

@@ -2,7 +2,7 @@
 live connections per client (429 beyond), and a watchdog that drops connections whose
 client stopped taking what we send (an SSE reader that stopped reading, a stuck download).
 
-Request bodies have their own deadline (shared.web.read_body, 408); the request head is
+Request bodies have their own deadline (shared.http.handlers.read_body, 408); the request head is
 bounded by aiohttp's keep-alive timeout, which runs until a whole head has arrived."""
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ from typing import Any, Final
 
 from aiohttp import web
 
-from shared.authmw import INTERNAL, caller_of
 from shared.config import LimitsConfig
 from shared.errors import TooManyRequests
+from shared.http.auth import INTERNAL, caller_of
+from shared.http.handlers import BODY_TIMEOUT
 from shared.limits import LiveCounts, TokenBuckets, client_address, client_identity, parse_networks
-from shared.web import BODY_TIMEOUT
 
 log = logging.getLogger("ds3.limits")
 

@@ -20,11 +20,12 @@ from typing import Final
 
 from aiohttp import web
 
-from shared import health, logs
-from shared.authmw import caller_of
-from shared.limitmw import LIMITS
+from shared import logs
+from shared.http import health
+from shared.http.auth import caller_of
+from shared.http.limits import LIMITS
+from shared.http.metrics import METRICS, AppMetrics, metrics_handler, route_of
 from shared.limits import client_address
-from shared.metrics import METRICS, AppMetrics, metrics_handler, route_of
 
 access_log = logging.getLogger("ds3.access")
 REQUEST_ID: Final = web.RequestKey("ds3_request_id", str)

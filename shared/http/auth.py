@@ -1,5 +1,5 @@
 """Access control for aiohttp apps (ingester and reader alike): a middleware that
-authenticates the caller and applies the policy (shared/auth.py), and a response hook that
+authenticates the caller and applies the policy (shared/auth/policy.py), and a response hook that
 keeps private responses out of shared caches.
 
 A reader checks its callers itself and forwards their Authorization header, so the
@@ -17,8 +17,8 @@ from typing import Final
 from aiohttp import web
 
 from shared import protocol as P
-from shared.auth import INTERNAL_PREFIX, Principal, fork_source_target, target_of
-from shared.authn import Authenticator
+from shared.auth.authenticate import Authenticator
+from shared.auth.policy import INTERNAL_PREFIX, Principal, fork_source_target, target_of
 from shared.config import AuthConfig
 from shared.errors import Unauthorized
 

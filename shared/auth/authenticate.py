@@ -9,10 +9,10 @@ import hmac
 import time
 from typing import Final
 
-from shared.auth import Policy, Principal, StaticTokens, grants_from_claims, load_static_tokens
+from shared.auth.jwt_verify import JwtVerifier
+from shared.auth.policy import Policy, Principal, StaticTokens, grants_from_claims, load_static_tokens
 from shared.config import AuthConfig
 from shared.errors import Unauthorized
-from shared.jwtauth import JwtVerifier
 
 CACHE_SECONDS: Final = 60.0
 CACHE_MAX: Final = 10_000
