@@ -227,15 +227,19 @@ def ds3_long_poll_args(long_poll_ms: int) -> list[str]:
     return [opt, f"{long_poll_ms / 1000:g}"]
 
 
-def ds3_server(work: Path, long_poll_ms: int, extra: list[str]) -> Server:
+def ds3_server(work: Path, long_poll_ms: int, extra: list[str], via: str = "ingester") -> Server:
+    """`ds3 ingester` alone, or (via="dev") `ds3 dev`: the URL a new user is given, its public
+    port being the reader (workers: the CPU count) in front of the ingester. Its CPU counts every
+    process of the tree; per-client limits are off (the load comes from one address)."""
     data = Path(tempfile.mkdtemp(prefix="ds3-data-", dir=work))
     port = free_port()
-    cmd = [str(DS3), "ingester", "--host", "127.0.0.1", "--port", str(port), "--data-dir", str(data)]
+    cmd = [str(DS3), via, "--host", "127.0.0.1", "--port", str(port), "--data-dir", str(data)]
     cmd += ds3_long_poll_args(long_poll_ms) + extra
+    env = {"DS3_WRITE_RATE": "0", "DS3_CREATE_RATE": "0", "DS3_MAX_LIVE_PER_CLIENT": "0"} if via == "dev" else {}
     return Server(
         name="ds3",
         cmd=cmd,
-        env={},
+        env=env,
         cwd=ROOT,
         data_dir=data,
         log_path=work / "ds3.log",
@@ -732,7 +736,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="load generator's HTTP client: raw (node:net, cheapest) or http (node:http keep-alive Agent)",
     )
     ap.add_argument("--no-ceiling", action="store_true", help="skip the load-generator ceiling check")
-    ap.add_argument("--ds3-arg", action="append", default=[], help="extra argument for `ds3 ingester`")
+    ap.add_argument("--ds3-arg", action="append", default=[], help="extra argument for `ds3 ingester` / `ds3 dev`")
+    ap.add_argument("--via", choices=("ingester", "dev"), default="ingester",
+                    help="ds3 as `ds3 ingester` alone (default) or as `ds3 dev`, through its public port (the "
+                         "reader in front of the ingester, as users get it)")
     ap.add_argument(
         "--data-root",
         type=Path,
@@ -792,6 +799,7 @@ def main(argv: list[str]) -> int:
             "quick": p.quick,
             "rounds": p.rounds,
             "client": p.client,
+            "ds3_via": p.via,
         },
         "servers": {},
         "skipped": problems,
@@ -824,7 +832,7 @@ def main(argv: list[str]) -> int:
                 server = (
                     reference_server(work, p.long_poll_ms)
                     if name == "reference"
-                    else ds3_server(work, p.long_poll_ms, p.ds3_arg)
+                    else ds3_server(work, p.long_poll_ms, p.ds3_arg, p.via)
                 )
                 try:
                     runs[name].append(bench_server(server, p, work))
