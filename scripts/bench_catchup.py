@@ -27,10 +27,8 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +36,8 @@ import aiohttp
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from benchlib import best_of  # noqa: E402
 
 from shared import chunks  # noqa: E402
 from tests.cluster import Cluster, StoreView, wait_for  # noqa: E402
@@ -106,18 +106,6 @@ class MotoProcess(MotoS3):
     def stop(self) -> None:
         self._proc.terminate()
         self._proc.wait(10)
-
-
-def best_of(runs: int, f: Callable[[], Any]) -> tuple[float, Any]:
-    best: tuple[float, Any] | None = None
-    for _ in range(runs):
-        t = time.perf_counter()
-        out = f()
-        took = time.perf_counter() - t
-        if best is None or took < best[0]:
-            best = (took, out)
-    assert best is not None
-    return best
 
 
 async def ranged_gets(urls: list[tuple[str, int, int]]) -> int:

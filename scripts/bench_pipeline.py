@@ -25,15 +25,15 @@ import json
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
 
 import aiohttp
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from benchlib import best_of  # noqa: E402
 
 from tests.cluster import Cluster, StoreView, wait_for  # noqa: E402
 from tests.s3server import MotoS3, aws_test_env  # noqa: E402
@@ -73,18 +73,6 @@ async def http_read(url: str) -> tuple[int, int]:
                 offset = r.headers["Stream-Next-Offset"]
                 if r.headers.get("Stream-Up-To-Date") == "true":
                     return size, pages
-
-
-def best_of(runs: int, f: Callable[[], Any]) -> tuple[float, Any]:
-    best: tuple[float, Any] | None = None
-    for _ in range(runs):
-        t = time.perf_counter()
-        out = f()
-        took = time.perf_counter() - t
-        if best is None or took < best[0]:
-            best = (took, out)
-    assert best is not None
-    return best
 
 
 def main() -> None:

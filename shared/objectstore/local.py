@@ -19,11 +19,11 @@ import logging
 import mmap
 import os
 import tempfile
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import BinaryIO, Final, Self
+from typing import BinaryIO, Final, Self, TypeVar
 
 from shared.errors import ObjectNotFound, ObjectStoreError, ObjectStoreUnavailable, PreconditionFailed
 
@@ -39,6 +39,7 @@ from .base import (
 )
 
 log = logging.getLogger(__name__)
+_R = TypeVar("_R")
 
 XATTR_CONTENT_TYPE: Final = "user.ds3.content_type"
 # Errors that a later retry may fix (full disk, I/O trouble); anything else is a bug or config.
@@ -247,17 +248,22 @@ class LocalStore:
 
     # ------------------------------------------------------------ reads
     async def get(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
+        data = await self._read(key, start, end, self._read_sync)
+        self.counters.bytes_in += len(data)
+        return data
+
+    async def _read(self, key: str, start: int | None, end: int | None,
+                    read: Callable[[Path, int, int | None], _R]) -> _R:
+        """`read(path, lo, hi)` on a thread, counted, with the store's errors."""
         path = self._path(key)
         lo, hi = check_range(start, end)
         self.counters.gets += 1
         try:
-            data = await asyncio.to_thread(self._read_sync, path, lo, hi)
+            return await asyncio.to_thread(read, path, lo, hi)
         except OSError as exc:
             if not isinstance(exc, _MISSING):
                 self.counters.errors += 1
             raise _converted(key, exc) from exc
-        self.counters.bytes_in += len(data)
-        return data
 
     @staticmethod
     def _read_sync(path: Path, lo: int, hi: int | None) -> bytes:
@@ -304,15 +310,7 @@ class LocalStore:
             f.close()
 
     async def map_range(self, key: str, start: int, end: int) -> MappedRange:
-        path = self._path(key)
-        lo, hi = check_range(start, end)
-        self.counters.gets += 1
-        try:
-            mapped = await asyncio.to_thread(self._map, path, lo, hi)
-        except OSError as exc:
-            if not isinstance(exc, _MISSING):
-                self.counters.errors += 1
-            raise _converted(key, exc) from exc
+        mapped = await self._read(key, start, end, self._map)
         self.counters.bytes_in += len(mapped)
         return mapped
 
