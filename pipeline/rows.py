@@ -13,8 +13,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import pyarrow as pa  # type: ignore[import-untyped]
 
+from pipeline import columnar
 from pipeline.catalog import ChunkRef
 from shared import chunks, jsonmode, offsets, protocol
 
@@ -86,7 +88,33 @@ class _Columns:
 
 
 def chunk_batch(target: Target, ref: ChunkRef, obj: bytes) -> pa.RecordBatch:
-    """The wanted messages of one chunk object (`obj`: the whole object)."""
+    """The wanted messages of one chunk object (`obj`: the whole object): columnar
+    (pipeline/columnar.py) where it applies, else message by message (chunk_batch_rows)."""
+    cols = columnar.chunk_columns(
+        obj, chunk=ref.chunk, start_offset=ref.start_offset, cap=ref.end, lo=target.lo, hi=target.hi,
+        json_mode=protocol.is_json(target.content_type), text=has_text(target.content_type))
+    if cols is None:
+        return chunk_batch_rows(target, ref, obj)
+    head = chunks.parse_prelude(obj)
+    header = chunks.ChunkHeader.from_json(bytes(obj[chunks.PRELUDE_SIZE:chunks.PRELUDE_SIZE + head.header_length]))
+    if header.chunk != ref.chunk or header.start != ref.start:
+        raise chunks.ChunkFormatError(f"{ref.key}: header names chunk {header.chunk} at "
+                                      f"{header.start}, expected {ref.chunk} at {ref.start}")
+    n = len(cols)
+    sealed_us = int(header.created_at * 1_000_000)
+    arrays = [
+        pa.repeat(pa.scalar(target.stream, pa.string()), n), cols.offset, cols.next_offset, cols.message,
+        cols.value if cols.value is not None else pa.nulls(n, pa.string()),
+        pa.repeat(pa.scalar(target.content_type, pa.string()), n),
+        pa.array(np.full(n, ref.chunk, dtype=np.int64)), pa.array(cols.position),
+        pa.repeat(pa.scalar(target.bucket, pa.string()), n),
+        pa.array(np.full(n, sealed_us, dtype=np.int64)).cast(pa.timestamp("us", tz="UTC")),
+    ]
+    return pa.RecordBatch.from_arrays(arrays, schema=ARROW_SCHEMA)
+
+
+def chunk_batch_rows(target: Target, ref: ChunkRef, obj: bytes) -> pa.RecordBatch:
+    """chunk_batch message by message (the reference the columnar path is tested against)."""
     head, records = chunks.decode_chunk(obj)
     if head.header.chunk != ref.chunk or head.header.start != ref.start:
         raise chunks.ChunkFormatError(f"{ref.key}: header names chunk {head.header.chunk} at "
