@@ -21,6 +21,7 @@ def spark_session(master: str = "local[*]", app_name: str = "ds3-pipeline",
         .config("spark.ui.enabled", "false")
         .config("spark.sql.session.timeZone", "UTC")
         .config("spark.python.worker.reuse", "true")
+        .config("spark.sql.python.filterPushdown.enabled", "true")  # offset filters prune chunks
     )
     for k, v in (conf or {}).items():
         builder = builder.config(k, v)

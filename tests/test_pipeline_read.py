@@ -201,3 +201,30 @@ def test_errors_reach_the_spark_user(pipeline_env: PipelineEnv, spark: Any) -> N
         spark.read.format("ds3").option("store", "ftp://x").option("stream", "a").load().collect()
     with pytest.raises(Exception, match="stream 'nope' not found"):
         pipeline_env.read(spark, stream="nope").collect()
+
+
+def test_offset_filters_prune_chunks_at_planning(pipeline_env: PipelineEnv, spark: Any) -> None:
+    """`offset >= X` (and <, <=, >, =) in a query prunes the chunk objects that cannot hold such
+    rows before any task runs; the rows are those of filtering the whole stream."""
+    from pyspark.sql import functions as F
+    from pyspark.sql.datasource import GreaterThanOrEqual, LessThan
+
+    from pipeline.source import DS3PruningReader
+
+    env = pipeline_env
+    write_closed(env, "/v1/stream/pruned", "pruned", JSON, json_bodies(100, 9))
+    everything = sorted_rows(env, spark, stream="pruned")
+    lo, hi = everything[len(everything) // 3].offset, everything[2 * len(everything) // 3].offset
+    df = env.read(spark, stream="pruned").filter((F.col("offset") >= lo) & (F.col("offset") < hi))
+    got = [r.offset for r in df.orderBy("position").collect()]
+    assert got == [r.offset for r in everything if lo <= r.offset < hi] and got
+
+    def chunks_planned(*filters: Any) -> int:
+        reader = DS3PruningReader(ReadOptions.parse(env.source_options(stream="pruned")))
+        assert list(reader.pushFilters(list(filters))) == list(filters)  # Spark still checks every row
+        return sum(len(getattr(p, "items", ())) for p in reader.partitions())
+
+    whole = chunks_planned()
+    middle = chunks_planned(GreaterThanOrEqual(("offset",), lo), LessThan(("offset",), hi))
+    assert whole > 3 and 0 < middle < whole * 0.6, (whole, middle)
+    assert chunks_planned(GreaterThanOrEqual(("offset",), "9" * 33)) == 0
