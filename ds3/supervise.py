@@ -130,9 +130,9 @@ def run_dev(
             return _supervise(children, lambda: stopping)
         log.info("ds3 dev ready on http://%s:%d (no auth: local development only; data in %s)",
                  host, port, data_dir)
-        log.info("auth is off: anyone who can reach the port may write and delete. To require tokens, run "
-                 "`ds3 ingester` and `ds3 reader` with --tokens-file, --jwt-secret, --jwks-file or --jwks-url "
-                 "(README: Deploying with auth)")
+        log.info("auth is off: anyone who can reach the port may write and delete. To require tokens, set "
+                 "DS3_TOKENS_FILE, DS3_JWT_SECRET, DS3_JWKS_FILE or DS3_JWKS_URL (for `ds3 dev` too; "
+                 "README: Deploying with auth)")
         return _supervise(children, lambda: stopping)
     finally:
         for child in reversed(children):

@@ -605,7 +605,7 @@ def test_dev_says_auth_is_off(tmp_path: Path) -> None:
             time.sleep(0.1)
         time.sleep(0.2)
         text = log.read_text()
-        assert "auth is off" in text and "--jwt-secret" in text, text
+        assert "auth is off" in text and "DS3_JWT_SECRET" in text, text
         # and it is zero-config: anyone may write
         import urllib.request
 
