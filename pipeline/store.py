@@ -15,6 +15,7 @@ each process), so it can ride inside Spark input partitions.
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -87,6 +88,26 @@ class LocalSyncStore:
         return iter(found)
 
 
+_CLIENTS: dict[tuple[str | None, ...], Any] = {}
+_CLIENTS_LOCK = threading.Lock()
+
+
+def _new_client(endpoint: str | None, region: str | None, access_key_id: str | None,
+                secret_access_key: str | None, session_token: str | None) -> Any:
+    import boto3  # type: ignore[import-untyped]
+    from botocore.config import Config
+
+    config = Config(
+        s3={"addressing_style": "path"} if endpoint else {},
+        retries={"max_attempts": 8, "mode": "adaptive"},
+        max_pool_connections=32,
+    )
+    return boto3.session.Session().client(
+        "s3", endpoint_url=endpoint, region_name=region, config=config, aws_access_key_id=access_key_id,
+        aws_secret_access_key=secret_access_key, aws_session_token=session_token,
+    )
+
+
 @dataclass
 class S3SyncStore:
     """An `s3://bucket/prefix` store through boto3. Path-style addressing with a custom
@@ -113,21 +134,14 @@ class S3SyncStore:
 
     def client(self) -> Any:
         if self._client is None:
-            import boto3  # type: ignore[import-untyped]
-            from botocore.config import Config
-
             endpoint = (self.endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3")
                         or os.environ.get("AWS_ENDPOINT_URL"))
-            config = Config(
-                s3={"addressing_style": "path"} if endpoint else {},
-                retries={"max_attempts": 8, "mode": "adaptive"},
-                max_pool_connections=32,
-            )
-            self._client = boto3.session.Session().client(
-                "s3", endpoint_url=endpoint, region_name=self.region, config=config,
-                aws_access_key_id=self.access_key_id, aws_secret_access_key=self.secret_access_key,
-                aws_session_token=self.session_token,
-            )
+            key = (endpoint, self.region, self.access_key_id, self.secret_access_key, self.session_token)
+            with _CLIENTS_LOCK:  # one client per process and settings: each unpickled store would
+                client = _CLIENTS.get(key)  # otherwise build its own (about 90 ms: a session loads
+                if client is None:  # the S3 service model), once per Spark partition
+                    client = _CLIENTS[key] = _new_client(*key)
+            self._client = client
         return self._client
 
     def get(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
