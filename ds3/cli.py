@@ -315,12 +315,13 @@ def reader(**kw: Any) -> None:
         _raise_fd_limit()
         sys.exit(supervise(sys.argv[sys.argv.index("reader") + 1:], config.workers))
     from reader.app import create_app
+    from reader.forwardlane import ForwardLaneRunner
 
     app = _build(create_app, config)
     if me is None:
-        _run(app, config.host, config.port, "ds3 reader", config)
+        _run(app, config.host, config.port, "ds3 reader", config, ForwardLaneRunner)
     else:
-        _run(app, config.host, config.port, f"ds3 reader worker {me.index}", config,
+        _run(app, config.host, config.port, f"ds3 reader worker {me.index}", config, ForwardLaneRunner,
              reuse_port=True, unix_path=str(me.socket_path(me.index)))
 
 

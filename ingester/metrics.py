@@ -9,7 +9,7 @@ import lmdb
 from aiohttp import web
 from prometheus_client.metrics_core import CounterMetricFamily, Metric
 
-from ingester.fastlane import FAST_LANE
+from ingester.fastlane import served
 from ingester.service import SERVICE, IngesterService
 from shared.config import IngesterConfig
 from shared.http.health import READINESS, store_check
@@ -38,10 +38,10 @@ def collect(app: web.Application) -> Iterator[Metric]:
         return
     committer = svc.committer
     yield from svc.append_seconds.collect()
-    lane = app.get(FAST_LANE)
-    if lane is not None:
+    lane_served = served(app)
+    if lane_served is not None:
         yield counter("ds3_http_fast_lane_appends", "Appends answered by the fast lane (ingester/fastlane.py), "
-                      "not by aiohttp's handlers.", lane.served)
+                      "not by aiohttp's handlers.", lane_served)
     yield counter("ds3_wal_commits", "Group commits (durable write transactions).", committer.batches)
     yield counter("ds3_wal_operations", "Write operations committed (appends, creates, seals, ...).", committer.ops)
     yield from committer.batch_sizes.collect()

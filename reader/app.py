@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator
 
 import aiohttp
@@ -15,12 +16,15 @@ from reader.http import add_routes, read_page
 from reader.proxy import IngesterClient
 from reader.sealed import SealedLocator
 from reader.state import READER, ReaderState
+from reader.upstream import UpstreamPool
 from shared import protocol as P
 from shared.chunkstore import ChunkReader
 from shared.config import ReaderConfig
 from shared.http import access, auth, limits
 from shared.http.handlers import common_headers, errors_middleware
 from shared.objectstore import open_store
+
+log = logging.getLogger("ds3.reader")
 
 
 def create_app(config: ReaderConfig) -> web.Application:
@@ -53,8 +57,14 @@ def create_app(config: ReaderConfig) -> web.Application:
             sse=LiveHub(ingester, page, config.sse_max_seconds, config.long_poll_timeout,
                        P.tail_cache_control(config.tail_max_age)),
         )
+        try:
+            state.upstream = UpstreamPool(config.ingester, read_timeout=config.long_poll_timeout + 30)
+        except ValueError as e:
+            log.info("%s; forwarding goes through aiohttp's client", e)
         yield
         state.sse.stop()
+        if state.upstream is not None:
+            await state.upstream.close()
         await session.close()
         await objects.close()
 

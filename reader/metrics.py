@@ -12,6 +12,7 @@ from prometheus_client.metrics_core import Metric
 
 from reader.state import READER
 from shared.http.health import READINESS, store_check
+from shared.http.lane import LANE
 from shared.http.limits import LIMITS
 from shared.http.metrics import AppMetrics, StoreCollector, counter, gauge
 from shared.objectstore.base import ObjectStore
@@ -29,6 +30,13 @@ def collect(app: web.Application) -> Iterator[Metric]:
                   st.forwarded)
     yield counter("ds3_reader_ingester_requests", "Requests sent to the ingester (after collapsing; SSE "
                   "subscriptions and TTL renewals included).", st.ingester.requests)
+    lane = app.get(LANE)
+    if lane is not None:
+        yield counter("ds3_http_fast_lane_requests", "Appends and HEADs forwarded by the fast lane "
+                      "(reader/forwardlane.py), not by aiohttp's handlers.", lane.served)
+        if st.upstream is not None:
+            yield gauge("ds3_reader_lane_upstream_connections", "The fast lane's open connections to the ingester.",
+                        st.upstream.connections)
     yield counter("ds3_reader_collapsed", "Requests that shared another client's upstream request.",
                   st.ingester.collapsed)
     yield counter("ds3_reader_sse_shared", "SSE clients that joined an existing upstream subscription.",

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import Final
 
@@ -40,6 +40,9 @@ DROP_RESPONSE: Final = frozenset(
 SKIP_AUTO: Final = frozenset({"Content-Type", "User-Agent", "Accept", "Accept-Encoding"})
 
 
+Headers = Mapping[str, str]  # a request's headers: a dict, or a CIMultiDict with repeats
+
+
 @dataclass(frozen=True, slots=True)
 class Upstream:
     status: int
@@ -67,26 +70,28 @@ class IngesterClient:
         self.collapsed = 0
 
     @staticmethod
-    def _request_headers(request: web.Request) -> dict[str, str]:
-        """The caller's headers (its Authorization included: the ingester checks writes again),
-        with the caller's address added to X-Forwarded-For as proxies do."""
-        out = {k: v for k, v in request.headers.items() if k.lower() not in DROP_REQUEST}
+    def _request_headers(request: web.Request) -> Headers:
+        """The caller's headers as sent, repeated ones included (its Authorization too: the
+        ingester checks writes again), with the caller's address added to X-Forwarded-For as
+        proxies do."""
+        out = CIMultiDict((k, v) for k, v in request.headers.items() if k.lower() not in DROP_REQUEST)
         if request.remote:
             prior = request.headers.get("X-Forwarded-For")
-            out = {k: v for k, v in out.items() if k.lower() != "x-forwarded-for"}
+            out.popall("X-Forwarded-For", None)
             out["X-Forwarded-For"] = f"{prior}, {request.remote}" if prior else request.remote
         return out
 
-    def upstream_headers(self, headers: dict[str, str]) -> dict[str, str]:
+    def upstream_headers(self, headers: Headers) -> CIMultiDict[str]:
         """`headers` plus the internal token and the request id of the request being served
         (a shared upstream request carries the id of the request that started it)."""
-        out = {**headers, **self.internal_headers}
+        out = CIMultiDict(headers)
+        out.update(self.internal_headers)
         rid = request_id()
         if rid is not None:
             out[REQUEST_ID_HEADER] = rid
         return out
 
-    async def call(self, method: str, path_qs: str, headers: dict[str, str], body: bytes | None) -> Upstream:
+    async def call(self, method: str, path_qs: str, headers: Headers, body: bytes | None) -> Upstream:
         self.requests += 1
         try:
             async with self.session.request(
@@ -101,7 +106,7 @@ class IngesterClient:
             raise Unavailable(f"the ingester is unreachable ({type(e).__name__})", 2) from e
 
     @contextlib.asynccontextmanager
-    async def open(self, method: str, path_qs: str, headers: dict[str, str]) -> AsyncIterator[aiohttp.ClientResponse]:
+    async def open(self, method: str, path_qs: str, headers: Headers) -> AsyncIterator[aiohttp.ClientResponse]:
         """A request whose response body the caller streams (snapshots, bootstrap parts)."""
         self.requests += 1
         try:
@@ -116,11 +121,11 @@ class IngesterClient:
         finally:
             up.release()
 
-    async def get_collapsed(self, path_qs: str, headers: dict[str, str]) -> Upstream:
+    async def get_collapsed(self, path_qs: str, headers: Headers) -> Upstream:
         """GETs with the same path and query share one upstream request while it runs."""
         return await self.collapsed_call("GET", path_qs, headers, key=path_qs + "\x00" + headers.get("If-None-Match", ""))
 
-    async def collapsed_call(self, method: str, path_qs: str, headers: dict[str, str], *, key: str) -> Upstream:
+    async def collapsed_call(self, method: str, path_qs: str, headers: Headers, *, key: str) -> Upstream:
         """Calls with the same key share one upstream request while it runs (reader.singleflight:
         a caller that goes away does not take the others' answer with it)."""
         if key in self._inflight:

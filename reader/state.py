@@ -12,6 +12,7 @@ from reader.descriptors import DescriptorCache
 from reader.fanout import LiveHub
 from reader.proxy import IngesterClient
 from reader.sealed import SealedLocator
+from reader.upstream import UpstreamPool
 from shared.chunkstore import ChunkReader
 from shared.config import ReaderConfig
 from shared.descriptor import Descriptor
@@ -27,6 +28,7 @@ class ReaderState:
     locator: SealedLocator
     ingester: IngesterClient
     sse: LiveHub  # the live channels: long-poll and SSE fan-out
+    upstream: UpstreamPool | None = None  # the forwarding lane's connections (reader/forwardlane.py)
     sealed_responses: int = 0
     forwarded: int = 0
 

@@ -105,6 +105,9 @@ class TextFormatter(logging.Formatter):
     def formatMessage(self, record: logging.LogRecord) -> str:  # before any traceback
         line = super().formatMessage(record)
         rid = _request_id.get()
+        if rid is None:  # a line logged off the request's context names it in its fields (the fast lanes)
+            fields = getattr(record, "fields", None)
+            rid = fields.get("request_id") if isinstance(fields, dict) else None
         return line if rid is None else f"{line} [request_id={rid}]"
 
 

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import itertools
 import re
-import socket
-import time
 import urllib.request
 import uuid
 from collections.abc import Iterator
@@ -22,9 +20,18 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests import procs
-
-VOLATILE = {"date", "x-request-id"}
-STREAM_OFFSET = re.compile(rb"\d{16}_\d{16}")
+from tests.rawhttp import (
+    MIXED_ANSWERS,
+    STREAM_OFFSET,
+    answer_shapes,
+    exchange,
+    mixed_requests,
+    parsed,
+    pipeline,
+    post,
+    put,
+    read_all,
+)
 
 
 @pytest.fixture(scope="module")
@@ -42,55 +49,6 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[procs.Pr
             slow.stop()
     finally:
         fast.stop()
-
-
-def exchange(port: int, *parts: bytes, answers: int = 1, timeout: float = 5.0, pause: float = 0.0) -> list[bytes]:
-    """Send `parts` (each its own write, `pause` s apart) on one connection; read `answers`
-    whole responses."""
-    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
-        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        for i, part in enumerate(parts):
-            if i and pause:
-                time.sleep(pause)
-            s.sendall(part)
-        buf = b""
-        out: list[bytes] = []
-        while len(out) < answers:
-            while True:
-                head_end = buf.find(b"\r\n\r\n")
-                if head_end >= 0:
-                    m = re.search(rb"(?im)^content-length:\s*(\d+)", buf[:head_end])
-                    total = head_end + 4 + (int(m.group(1)) if m else 0)
-                    if len(buf) >= total:
-                        out.append(buf[:total])
-                        buf = buf[total:]
-                        break
-                chunk = s.recv(65536)
-                if not chunk:
-                    raise AssertionError(f"connection closed after {len(out)} answers: {buf[:300]!r}")
-                buf += chunk
-        return out
-
-
-def parsed(answer: bytes) -> tuple[int, dict[str, str], bytes]:
-    head, _, body = answer.partition(b"\r\n\r\n")
-    lines = head.decode("latin-1").split("\r\n")
-    headers = {}
-    for line in lines[1:]:
-        name, _, value = line.partition(":")
-        if name.lower() not in VOLATILE:
-            headers[name.lower()] = value.strip()
-    return int(lines[0].split()[1]), headers, body
-
-
-def post(path: str, body: bytes, *headers: str) -> bytes:
-    head = f"POST {path} HTTP/1.1\r\nHost: t\r\n" + "".join(h + "\r\n" for h in headers)
-    return head.encode("latin-1") + f"Content-Length: {len(body)}\r\n\r\n".encode() + body
-
-
-def put(path: str, *headers: str) -> bytes:
-    head = f"PUT {path} HTTP/1.1\r\nHost: t\r\n" + "".join(h + "\r\n" for h in headers)
-    return head.encode("latin-1") + b"Content-Length: 0\r\n\r\n"
 
 
 def fast_count(p: procs.Proc) -> float:
@@ -222,48 +180,6 @@ def test_switched_off_lane_serves_nothing(servers: tuple[procs.Proc, procs.Proc]
 
 
 # ---------------------------------------------------------------- pipelining (issue 12)
-def pipeline(port: int, parts: list[bytes], answers: int, pause: float = 0.0, timeout: float = 60.0) -> list[bytes]:
-    """Send `parts` on one connection from a thread (each its own write, `pause` s apart) while
-    reading `answers` whole responses: a client that pipelines without waiting."""
-    import threading
-
-    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
-        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-
-        def send() -> None:
-            for i, part in enumerate(parts):
-                if i and pause:
-                    time.sleep(pause)
-                s.sendall(part)
-
-        sender = threading.Thread(target=send)
-        sender.start()
-        out: list[bytes] = []
-        buf = bytearray()
-        pos = 0
-        try:
-            while len(out) < answers:
-                head_end = buf.find(b"\r\n\r\n", pos)
-                if head_end >= 0:
-                    m = re.search(rb"(?im)^content-length:\s*(\d+)", bytes(buf[pos:head_end]))
-                    total = head_end + 4 + (int(m.group(1)) if m else 0)
-                    if len(buf) >= total:
-                        out.append(bytes(buf[pos:total]))
-                        pos = total
-                        continue
-                chunk = s.recv(1 << 20)
-                if not chunk:
-                    raise AssertionError(f"connection closed after {len(out)} answers: {bytes(buf[pos:pos + 300])!r}")
-                buf += chunk
-        finally:
-            sender.join(timeout)
-        return out
-
-
-def read_all(p: procs.Proc, path: str) -> bytes:
-    return parsed(exchange(p.port, f"GET {path}?offset=-1 HTTP/1.1\r\nHost: t\r\n\r\n".encode())[0])[2]
-
-
 @pytest.mark.parametrize("n", [30, 5000])
 def test_thousands_of_pipelined_appends_in_one_write(servers: tuple[procs.Proc, procs.Proc], n: int) -> None:
     """Before: 2 answers, then a request line cut in the middle went to aiohttp (400) and the
@@ -275,7 +191,7 @@ def test_thousands_of_pipelined_appends_in_one_write(servers: tuple[procs.Proc, 
         burst = b"".join(post(path, b"%d," % i, "Content-Type: text/plain") for i in range(n))
         answers = pipeline(p.port, [burst], n)
         assert [parsed(a)[0] for a in answers] == [204] * n
-        assert read_all(p, path) == b"".join(b"%d," % i for i in range(n))
+        assert read_all(p.port, path) == b"".join(b"%d," % i for i in range(n))
         offsets = [parsed(a)[1]["stream-next-offset"] for a in answers]
         assert offsets == sorted(offsets) and len(set(offsets)) == n
 
@@ -292,7 +208,7 @@ def test_pipelined_refusals_are_each_answered(servers: tuple[procs.Proc, procs.P
         burst += post(path, b"ok", "Content-Type: text/plain")
         answers = pipeline(p.port, [burst], n + 1)
         results.append([parsed(a)[0] for a in answers])
-        assert read_all(p, path) == b"ok"
+        assert read_all(p.port, path) == b"ok"
     assert results[0][-1] == 204 and len(set(results[0][:-1])) == 1 and results[0][0] >= 400
     assert all(r == results[0] for r in results)
 
@@ -313,7 +229,7 @@ def test_pipelined_appends_keep_their_order_when_more_arrive(servers: tuple[proc
         answers = pipeline(fast.port, [producer(0, b"A") + producer(1, b"B") + producer(2, b"C"), producer(3, b"D")],
                            4, pause=(0.0, 0.0002, 0.0005, 0.001)[attempt % 4])
         assert [parsed(a)[0] for a in answers] == [200] * 4, [parsed(a)[:1] for a in answers]
-        assert read_all(fast, path) == b"ABCD"
+        assert read_all(fast.port, path) == b"ABCD"
 
 
 @pytest.mark.parametrize("dup", ["Content-Type: text/plain", "Host: other"])
@@ -323,54 +239,33 @@ def test_repeated_single_headers_are_refused_as_aiohttp_does(servers: tuple[proc
         path = "/v1/stream/dups"
         exchange(p.port, put(path, "Content-Type: text/plain"))
         statuses.append(parsed(exchange(p.port, post(path, b"x", "Content-Type: text/plain", dup))[0])[0])
-        assert read_all(p, path) == b""
+        assert read_all(p.port, path) == b""
     assert statuses[0] == statuses[1] == 400
-
-
-def _mixed(path: str) -> bytes:
-    """A pipelined mix: fast appends, a refused one, a producer's, a HEAD, a GET, a chunked append."""
-    return b"".join([
-        post(path, b"a", "Content-Type: text/plain"),
-        post(path, b"no", "Content-Type: application/json"),
-        f"HEAD {path} HTTP/1.1\r\nHost: t\r\n\r\n".encode(),
-        post(path, b"b", "Content-Type: text/plain", "Producer-Id: q", "Producer-Epoch: 0", "Producer-Seq: 0"),
-        f"GET {path}?offset=-1 HTTP/1.1\r\nHost: t\r\n\r\n".encode(),
-        (f"POST {path} HTTP/1.1\r\nHost: t\r\nContent-Type: text/plain\r\nTransfer-Encoding: chunked\r\n\r\n"
-         "1\r\nc\r\n0\r\n\r\n").encode(),
-        post(path, b"d", "Content-Type: text/plain"),
-    ])
-
-
-MIXED_ANSWERS = 7
-
-
-def _shape(answers: list[bytes]) -> list[tuple[int, bytes]]:
-    return [(parsed(a)[0], STREAM_OFFSET.sub(b"O", parsed(a)[2])) for a in answers]
 
 
 def test_a_pipelined_mix_cut_at_every_position_is_answered_as_by_aiohttp(
         servers: tuple[procs.Proc, procs.Proc]) -> None:
     fast, slow = servers
     expected: list[tuple[int, bytes]] | None = None
-    stream = _mixed("/v1/stream/X")
+    stream = mixed_requests("/v1/stream/X")
     for cut in range(1, len(stream)):
         for p in (fast, slow) if cut == 1 else (fast,):
             path = f"/v1/stream/cut-{cut}-{p.port}"
-            data = _mixed(path)
+            data = mixed_requests(path)
             exchange(p.port, put(path, "Content-Type: text/plain"))
-            got = _shape(pipeline(p.port, [data[:cut], data[cut:]], MIXED_ANSWERS, pause=0.002))
+            got = answer_shapes(pipeline(p.port, [data[:cut], data[cut:]], MIXED_ANSWERS, pause=0.002))
             got = [(s, b.replace(path.encode(), b"P")) for s, b in got]
             if expected is None:
                 expected = got
             assert got == expected, (cut, got)
-            assert read_all(p, path) == b"abcd"
+            assert read_all(p.port, path) == b"abcd"
 
 
 _SLOW_SHAPE: list[tuple[int, bytes]] = []
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(cuts=st.lists(st.integers(min_value=1, max_value=len(_mixed("/v1/stream/X")) - 1), max_size=8, unique=True))
+@given(cuts=st.lists(st.integers(min_value=1, max_value=len(mixed_requests("/v1/stream/X")) - 1), max_size=8, unique=True))
 def test_a_pipelined_mix_cut_anywhere_is_answered_as_by_aiohttp(servers: tuple[procs.Proc, procs.Proc],
                                                                  cuts: list[int]) -> None:
     """The same mix split into up to nine writes at random places (a client or network that
@@ -379,13 +274,13 @@ def test_a_pipelined_mix_cut_anywhere_is_answered_as_by_aiohttp(servers: tuple[p
     fast, slow = servers
     for p in (slow, fast) if not _SLOW_SHAPE else (fast,):
         path = f"/v1/stream/rnd-{uuid.uuid4().hex}"
-        data = _mixed(path)
+        data = mixed_requests(path)
         marks = [0, *sorted(c for c in cuts if c < len(data)), len(data)]
         exchange(p.port, put(path, "Content-Type: text/plain"))
         parts = [data[a:b] for a, b in itertools.pairwise(marks)]
-        answers = _shape(pipeline(p.port, parts, MIXED_ANSWERS, pause=0.001))
+        answers = answer_shapes(pipeline(p.port, parts, MIXED_ANSWERS, pause=0.001))
         got = [(status, body.replace(path.encode(), b"P")) for status, body in answers]
         if not _SLOW_SHAPE:
             _SLOW_SHAPE.extend(got)
         assert got == _SLOW_SHAPE
-        assert read_all(p, path) == b"abcd"
+        assert read_all(p.port, path) == b"abcd"

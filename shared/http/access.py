@@ -87,15 +87,22 @@ def _log_access(request: web.Request, response: web.StreamResponse | None, route
     if lim is not None and forwarded is not None:
         client = client_address(request.remote, forwarded, lim.proxies) or client
     caller = caller_of(request)
-    path = logs.printable(request.raw_path)
+    log_access(request.get(REQUEST_ID), request.method, request.raw_path, route, status, seconds, sent, client,
+               caller.subject if caller is not None else None)
+
+
+def log_access(rid: str | None, method: str, raw_path: str, route: str, status: int, seconds: float, sent: int,
+               client: str, subject: str | None = None) -> None:
+    """One access log line (aiohttp's requests above, the fast lanes' in shared/http/lane.py)."""
+    path = logs.printable(raw_path)
     duration_ms = round(seconds * 1000, 3)
     fields = {  # request_id too, so a handler that formats later (off the request's context) has it
-        "request_id": request.get(REQUEST_ID), "method": request.method, "path": path, "route": route, "status": status, "duration_ms": duration_ms,
+        "request_id": rid, "method": method, "path": path, "route": route, "status": status, "duration_ms": duration_ms,
         "bytes": sent, "client": logs.printable(client, 64),
     }
-    if caller is not None:
-        fields["sub"] = logs.printable(caller.subject, 128)
-    access_log.info("%s %s %d %.1fms %dB", request.method, path, status, duration_ms, sent, extra={"fields": fields})
+    if subject is not None:
+        fields["sub"] = logs.printable(subject, 128)
+    access_log.info("%s %s %d %.1fms %dB", method, path, status, duration_ms, sent, extra={"fields": fields})
 
 
 async def _request_id_header(request: web.Request, response: web.StreamResponse) -> None:

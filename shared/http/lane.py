@@ -1,0 +1,519 @@
+"""A fast lane for plain requests, shared by the ingester (appends) and the reader (forwarding).
+
+aiohttp spends ~75 us of CPU per request before a handler runs (a Request, a StreamReader, a
+task, the middleware chain): more than an append's own work, and several times what the
+reader's forwarding of a request needs. So both services' connections are LaneHandlers,
+aiohttp's RequestHandler plus a lane for the plain requests of their hot path:
+
+    METHOD /v1/stream/{path} HTTP/1.1   (keep-alive; a body only with Content-Length; no
+                                         query, %-escapes, dot segments, Transfer-Encoding,
+                                         Content-Encoding, Expect or Upgrade)
+
+with METHOD one the service's Lane takes (the ingester: POST; the reader: POST and HEAD).
+Such a request that begins while aiohttp has nothing in progress on the connection is parsed
+with httptools and handed to `Lane.serve`, which answers it from a callback (`LaneHandler.answer`):
+no task, no Request object. The Lane does the same validation, limits, metrics and request ids
+as its aiohttp handlers; tests compare the answers byte for byte (tests/test_fastlane.py,
+tests/test_forward_lane.py).
+
+Everything else is aiohttp's. Bytes received wait in one buffer, in arrival order, and one
+loop (`_pump`) takes messages from its front: when the connection is between messages and
+aiohttp has nothing in progress, a message whose whole head is there is parsed on its own
+(exactly its head: a parser never runs past a message) and, if it is the lane's, taken once its
+Content-Length body is in; anything else, and everything after it, goes to aiohttp, with an
+httptools parser following those bytes so the lane knows when aiohttp's messages end. While a
+lane answer is pending nothing after it is taken, so answers keep the request order; an answer
+given at once (a refusal) lets the same loop go on (no recursion), and each byte is looked at a
+bounded number of times (linear in a pipeline).
+
+The lane writes the access log line aiohttp's path would (shared.http.access.log_access). It
+stands aside (aiohttp answers everything) while auth is on (tokens are verified
+asynchronously), and with DS3_FAST_LANE=0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import re
+import time
+from email.utils import formatdate
+from http import HTTPStatus
+from typing import Any, Final, Literal, cast
+
+import httptools
+from aiohttp import web
+from aiohttp.http import SERVER_SOFTWARE
+from aiohttp.web_protocol import RequestHandler
+
+from shared import extensions, logs
+from shared import protocol as P
+from shared.errors import DS3Error, RequestTimeout
+from shared.http.access import log_access
+from shared.http.auth import AUTH
+from shared.http.handlers import BODY_TIMEOUT, error_response
+from shared.http.limits import LIMITS, Limits
+from shared.http.metrics import METRICS, HttpMetrics
+from shared.limits import client_address, client_identity
+
+log = logging.getLogger("ds3.http")
+access_log = logging.getLogger("ds3.access")
+
+# Plain stream URLs only: anything aiohttp might decode or normalise before routing is its.
+_PLAIN_URL: Final = re.compile(rb"/v1/stream/[A-Za-z0-9_~!$&'()*+,;=:@./-]+")
+_REFUSED_HEADERS: Final = frozenset({b"transfer-encoding", b"content-encoding", b"expect", b"upgrade"})
+COMMON_HEADERS: Final = (
+    "X-Content-Type-Options: nosniff\r\n"
+    "Cross-Origin-Resource-Policy: cross-origin\r\n"
+    "Access-Control-Allow-Origin: *\r\n"
+    f"Access-Control-Expose-Headers: {P.CORS_EXPOSE_HEADERS}\r\n"
+    f"Server: {SERVER_SOFTWARE}\r\n"
+)
+MAX_BODY: Final = 1024 * 1024  # the lane holds a body in memory until it is complete
+REASONS: Final = {s.value: s.phrase for s in HTTPStatus}
+_MAX_HEAD: Final = 16 * 1024  # a candidate's head must be complete within this many bytes
+_SINGLE_HEADERS: Final = frozenset({b"content-type", b"host", b"content-length"})  # aiohttp: 400 if repeated
+_PAUSE_ABOVE: Final = 256 * 1024  # unprocessed bytes held while an answer is pending
+ROUTES: Final = {b"POST": "stream_append", b"HEAD": "stream_head"}
+_HEADER_KEYS: dict[str, bytes] = {}
+_STATUS_LINES: dict[int, bytes] = {}
+
+
+class Message:
+    """A request the lane took: where it ends in the buffer, its head, and (once in) its body."""
+
+    __slots__ = ("head_len", "headers", "method", "pairs", "route", "total", "url")
+
+    def __init__(self, method: bytes, head_len: int, total: int, url: bytes, headers: dict[bytes, bytes],
+                 pairs: list[tuple[bytes, bytes]]) -> None:
+        self.method, self.head_len, self.total, self.url = method, head_len, total, url
+        self.headers = headers  # lower-cased names, the first of each
+        self.pairs = pairs  # every header as sent, in order (what a forwarder passes on)
+        self.route = ROUTES.get(method, "other")
+
+    def header(self, name: bytes) -> str | None:
+        """A header's value decoded like aiohttp's (`name` lower case)."""
+        v = self.headers.get(name)
+        return None if v is None else v.decode("utf-8", "surrogateescape")
+
+    def header_str(self, name: str) -> str | None:
+        """A header's value by its name in any case (what validation code calls `header`)."""
+        key = _HEADER_KEYS.get(name)
+        if key is None:  # a handful of names, looked up for every request
+            key = _HEADER_KEYS[name] = name.lower().encode("ascii")
+        return self.header(key)
+
+
+class Lane:
+    """Per app: whether the lane may run, which requests it takes, and how it serves them.
+    A service subclasses it (`ready`, `serve`, and `accepts` for checks of its own)."""
+
+    methods: frozenset[bytes] = frozenset({b"POST"})
+    counter_name = "ds3_http_fast_lane_requests"
+
+    def __init__(self, app: web.Application) -> None:
+        self.app = app
+        self.switched_on = os.environ.get("DS3_FAST_LANE", "1") not in ("0", "false", "no", "off")
+        self.http: HttpMetrics | None = None
+        self.limits: Limits | None = None
+        self.served = 0  # requests answered by the lane
+        self.prefixes = tuple(m + b" /v1/stream/" for m in sorted(self.methods))
+        self._date = ""
+        self._date_at = 0
+
+    def ready(self) -> bool:
+        """Whether the lane may take requests now (the service is up, auth off)."""
+        if not self.switched_on or self.app[AUTH].enabled:
+            return False
+        if self.http is None:
+            self.http = self.app[METRICS].http
+            self.limits = self.app[LIMITS]
+        return True
+
+    def max_body(self) -> int:
+        return MAX_BODY
+
+    def accepts(self, handler: LaneHandler, msg: Message) -> bool:
+        """Service-specific checks of a message the generic ones let through."""
+        return True
+
+    def serve(self, handler: LaneHandler, msg: Message, body: bytes, rid: str, started: float) -> None:
+        """Answer `msg`: call handler.answer() (or handler.answer_failure()) exactly once, now
+        or later."""
+        raise NotImplementedError
+
+    def body_timeout(self) -> float:
+        return self.app.get(BODY_TIMEOUT, 60.0)
+
+    def date(self) -> str:
+        now = int(time.time())
+        if now != self._date_at:
+            self._date_at = now
+            self._date = formatdate(now, usegmt=True)
+        return self._date
+
+
+LANE: Final = web.AppKey("ds3_fast_lane", Lane)
+
+
+class LaneServer(web.Server):
+    """aiohttp's low-level server, making LaneHandlers."""
+
+    def __init__(self, *args: Any, lane: Lane, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.lane = lane
+
+    def __call__(self) -> RequestHandler:
+        return LaneHandler(self, lane=self.lane, loop=self._loop, **self._kwargs)
+
+
+class LaneRunner(web.AppRunner):
+    """web.AppRunner whose connections get a fast lane (use it like an AppRunner). Subclasses
+    name their Lane."""
+
+    lane_class: type[Lane] = Lane
+
+    def __init__(self, app: web.Application, **kwargs: Any) -> None:
+        super().__init__(app, **kwargs)
+        self.lane = self.lane_class(app)
+        app[LANE] = self.lane
+
+    async def _make_server(self) -> web.Server:
+        server = await super()._make_server()
+        return LaneServer(
+            server.request_handler, request_factory=server.request_factory, lane=self.lane,
+            handler_cancellation=server.handler_cancellation, loop=server._loop, **server._kwargs,
+        )
+
+
+class _Follower:
+    """An httptools parser over the bytes aiohttp is given, so the lane knows whether the
+    connection is between messages (only then may the next message be the lane's)."""
+
+    __slots__ = ("between", "parser")
+
+    def __init__(self) -> None:
+        self.between = True
+        self.parser = httptools.HttpRequestParser(self)
+
+    def on_message_begin(self) -> None:
+        self.between = False
+
+    def on_message_complete(self) -> None:
+        self.between = True
+
+
+class _Head:
+    """A candidate's head, parsed on its own (exactly its bytes, never past them)."""
+
+    __slots__ = ("duplicate", "headers", "pairs", "url")
+
+    def __init__(self) -> None:
+        self.url = b""
+        self.headers: dict[bytes, bytes] = {}
+        self.pairs: list[tuple[bytes, bytes]] = []
+        self.duplicate = False
+
+    def on_url(self, url: bytes) -> None:
+        self.url += url
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.pairs.append((name, value))
+        name = name.lower()
+        if name in self.headers:
+            self.duplicate = self.duplicate or name in _SINGLE_HEADERS
+        else:  # the first one counts, as with aiohttp's headers.get()
+            self.headers[name] = value
+
+
+class LaneHandler(RequestHandler):
+    def __init__(self, manager: web.Server, *, lane: Lane, **kwargs: Any) -> None:
+        super().__init__(manager, **kwargs)
+        self._lane = lane
+        self._follower = _Follower()
+        # Bytes received and not yet handed on, in arrival order: a message the lane is taking,
+        # and whatever came after it. One buffer, consumed from `_pos` on by one loop (`_pump`),
+        # so pipelined requests are taken in order, each byte looked at a bounded number of times.
+        self._buf = bytearray()
+        self._pos = 0
+        self._pumping = False
+        self._fast: Message | None = None  # a lane message whose body is still arriving
+        self._answering = False  # a lane answer is pending: nothing after it is taken yet
+        self._drained: asyncio.Future[None] | None = None  # shutdown waits on it for that answer
+        self._paused_by_lane = False
+        self._body_timer: asyncio.TimerHandle | None = None
+        self._watched = False
+        self._lane_off = False  # the follower lost the thread (a parse error): aiohttp's from now on
+        self._client: str | object | None = _UNKNOWN  # the limits' identity of this connection's peer
+        self._plain_url = b""  # the last URL judged plain (see _judge)
+        self.path_of: tuple[bytes, str] = (b"", "")  # a Lane's cache: the last URL served and its stream path
+
+    # --- bytes in ------------------------------------------------------------------------
+
+    def data_received(self, data: bytes) -> None:
+        if self._lane_off or self._force_close or self._close:
+            if self._pos < len(self._buf):  # (cannot happen: nothing is held once the lane is off)
+                data = bytes(self._buf[self._pos:]) + data
+                self._buf.clear()
+                self._pos = 0
+            super().data_received(data)
+            return
+        self._buf += data
+        self._pump()
+
+    def _pump(self) -> None:
+        """Take messages from the buffer in order until an answer is pending or more bytes are
+        needed. Iterative: an answer given at once (a refusal) does not recurse into the next."""
+        if self._pumping:
+            return
+        self._pumping = True
+        try:
+            while not self._answering and self._pos < len(self._buf) and not self._lane_off:
+                if not self._step():
+                    break
+            buf = self._buf
+            if self._pos == len(buf):
+                buf.clear()
+                self._pos = 0
+            elif self._pos > 64 * 1024:
+                del buf[: self._pos]
+                self._pos = 0
+            held = len(buf) - self._pos
+            if self.transport is not None:
+                if self._answering and held > _PAUSE_ABOVE and not self._paused_by_lane:
+                    self._paused_by_lane = True
+                    self.transport.pause_reading()
+                elif self._paused_by_lane and (not self._answering or held <= _PAUSE_ABOVE):
+                    self._paused_by_lane = False
+                    self.transport.resume_reading()
+        finally:
+            self._pumping = False
+
+    def _step(self) -> bool:
+        """Handle the message at the buffer's position; False when it needs more bytes."""
+        buf, pos = self._buf, self._pos
+        fast = self._fast
+        if fast is None and self._follower.between and self._aiohttp_idle() and self._lane.ready():
+            verdict = self._candidate(buf, pos)
+            if verdict is None:
+                return False  # a head that may be the lane's is not complete yet
+            if verdict is not False:
+                fast = self._fast = verdict
+                if len(buf) - pos < fast.total:
+                    # the body must arrive within the body timeout, as through aiohttp (read_body)
+                    self._body_timer = self._loop.call_later(self._lane.body_timeout(), self._body_late)
+        if fast is not None:
+            if len(buf) - pos < fast.total:
+                return False
+            if self._body_timer is not None:
+                self._body_timer.cancel()
+                self._body_timer = None
+            body = bytes(buf[pos + fast.head_len: pos + fast.total])
+            self._pos = pos + fast.total
+            self._fast = None
+            self._answering = True
+            self._serve(fast, body)
+            return True
+        # aiohttp's: all we hold goes to it (it queues pipelined messages itself), and the
+        # follower parses the same bytes to know where its messages end.
+        chunk = bytes(buf[pos:])
+        self._pos = len(buf)
+        try:
+            self._follower.parser.feed_data(chunk)
+        except httptools.HttpParserError:
+            self._lane_off = True  # aiohttp parses the same bytes and answers 400
+        super().data_received(chunk)
+        return True
+
+    def _candidate(self, buf: bytearray, pos: int) -> Message | Literal[False] | None:
+        """The message at `pos` as one the lane answers; None if its head is not all here yet;
+        False if it is aiohttp's."""
+        held = len(buf) - pos
+        for prefix in self._lane.prefixes:
+            if buf.startswith(prefix, pos):
+                break
+            if held < len(prefix) and prefix.startswith(buf[pos:]):
+                return None
+        else:
+            return False
+        end = buf.find(b"\r\n\r\n", pos, pos + _MAX_HEAD)
+        if end < 0:
+            return None if held < _MAX_HEAD else False
+        head_len = end + 4 - pos
+        head = bytes(buf[pos: pos + head_len])
+        # CRLF line ends only (a bare LF, which parsers may tolerate, would make the first blank
+        # CRLF line not the head's end).
+        if head.count(b"\n") != head.count(b"\r\n"):
+            return False
+        h = _Head()
+        parser = httptools.HttpRequestParser(h)
+        try:
+            parser.feed_data(head)
+        except httptools.HttpParserError:
+            return False  # aiohttp answers the 400
+        if h.duplicate:
+            return False
+        method = parser.get_method()
+        if method not in self._lane.methods or parser.get_http_version() != "1.1" or not parser.should_keep_alive():
+            return False
+        if not _REFUSED_HEADERS.isdisjoint(h.headers):
+            return False
+        length = h.headers.get(b"content-length")
+        if length is None:
+            if method == b"POST":
+                return False
+            size = 0
+        else:
+            size = int(length)
+            if size > self._lane.max_body():
+                return False  # big bodies stream through aiohttp (and it answers the 413)
+        if not self._judge(h.url):
+            return False
+        msg = Message(method, head_len, head_len + size, h.url, h.headers, h.pairs)
+        return msg if self._lane.accepts(self, msg) else False
+
+    def _aiohttp_idle(self) -> bool:
+        return not self._messages and not self._request_in_progress and not self._upgraded
+
+    def _judge(self, url: bytes) -> bool:
+        """Whether `url` is a plain stream URL the lane may take."""
+        if url != self._plain_url:  # a connection usually talks to one stream: judge its URL once
+            if not _PLAIN_URL.fullmatch(url) or b"/." in url:
+                return False
+            if extensions.split(url.decode("ascii"))[1] is not None:  # POST .../snapshot etc.
+                return False
+            self._plain_url = url
+        return True
+
+    def _body_late(self) -> None:
+        """A client trickling a body (slowloris): 408 and close, as aiohttp's path does."""
+        fast = self._fast
+        self._body_timer = None
+        self._lane_off = True
+        http = self._lane.http
+        timeout = self._lane.body_timeout()
+        if http is not None:
+            http.observe(fast.route if fast is not None else "other", 408, timeout)
+        r = error_response(RequestTimeout(f"the request body did not arrive within {timeout:g} s"))
+        self._write(r.status, dict(r.headers), r.body if isinstance(r.body, bytes) else b"",
+                    logs.accept_request_id(None))
+        self.force_close()
+
+    # --- serving -------------------------------------------------------------------------
+
+    def _serve(self, msg: Message, body: bytes) -> None:
+        lane = self._lane
+        http = lane.http
+        assert http is not None
+        http.in_flight += 1
+        started = time.perf_counter()
+        rid = logs.accept_request_id(msg.header(b"x-request-id"))
+        if not self._watched:  # the stuck-writer watchdog knows a connection once
+            self._watched = True
+            assert lane.limits is not None
+            lane.limits.stuck.watch_protocol(self)
+        try:
+            lane.serve(self, msg, body, rid, started)
+        except Exception as e:
+            self.answer_failure(msg, e, rid, started)
+
+    def client(self, msg: Message) -> str | None:
+        """The limits' identity of the client that sent `msg` (its address, or the address its
+        trusted proxies forwarded it for)."""
+        forwarded = msg.header(b"x-forwarded-for")
+        if forwarded is None and self._client is not _UNKNOWN:
+            return cast(str | None, self._client)  # the same peer all along: judged once
+        assert self._lane.limits is not None
+        client = client_identity(None, client_address(_peer_of(self.transport), forwarded, self._lane.limits.proxies))
+        if forwarded is None:
+            self._client = client
+        return client
+
+    def peer(self) -> str | None:
+        return _peer_of(self.transport)
+
+    def answer_failure(self, msg: Message, e: BaseException, rid: str, started: float) -> None:
+        """A refusal (DS3Error) as shared.http.handlers.error_response has it; anything else is a
+        500, logged."""
+        if isinstance(e, DS3Error):
+            r = error_response(e)
+            self.answer(msg, r.status, dict(r.headers), r.body if isinstance(r.body, bytes) else b"", rid, started)
+        else:
+            log.error("internal error on %s %s (request %s)", msg.method.decode(), msg.url[:200], rid, exc_info=e)
+            self.answer(msg, 500, _INTERNAL_ERROR, _INTERNAL_ERROR_BODY, rid, started)
+
+    def answer(self, msg: Message, status: int, headers: dict[str, str], body: bytes, rid: str, started: float,
+               *, head: bytes | None = None) -> None:
+        """Send the answer to `msg` and go on with what came after it. `head`: the answer's
+        header lines already serialised (b"Name: value\\r\\n" each, Content-Length included),
+        in place of `headers`."""
+        lane = self._lane
+        http = lane.http
+        assert http is not None
+        http.in_flight -= 1
+        seconds = time.perf_counter() - started
+        http.observe(msg.route, status, seconds)
+        lane.served += 1
+        if access_log.isEnabledFor(logging.INFO):
+            self._log_access(msg, status, seconds, 0 if msg.method == b"HEAD" else len(body), rid)
+        self._write(status, headers, body, rid, head=head, send_body=msg.method != b"HEAD")
+        if self._keepalive_timeout > 0:  # the connection was busy, not idle
+            self._next_keepalive_close_time = self._loop.time() + self._keepalive_timeout
+        self._answering = False
+        drained, self._drained = self._drained, None
+        if drained is not None and not drained.done():
+            drained.set_result(None)
+        self._pump()  # what came after it (a no-op when the answer came from inside the pump)
+
+    def _log_access(self, msg: Message, status: int, seconds: float, sent: int, rid: str) -> None:
+        peer = self.peer()
+        client = peer or "unknown"
+        forwarded = msg.header(b"x-forwarded-for")
+        if forwarded is not None and self._lane.limits is not None:
+            client = client_address(peer, forwarded, self._lane.limits.proxies) or client
+        log_access(rid, msg.method.decode(), msg.url.decode("utf-8", "surrogateescape"), msg.route, status, seconds,
+                   sent, client)
+
+    def _write(self, status: int, headers: dict[str, str], body: bytes, rid: str, *, head: bytes | None = None,
+               send_body: bool = True) -> None:
+        if head is None:
+            lines = [f"{name}: {value}\r\n" for name, value in headers.items()]
+            if status != 204 and status != 304:
+                lines.append(f"Content-Length: {len(body)}\r\n")
+            head = "".join(lines).encode("latin-1", "replace")
+        status_line = _STATUS_LINES.get(status)
+        if status_line is None:
+            status_line = _STATUS_LINES[status] = f"HTTP/1.1 {status} {REASONS.get(status, 'Unknown')}\r\n".encode()
+        tail = f"Date: {self._lane.date()}\r\nX-Request-Id: {rid}\r\n{COMMON_HEADERS}\r\n".encode("latin-1", "replace")
+        transport = self.transport
+        if transport is not None and not transport.is_closing():
+            transport.write(b"".join((status_line, head, tail, body)) if send_body and body else
+                            b"".join((status_line, head, tail)))
+
+    # --- the end -------------------------------------------------------------------------
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        if self._body_timer is not None:
+            self._body_timer.cancel()
+            self._body_timer = None
+        super().connection_lost(exc)
+
+    async def shutdown(self, timeout: float | None = 15.0) -> None:
+        if self._answering:  # let a pending answer go out first
+            self._drained = drained = self._loop.create_future()
+            try:
+                await asyncio.wait_for(asyncio.shield(drained), timeout)
+            except (TimeoutError, asyncio.CancelledError):
+                pass
+        await super().shutdown(timeout)
+
+
+def _peer_of(transport: asyncio.Transport | None) -> str | None:
+    peer = transport.get_extra_info("peername") if transport is not None else None
+    return str(peer[0]) if isinstance(peer, tuple) else None
+
+
+_UNKNOWN: Final = object()
+_INTERNAL_ERROR: Final = {"Content-Type": "text/plain; charset=utf-8"}
+_INTERNAL_ERROR_BODY: Final = b"internal server error; nothing was changed\n"

@@ -1,0 +1,285 @@
+"""The reader's forwarding lane (reader/forwardlane.py) against real processes: one ingester,
+and two readers in front of it, one with the lane and one without (DS3_FAST_LANE=0: aiohttp
+serves and forwards everything). Every request goes to both readers byte for byte; status,
+headers and body must match (Date aside; the request id is the client's, so it matches too).
+Then what only raw sockets show: pipelined appends and HEADs in order, bytes cut anywhere,
+a client that leaves mid-body, an ingester that is down, keep-alive upstream connections."""
+
+from __future__ import annotations
+
+import itertools
+import re
+import socket
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests import procs
+from tests.rawhttp import (
+    MIXED_ANSWERS,
+    STREAM_OFFSET,
+    answer_shapes,
+    exchange,
+    mixed_requests,
+    parsed,
+    pipeline,
+    post,
+    put,
+    read_all,
+)
+
+
+class Tier:
+    def __init__(self, ingester: procs.Proc, fast: procs.Proc, slow: procs.Proc) -> None:
+        self.ingester, self.fast, self.slow = ingester, fast, slow
+
+
+@pytest.fixture(scope="module")
+def tier(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Tier]:
+    root = tmp_path_factory.mktemp("forwardlane")
+    store = f"file://{root / 'objects'}"
+    ing = procs.ingester(root / "wal", "--store", store, "--write-rate", "0", "--max-body-bytes", "100000")
+    fast = procs.reader(root / "fast", ing.url, store, "--write-rate", "0", "--max-body-bytes", "100000")
+    slow = procs.reader(root / "slow", ing.url, store, "--write-rate", "0", "--max-body-bytes", "100000")
+    slow.env["DS3_FAST_LANE"] = "0"
+    started: list[procs.Proc] = []
+    try:
+        for p in (ing, fast, slow):
+            p.start()
+            started.append(p)
+        yield Tier(ing, fast, slow)
+    finally:
+        for p in reversed(started):
+            p.stop()
+
+
+def metric(p: procs.Proc, name: str) -> float:
+    with urllib.request.urlopen(f"{p.url}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    m = re.search(rf"^{name} (\S+)$", text, re.M)
+    return float(m.group(1)) if m else -1.0
+
+
+def lane_count(p: procs.Proc) -> float:
+    return metric(p, "ds3_http_fast_lane_requests_total")
+
+
+def head(path: str, *headers: str) -> bytes:
+    return (f"HEAD {path} HTTP/1.1\r\nHost: t\r\n" + "".join(h + "\r\n" for h in headers) + "\r\n").encode("latin-1")
+
+
+RID = "X-Request-Id: parity-0123456789"
+TEXT = "Content-Type: text/plain"
+
+# (name, setup requests, the request compared): each reader gets its own stream (a name suffix)
+CASES: list[tuple[str, list[bytes], bytes]] = [
+    ("plain", [put("/v1/stream/p1", TEXT)], post("/v1/stream/p1", b"abc", TEXT, RID)),
+    ("json", [put("/v1/stream/j1", "Content-Type: application/json")],
+     post("/v1/stream/j1", b'[{"a":1},{"b":2}]', "Content-Type: application/json", RID)),
+    ("json invalid", [put("/v1/stream/j3", "Content-Type: application/json")],
+     post("/v1/stream/j3", b"{nope", "Content-Type: application/json", RID)),
+    ("missing stream", [], post("/v1/stream/absent", b"x", TEXT, RID)),
+    ("content type mismatch", [put("/v1/stream/m1", TEXT)], post("/v1/stream/m1", b"x", "Content-Type: text/html", RID)),
+    ("no content type", [put("/v1/stream/m2", TEXT)], post("/v1/stream/m2", b"x", RID)),
+    ("empty body", [put("/v1/stream/e1", TEXT)], post("/v1/stream/e1", b"", TEXT, RID)),
+    ("close", [put("/v1/stream/c1", TEXT)], post("/v1/stream/c1", b"last", TEXT, "Stream-Closed: true", RID)),
+    ("append to closed", [put("/v1/stream/c2", TEXT, "Stream-Closed: true")], post("/v1/stream/c2", b"x", TEXT, RID)),
+    ("producer new", [put("/v1/stream/pr1", TEXT)],
+     post("/v1/stream/pr1", b"x", TEXT, "Producer-Id: w", "Producer-Epoch: 0", "Producer-Seq: 0", RID)),
+    ("producer duplicate", [put("/v1/stream/pr2", TEXT),
+                            post("/v1/stream/pr2", b"x", TEXT, "Producer-Id: w", "Producer-Epoch: 0", "Producer-Seq: 0")],
+     post("/v1/stream/pr2", b"x", TEXT, "Producer-Id: w", "Producer-Epoch: 0", "Producer-Seq: 0", RID)),
+    ("producer gap", [put("/v1/stream/pr3", TEXT)],
+     post("/v1/stream/pr3", b"x", TEXT, "Producer-Id: w", "Producer-Epoch: 0", "Producer-Seq: 5", RID)),
+    ("producer stale epoch", [put("/v1/stream/pr5", TEXT),
+                              post("/v1/stream/pr5", b"x", TEXT, "Producer-Id: w", "Producer-Epoch: 3", "Producer-Seq: 0")],
+     post("/v1/stream/pr5", b"x", TEXT, "Producer-Id: w", "Producer-Epoch: 1", "Producer-Seq: 0", RID)),
+    ("producer bad headers", [put("/v1/stream/pr4", TEXT)], post("/v1/stream/pr4", b"x", TEXT, "Producer-Id: w", RID)),
+    ("repeated Stream-Seq", [put("/v1/stream/rs", TEXT)],
+     post("/v1/stream/rs", b"x", TEXT, "Stream-Seq: b", "Stream-Seq: a", RID)),
+    ("stream seq regression", [put("/v1/stream/s1", TEXT), post("/v1/stream/s1", b"x", TEXT, "Stream-Seq: b")],
+     post("/v1/stream/s1", b"x", TEXT, "Stream-Seq: a", RID)),
+    ("bad path segment", [], post("/v1/stream/a//b", b"x", TEXT, RID)),
+    ("over the body limit", [put("/v1/stream/big", "Content-Type: application/octet-stream")],
+     post("/v1/stream/big", b"x" * 100_001, "Content-Type: application/octet-stream", RID)),
+    ("at the body limit", [put("/v1/stream/big2", "Content-Type: application/octet-stream")],
+     post("/v1/stream/big2", b"y" * 100_000, "Content-Type: application/octet-stream", RID)),
+    ("a client's internal token", [put("/v1/stream/it", TEXT)],
+     post("/v1/stream/it", b"x", TEXT, "DS3-Internal-Token: guess", RID)),
+    ("forwarded for", [put("/v1/stream/ff", TEXT)],
+     post("/v1/stream/ff", b"x", TEXT, "X-Forwarded-For: 203.0.113.9", RID)),
+    ("unknown headers pass", [put("/v1/stream/uh", TEXT)],
+     post("/v1/stream/uh", b"x", TEXT, "X-Custom: 1", "Accept-Encoding: gzip", "Connection: keep-alive", RID)),
+    ("no request id", [put("/v1/stream/nr", TEXT)], post("/v1/stream/nr", b"x", TEXT)),
+    ("a bad request id", [put("/v1/stream/br", TEXT)], post("/v1/stream/br", b"x", TEXT, "X-Request-Id: a b")),
+    ("escaped path", [put("/v1/stream/e%20s", TEXT)], post("/v1/stream/e%20s", b"x", TEXT, RID)),
+    ("head", [put("/v1/stream/h1", TEXT), post("/v1/stream/h1", b"abc", TEXT)], head("/v1/stream/h1", RID)),
+    ("head json", [put("/v1/stream/h2", "Content-Type: application/json")], head("/v1/stream/h2", RID)),
+    ("head closed", [put("/v1/stream/h3", TEXT, "Stream-Closed: true")], head("/v1/stream/h3", RID)),
+    ("head ttl", [put("/v1/stream/h4", TEXT, "Stream-TTL: 3600")], head("/v1/stream/h4", RID)),
+    ("head missing", [], head("/v1/stream/h-absent", RID)),
+    ("head bad path", [], head("/v1/stream/a//b", RID)),
+    ("head with If-None-Match", [put("/v1/stream/h5", TEXT)], head("/v1/stream/h5", 'If-None-Match: "x"', RID)),
+]
+
+
+def _named(request: bytes, suffix: str) -> bytes:
+    """`request` on the stream of one reader (its path with `suffix` added)."""
+    first, rest = request.split(b"\r\n", 1)
+    method, target, version = first.split(b" ")
+    if target.endswith((b"/absent", b"/h-absent", b"a//b")):
+        return request
+    return b" ".join((method, target + suffix.encode(), version)) + b"\r\n" + rest
+
+
+def _normal(answer: bytes, suffix: str) -> tuple[int, dict[str, str], bytes]:
+    status, headers, body = parsed(answer)
+    return (status, {k: STREAM_OFFSET.sub(b"O", v.replace(suffix, "").encode()).decode() for k, v in headers.items()},
+            STREAM_OFFSET.sub(b"O", body.replace(suffix.encode(), b"")))
+
+
+@pytest.mark.parametrize(("setup", "request_"), [(s, r) for _, s, r in CASES], ids=[c[0] for c in CASES])
+def test_the_lane_forwards_as_aiohttp_does(tier: Tier, setup: list[bytes], request_: bytes) -> None:
+    answers = []
+    for p, suffix in ((tier.fast, "_zzfast"), (tier.slow, "_zzslow")):
+        for r in setup:
+            assert parsed(exchange(p.port, _named(r, suffix))[0])[0] < 300
+        raw = exchange(p.port, _named(request_, suffix), bodiless=request_.startswith(b"HEAD"))[0]
+        if RID.encode() in request_:
+            assert b"\r\nX-Request-Id: parity-0123456789\r\n" in raw
+        answers.append(_normal(raw, suffix))
+    assert answers[0][0] == answers[1][0]
+    assert sorted(answers[0][1].items()) == sorted(answers[1][1].items())
+    assert answers[0][2] == answers[1][2]
+
+
+def test_plain_requests_take_the_lane_and_upstream_connections_are_reused(tier: Tier) -> None:
+    fast = tier.fast
+    exchange(fast.port, put("/v1/stream/reuse", TEXT))
+    before = lane_count(fast)
+    with socket.create_connection(("127.0.0.1", fast.port)) as s:
+        for i in range(200):
+            s.sendall(post("/v1/stream/reuse", b"%d," % i, TEXT) if i % 2 == 0 else head("/v1/stream/reuse"))
+            buf = b""
+            while b"\r\n\r\n" not in buf:
+                buf += s.recv(65536)
+            assert buf.startswith((b"HTTP/1.1 204", b"HTTP/1.1 200")), buf[:200]
+    assert lane_count(fast) - before == 200
+    assert 1 <= metric(fast, "ds3_reader_lane_upstream_connections") <= 4
+    assert read_all(fast.port, "/v1/stream/reuse") == b"".join(b"%d," % i for i in range(0, 200, 2))
+    assert lane_count(tier.slow) == 0
+
+
+@pytest.mark.parametrize("n", [30, 2000])
+def test_pipelined_appends_and_heads_are_answered_in_order(tier: Tier, n: int) -> None:
+    """(Not compared with the aiohttp path: aiohttp 3.14 leaves the last HEAD of such a pipeline
+    unanswered until its keep-alive timeout closes the connection.)"""
+    for p in (tier.fast,):
+        path = f"/v1/stream/pipe-{n}-{p.port}"
+        exchange(p.port, put(path, TEXT))
+        burst = b"".join(post(path, b"%d," % i, TEXT) + (head(path) if i % 10 == 9 else b"") for i in range(n))
+        answers = pipeline(p.port, [burst], n + n // 10)
+        statuses = [parsed(a)[0] for a in answers]
+        assert statuses == [204 if (i + 1) % 11 else 200 for i in range(len(answers))]
+        assert read_all(p.port, path) == b"".join(b"%d," % i for i in range(n))
+        offsets = [parsed(a)[1]["stream-next-offset"] for a in answers]
+        assert offsets == sorted(offsets)
+
+
+def test_a_pipelined_mix_cut_at_every_position_is_answered_as_by_aiohttp(tier: Tier) -> None:
+    expected: list[tuple[int, bytes]] | None = None
+    for cut in range(1, len(mixed_requests("/v1/stream/X"))):
+        for p in (tier.slow, tier.fast) if cut == 1 else (tier.fast,):
+            path = f"/v1/stream/cut-{cut}-{p.port}"
+            data = mixed_requests(path)
+            exchange(p.port, put(path, TEXT))
+            got = answer_shapes(pipeline(p.port, [data[:cut], data[cut:]], MIXED_ANSWERS, pause=0.002))
+            got = [(s, b.replace(path.encode(), b"P")) for s, b in got]
+            if expected is None:
+                expected = got
+            assert got == expected, (cut, got)
+            assert read_all(p.port, path) == b"abcd"
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(cuts=st.lists(st.integers(min_value=1, max_value=len(mixed_requests("/v1/stream/X")) - 1), max_size=8,
+                     unique=True))
+def test_a_pipelined_mix_cut_anywhere_is_answered_as_by_aiohttp(tier: Tier, cuts: list[int]) -> None:
+    shapes = []
+    for p in (tier.slow, tier.fast):
+        path = f"/v1/stream/rnd-{uuid.uuid4().hex}"
+        data = mixed_requests(path)
+        marks = [0, *sorted(c for c in cuts if c < len(data)), len(data)]
+        exchange(p.port, put(path, TEXT))
+        answers = answer_shapes(pipeline(p.port, [data[a:b] for a, b in itertools.pairwise(marks)], MIXED_ANSWERS,
+                                         pause=0.001))
+        shapes.append([(status, body.replace(path.encode(), b"P")) for status, body in answers])
+        assert read_all(p.port, path) == b"abcd"
+    assert shapes[0] == shapes[1]
+
+
+def test_a_client_that_leaves_mid_body_stores_nothing(tier: Tier) -> None:
+    fast = tier.fast
+    path = "/v1/stream/leaver"
+    exchange(fast.port, put(path, TEXT))
+    whole = post(path, b"0123456789", TEXT)
+    with socket.create_connection(("127.0.0.1", fast.port)) as s:
+        s.sendall(whole[:-4])
+    # and one that leaves while its answer is on the way: the append stands, the reader goes on
+    with socket.create_connection(("127.0.0.1", fast.port)) as s:
+        s.sendall(post(path, b"kept", TEXT))
+    assert parsed(exchange(fast.port, post(path, b"!", TEXT))[0])[0] == 204
+    assert read_all(fast.port, path) in (b"kept!", b"!kept")
+
+
+def test_an_ingester_that_is_down_is_a_503_like_aiohttp_s(tmp_path: Path) -> None:
+    dead = f"http://127.0.0.1:{procs.free_port()}"
+    store = f"file://{tmp_path / 'objects'}"
+    fast = procs.reader(tmp_path / "fast", dead, store)
+    slow = procs.reader(tmp_path / "slow", dead, store)
+    slow.env["DS3_FAST_LANE"] = "0"
+    fast.start()
+    try:
+        slow.start()
+        try:
+            for request in (post("/v1/stream/d", b"x", TEXT, RID), head("/v1/stream/d", RID)):
+                answers = [parsed(exchange(p.port, request, bodiless=request.startswith(b"HEAD"))[0])
+                           for p in (fast, slow)]
+                assert answers[0] == answers[1]
+                assert answers[0][0] == 503 and answers[0][1]["retry-after"] == "2"
+            assert lane_count(fast) == 2
+        finally:
+            slow.stop()
+    finally:
+        fast.stop()
+
+
+AWAY = "X-Forwarded-For: 203.0.113.7"  # a client a trusted proxy (loopback) forwards: limited
+
+
+def test_write_limits_refuse_as_aiohttp_does(tmp_path: Path, tier: Tier) -> None:
+    store = f"file://{tmp_path / 'objects'}"
+    limited = [procs.reader(tmp_path / n, tier.ingester.url, store, "--write-rate", "0.001", "--write-burst", "2")
+               for n in ("fast", "slow")]
+    limited[1].env["DS3_FAST_LANE"] = "0"
+    exchange(tier.fast.port, put("/v1/stream/limited", TEXT))
+    for p in limited:
+        p.start()
+    try:
+        answers = []
+        for p in limited:
+            got = pipeline(p.port, [post("/v1/stream/limited", b"x", TEXT, RID, AWAY) * 3], 3)
+            got += [exchange(p.port, post("/v1/stream/limited", b"x", TEXT, RID, AWAY))[0]]  # a new connection
+            answers.append([_normal(a, "") for a in got])
+        assert [a[0] for a in answers[0]] == [204, 204, 429, 429]
+        assert answers[0][2:] == answers[1][2:]
+        # what the refused appends carried is not stored
+        assert read_all(tier.fast.port, "/v1/stream/limited") == b"xxxx"
+    finally:
+        for p in limited:
+            p.stop()
