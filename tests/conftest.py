@@ -12,7 +12,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from ingester.app import create_app
 from shared.config import IngesterConfig
 from tests.cluster import StoreView
-from tests.pipeline_fixtures import pipeline_env, spark  # noqa: F401 - Spark pipeline tests
+from tests.pipeline_fixtures import _spark_run, pipeline_env, spark  # noqa: F401 - Spark pipeline tests
 from tests.s3server import CLEARED_ENV, TEST_ENV, MotoS3
 from tests.tcpgate import TcpGate
 from tests.wal_harness import clock, h  # noqa: F401 - write-path tests (test_store, test_journal)

@@ -1,7 +1,8 @@
 """Fixtures and helpers of the Spark pipeline tests (tests/test_pipeline*.py), imported by
 conftest.py. Spark takes 5-9 s to start, so the whole run shares ONE SparkSession (local[2],
-a failed task is tried up to 3 times) and one ingester + reader sealing 4 KiB chunks into moto's
-S3; each test uses its own streams. pyspark is imported only when a pipeline test runs."""
+a failed task is tried up to 3 times; tests/test_pipeline_cluster.py swaps it for one on a
+standalone cluster while that module runs) and one ingester + reader sealing 4 KiB chunks into
+moto's S3; each test uses its own streams. pyspark is imported only when a pipeline test runs."""
 
 from __future__ import annotations
 
@@ -21,37 +22,72 @@ if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
 
 SEAL_BYTES = 4096
+LOCAL_MASTER = "local[2,3]"
+TEST_CONF = {
+    "spark.sql.shuffle.partitions": "2",
+    "spark.ui.showConsoleProgress": "false",
+    "spark.sql.streaming.stopTimeout": "10s",
+}
+_session: SparkSession | None = None
 
 
-@pytest.fixture(scope="session")
-def spark() -> Iterator[SparkSession]:
+def spark_on(master: str, app_name: str = "ds3-tests", conf: dict[str, str] | None = None) -> SparkSession:
+    """The run's SparkSession on `master`: the current one if it runs there, else a new one
+    after stopping the current one (a process holds one SparkContext at a time; the cluster
+    tests, tests/test_pipeline_cluster.py, switch to a standalone master and back)."""
+    global _session
+    if _session is not None and _session.sparkContext._jsc is not None and _session.sparkContext.master == master:
+        return _session
+    stop_spark()
     from pipeline.session import spark_session
 
     with aws_test_env():  # the JVM, and so every Python worker, gets moto's dummy credentials
-        session = spark_session("local[2,3]", "ds3-tests", {
-            "spark.sql.shuffle.partitions": "2",
-            "spark.ui.showConsoleProgress": "false",
-            "spark.sql.streaming.stopTimeout": "10s",
-        })
-    yield session
-    session.stop()
+        _session = spark_session(master, app_name, {**TEST_CONF, **(conf or {})})
+    return _session
+
+
+def stop_spark() -> None:
+    global _session
+    if _session is not None:
+        _session.stop()
+        _session = None
+
+
+@pytest.fixture(scope="session")
+def _spark_run() -> Iterator[None]:
+    yield
+    stop_spark()
+
+
+@pytest.fixture
+def spark(_spark_run: None) -> SparkSession:
+    """The local session (started once; again only if a cluster test stopped it)."""
+    return spark_on(LOCAL_MASTER)
 
 
 @dataclass
 class PipelineEnv:
-    """The shared cluster, seen from a pipeline test."""
+    """An ingester + reader sealing into a store (the shared one on moto, or a test's own on
+    a local directory, s3=None), seen from a pipeline test."""
 
     cluster: Cluster
     store: StoreView
-    s3: MotoS3
+    s3: MotoS3 | None
 
     @property
     def url(self) -> str:
         return self.cluster.reader.url
 
+    @property
+    def s3_endpoint(self) -> str:
+        assert self.s3 is not None, "a store on a local directory"
+        return self.s3.endpoint
+
     def source_options(self, **extra: str) -> dict[str, str]:
         """Options of format("ds3") for this store (S3 settings given explicitly, as the
         executors' environment holds no AWS variables)."""
+        if self.s3 is None:
+            return {"store": self.store.url, **extra}
         return {
             "store": self.store.url, "endpoint_url": self.s3.endpoint,
             "region": TEST_ENV["AWS_DEFAULT_REGION"], "access_key_id": "testing",
@@ -107,8 +143,7 @@ class PipelineEnv:
         from pipeline.store import open_sync_store
 
         opts = self.source_options()
-        store = open_sync_store(opts["store"], endpoint_url=opts["endpoint_url"], region=opts["region"],
-                                access_key_id="testing", secret_access_key="testing")
+        store = open_sync_store(opts.pop("store"), **opts)
 
         def covered() -> bool:
             catalog = Catalog(store)

@@ -36,7 +36,7 @@ def run_cli(*args: str) -> dict[str, Any]:
 
 
 def export_cli(env: PipelineEnv, out: Path) -> dict[str, Any]:
-    return run_cli("pipeline", "export", "--store", env.store.url, "--s3-endpoint", env.s3.endpoint,
+    return run_cli("pipeline", "export", "--store", env.store.url, "--s3-endpoint", env.s3_endpoint,
                    "--prefix", "exp/", "--output", str(out))
 
 
@@ -128,7 +128,7 @@ def test_compact_then_bootstrap_equals_full_replay(pipeline_env: PipelineEnv, sp
     events = state_events(400, 41)
     env.create(url_path, JSON)
     env.append_all(url_path, [json.dumps(events[i : i + 7]).encode() for i in range(0, len(events), 7)], JSON)
-    result = run_cli("pipeline", "compact", "--store", env.store.url, "--s3-endpoint", env.s3.endpoint,
+    result = run_cli("pipeline", "compact", "--store", env.store.url, "--s3-endpoint", env.s3_endpoint,
                      "--stream", "compact/state", "--url", env.url)
     assert result["published"] and result["entities"] == len(replay(events))
     later = state_events(50, 42)
