@@ -49,12 +49,13 @@ def _b(buf: Any) -> bytes:
 class LoggedTxn:
     """Duck-types lmdb.Transaction for the committer's operations (cast at the call site)."""
 
-    __slots__ = ("_ids", "_txn", "get", "writes")
+    __slots__ = ("_ids", "_put", "_txn", "get", "writes")
 
     def __init__(self, txn: lmdb.Transaction, ids: Mapping[lmdb._Database, int]) -> None:
         self._txn = txn
         self._ids = ids
         self.writes: list[Write] = []
+        self._put = txn.put
         self.get = txn.get  # the hot read: bound once, no __getattr__ on every call
 
     def __getattr__(self, name: str) -> Any:  # reads: stat, id, env ...
@@ -68,9 +69,14 @@ class LoggedTxn:
 
     def put(self, key: Any, value: Any, dupdata: bool = True, overwrite: bool = True, append: bool = False,
             db: lmdb._Database | None = None) -> bool:
-        db_id = self._id(db)
-        if self._txn.put(key, value, dupdata, overwrite, append, db):
-            self.writes.append((db_id, PUT, _b(key), _b(value)))
+        # The hot path (two per journaled append): helpers inlined.
+        try:
+            db_id = self._ids[db]  # type: ignore[index]
+        except KeyError:
+            raise UnloggedDatabase(f"write to a database the log does not know: {db!r}") from None
+        if self._put(key, value, dupdata, overwrite, append, db):
+            self.writes.append((db_id, PUT, key if type(key) is bytes else bytes(key),
+                                value if type(value) is bytes else bytes(value)))
             return True
         return False
 
