@@ -49,14 +49,15 @@ def _b(buf: Any) -> bytes:
 class LoggedTxn:
     """Duck-types lmdb.Transaction for the committer's operations (cast at the call site)."""
 
-    __slots__ = ("_ids", "_put", "_txn", "get", "writes")
+    __slots__ = ("_ids", "_put", "_txn", "get", "stat", "writes")
 
     def __init__(self, txn: lmdb.Transaction, ids: Mapping[lmdb._Database, int]) -> None:
         self._txn = txn
         self._ids = ids
         self.writes: list[Write] = []
         self._put = txn.put
-        self.get = txn.get  # the hot read: bound once, no __getattr__ on every call
+        self.get = txn.get  # the hot reads: bound once, no __getattr__ on every call
+        self.stat = txn.stat  # (an append checks the unsealed bytes when sealing is on)
 
     def __getattr__(self, name: str) -> Any:  # reads: stat, id, env ...
         return getattr(self._txn, name)
