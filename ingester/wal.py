@@ -4,6 +4,12 @@ group-commits every operation that arrived while the previous commit was syncing
 The event loop never runs a write transaction: it submits an operation (a callable taking
 the write transaction) and awaits a future that resolves only after the transaction that
 applied it is durable (LMDB `sync=True`: data pages, fdatasync, meta page, fdatasync).
+
+With a log configured (`on_logged`), operations get a LoggedTxn (logged_txn.py) that records
+every write; a commit that wrote anything gets the next commit seq, persisted in `sys` by
+the same transaction, and its write-set goes to `on_logged` (a shipper: object store log
+segments, shared/logsegment.py) after the LMDB commit and before any outcome is delivered.
+Without one, operations get the raw transaction and no seq is kept.
 """
 
 from __future__ import annotations
@@ -12,18 +18,21 @@ import asyncio
 import logging
 import math
 import queue
+import struct
 import threading
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future as ConcurrentFuture
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Generic, TypeVar
+from typing import Any, Final, Generic, TypeVar, cast
 
 import lmdb
 from prometheus_client import Histogram
 
+from ingester.logged_txn import LoggedTxn
 from shared.errors import DS3Error, Unavailable
+from shared.logsegment import DB_IDS, Commit
 
 log = logging.getLogger("ds3.wal")
 T = TypeVar("T")
@@ -32,6 +41,10 @@ MAP_FULL_LOG_SECONDS = 60.0
 MAP_FULL_MESSAGE = ("the write-ahead log is full; nothing was stored. Retry later (the server's operator "
                     "must raise --wal-map-size / DS3_WAL_MAP_SIZE)")
 COMMIT_SECONDS_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+COMMIT_SEQ: Final = b"commit_seq"  # in `sys`: the last logged commit's seq
+SEQ: Final = struct.Struct(">Q")
+NOT_SHIPPED_MESSAGE = ("the write is in the write-ahead log but did not reach the object store; "
+                       "retry (an idempotent producer's retry is deduplicated)")
 
 
 class WalEnv:
@@ -51,6 +64,9 @@ class WalEnv:
         self.chunks = self.env.open_db(b"chunks")
         self.sys = self.env.open_db(b"sys")
         self.buckets = self.env.open_db(b"buckets")
+        # The handles by their ids in log segments (shared/logsegment.py), and back.
+        self.log_dbs: dict[int, lmdb._Database] = {i: getattr(self, name) for name, i in DB_IDS.items()}
+        self.log_ids: dict[lmdb._Database, int] = {db: i for i, db in self.log_dbs.items()}
 
     def close(self) -> None:
         self.env.close()
@@ -67,6 +83,11 @@ class WalEnv:
         """Pages holding unsealed messages (records and the journal not yet folded into them)."""
         return self.db_bytes(txn, self.records) + self.db_bytes(txn, self.journal)
 
+    def commit_seq(self, txn: lmdb.Transaction) -> int:
+        """The seq of the last logged commit (0: none yet)."""
+        raw = txn.get(COMMIT_SEQ, db=self.sys)
+        return int(SEQ.unpack(raw)[0]) if raw is not None else 0
+
     def db_bytes(self, txn: lmdb.Transaction, db: lmdb._Database) -> int:
         """Pages a database occupies now (freed pages are reused, the file never shrinks)."""
         st = txn.stat(db)
@@ -78,6 +99,16 @@ Op = Callable[[lmdb.Transaction], Any]
 # Called on the event loop with (result, True) or (exception, False) once the operation's
 # transaction is durable (or has failed).
 Delivery = Callable[[Any, bool], None]
+
+
+# Called on the writer thread with each logged commit (its seq and write-set, which it may
+# keep: the committer makes a new list per commit) right after LMDB committed it, before any
+# of the commit's outcomes is delivered. It returns None (deliver now) or a gate: a future
+# that this commit's deliveries, and those of every later commit, wait for (a store
+# durability mode: done when the segment holding the commit is uploaded). A gate that fails
+# or is cancelled turns the commit's successes into 503s (nothing is promised). Keep it
+# quick: the next batch cannot start before it returns.
+OnLogged = Callable[[Commit], "ConcurrentFuture[None] | None"]
 
 
 @dataclass(slots=True)
@@ -94,7 +125,7 @@ class GroupCommitter:
     caller's caches are reset through `on_abort`, the operation is failed and the rest of
     the batch runs again. `on_commit` writes what the caller deferred into the transaction
     and returns what changed; that value reaches `on_durable` on the event loop after the
-    sync (or is dropped if the commit failed).
+    sync (or is dropped if the commit failed). `on_logged`: see OnLogged.
     """
 
     def __init__(
@@ -105,6 +136,7 @@ class GroupCommitter:
         on_abort: Callable[[], None],
         on_commit: Callable[[lmdb.Transaction], Any],
         on_durable: Callable[[Any], None],
+        on_logged: OnLogged | None = None,
         max_batch: int = 4096,
     ) -> None:
         self.wal = wal
@@ -113,6 +145,12 @@ class GroupCommitter:
         self._on_commit = on_commit
         self._on_durable = on_durable
         self._max_batch = max_batch
+        self._on_logged = on_logged
+        # The last logged commit's seq (read here, advanced by the writer thread only).
+        with wal.env.begin() as txn:
+            self.seq = wal.commit_seq(txn)
+        # Set once the last gated commit's outcomes went out (None: nothing gated pending).
+        self._delivered: ConcurrentFuture[None] | None = None
         # SimpleQueue: a C-level put, and the writer wakes only when it has nothing to do.
         self._queue: queue.SimpleQueue[_Pending[Any] | None] = queue.SimpleQueue()
         self._stopping = False
@@ -191,12 +229,17 @@ class GroupCommitter:
         results: list[tuple[_Pending[Any], Any, bool]] = []
         todo = batch
         changed: Any = None
+        logged: Commit | None = None
         reran = False
         while todo:
             failed_at: int | None = None
             outcome: list[tuple[_Pending[Any], Any, bool]] = []
+            commit: Commit | None = None
             try:
-                with self.wal.env.begin(write=True) as txn:
+                with self.wal.env.begin(write=True) as raw:
+                    # A new recorder per attempt: an aborted attempt's writes go with it.
+                    recorder = LoggedTxn(raw, self.wal.log_ids) if self._on_logged is not None else None
+                    txn = raw if recorder is None else cast(lmdb.Transaction, recorder)
                     for i, p in enumerate(todo):
                         try:
                             outcome.append((p, p.op(txn), True))
@@ -211,9 +254,14 @@ class GroupCommitter:
                             outcome.append((p, e, False))
                             raise _AbortBatch from e
                     news = self._on_commit(txn)
+                    if recorder is not None and recorder.writes:  # a commit that wrote nothing has no seq
+                        commit = Commit(self.seq + 1, recorder.writes)
+                        recorder.put(COMMIT_SEQ, SEQ.pack(commit.seq), db=self.wal.sys)
                 # the `with` committed: durable now. (Not before: what a failed commit would
                 # have changed must not reach on_durable, e.g. objects of a delete to remove.)
                 changed = news
+                if commit is not None:
+                    self.seq, logged = commit.seq, commit
                 results.extend(outcome)
                 todo = []
             except _AbortBatch:
@@ -253,7 +301,54 @@ class GroupCommitter:
         self.last_batch_size = len(batch)
         self.commit_seconds.observe(time.perf_counter() - started)
         self.batch_sizes.observe(len(batch))
-        self._deliver_threadsafe(results, changed)
+        gate = self._log(logged) if logged is not None else None
+        self._deliver_in_order(gate, results, changed)
+
+    def _log(self, commit: Commit) -> ConcurrentFuture[None] | None:
+        assert self._on_logged is not None
+        try:
+            return self._on_logged(commit)
+        except Exception as e:  # the commit stands; what the hook failed to take is not promised
+            log.exception("the commit log hook failed on commit %d", commit.seq)
+            failed: ConcurrentFuture[None] = ConcurrentFuture()
+            failed.set_exception(e)
+            return failed
+
+    def _deliver_in_order(
+        self, gate: ConcurrentFuture[None] | None, results: list[tuple[_Pending[Any], Any, bool]], changed: Any
+    ) -> None:
+        """Deliver now, unless this commit has a gate or an earlier gated commit's outcomes
+        are not out yet: then once both are (so outcomes still go out in commit order, and
+        a write that changed nothing, such as a duplicate, is not acknowledged before the
+        commit it relies on)."""
+        prev = self._delivered
+        if gate is None and (prev is None or prev.done()):
+            self._delivered = None
+            self._deliver_threadsafe(results, changed)
+            return
+        done: ConcurrentFuture[None] = ConcurrentFuture()
+        self._delivered = done
+
+        def release(_: object = None) -> None:  # on whichever thread completed the gate
+            try:
+                out = results
+                if gate is not None and (gate.cancelled() or gate.exception() is not None):
+                    out = [(p, Unavailable(NOT_SHIPPED_MESSAGE, 5), False) if ok else (p, value, ok)
+                           for p, value, ok in results]
+                self._deliver_threadsafe(out, changed)
+            finally:
+                done.set_result(None)
+
+        def after_prev(_: object = None) -> None:
+            if gate is None:
+                release()
+            else:
+                gate.add_done_callback(release)
+
+        if prev is None:
+            after_prev()
+        else:
+            prev.add_done_callback(after_prev)
 
     def _map_full(self) -> Unavailable:
         """The refusal of an operation that found the LMDB map full; the operator is told at

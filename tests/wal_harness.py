@@ -1,10 +1,17 @@
 """A write-ahead log on a directory, without HTTP: WalEnv + Store + GroupCommitter on a real
 LMDB, with a settable clock, for tests of the write path (test_store, test_journal). Its
-fixtures `clock` and `h` are registered in conftest.py."""
+fixtures `clock` and `h` are registered in conftest.py.
+
+With DS3_TEST_SHADOW_LOG=1 in the environment, every Harness logs its commits (ShadowLog) and,
+when closed, replays them into an empty WAL and asserts that every database came out equal:
+the write-path tests then check the commit log (logged_txn.py, replay.py) too."""
 
 from __future__ import annotations
 
 import asyncio
+import os
+import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -15,6 +22,7 @@ import pytest
 
 from ingester.reads import Reads
 from ingester.records import SID, StreamMeta
+from ingester.replay import replay
 from ingester.store import (
     AppendRequest,
     AppendResult,
@@ -24,9 +32,10 @@ from ingester.store import (
     SealPolicy,
     Store,
 )
-from ingester.wal import GroupCommitter, WalEnv
+from ingester.wal import GroupCommitter, OnLogged, WalEnv
 from shared import offsets
 from shared.config import MiB
+from shared.logsegment import DB_IDS, Commit
 from shared.protocol import ProducerHeaders
 
 T = TypeVar("T")
@@ -44,11 +53,50 @@ class Clock:
         return self.now
 
 
+def dump(wal: WalEnv) -> dict[str, list[tuple[bytes, bytes]]]:
+    """Every key and value of every named database."""
+    with wal.env.begin(buffers=False) as txn:
+        return {name: list(txn.cursor(getattr(wal, name))) for name in DB_IDS}
+
+
+class ShadowLog:
+    """An on_logged hook that keeps every commit, and checks them by replay."""
+
+    def __init__(self) -> None:
+        self.commits: list[Commit] = []
+        self._lock = threading.Lock()
+
+    def __call__(self, commit: Commit) -> None:
+        with self._lock:
+            self.commits.append(commit)
+
+    def replayed(self, path: Path, commits: list[Commit] | None = None) -> WalEnv:
+        """A new WAL at `path` (empty before) with the commits replayed."""
+        wal = WalEnv(path, 64 * MiB)
+        replay(wal, self.commits if commits is None else commits)
+        return wal
+
+    def verify(self, wal: WalEnv) -> None:
+        """Replaying every commit from scratch gives `wal`'s databases exactly."""
+        with tempfile.TemporaryDirectory(prefix="ds3-shadow-") as tmp:
+            copy = self.replayed(Path(tmp) / "wal")
+            try:
+                assert dump(copy) == dump(wal), "the replayed log differs from the WAL"
+            finally:
+                copy.close()
+
+
+# One ShadowLog per WAL directory, so a Harness reopened on it (a restart) continues it.
+_shadows: dict[Path, ShadowLog] = {}
+SHADOW = os.environ.get("DS3_TEST_SHADOW_LOG") == "1"
+
+
 class Harness:
     """WalEnv + Store + GroupCommitter on a directory; close() and reopen like a restart."""
 
     def __init__(
-        self, path: Path, clock: Clock, loop: asyncio.AbstractEventLoop | None = None, seal: SealPolicy | None = None
+        self, path: Path, clock: Clock, loop: asyncio.AbstractEventLoop | None = None, seal: SealPolicy | None = None,
+        on_logged: OnLogged | None = None,
     ) -> None:
         self.path = path
         self.clock = clock
@@ -57,9 +105,12 @@ class Harness:
         self._own_loop = loop is None
         self.loop = loop or asyncio.new_event_loop()
         self.durable: list[Committed] = []  # what each durable commit changed, as on_durable got it
+        self.shadow: ShadowLog | None = None
+        if on_logged is None and SHADOW:
+            on_logged = self.shadow = _shadows.setdefault(path.resolve(), ShadowLog())
         self.committer = GroupCommitter(
             self.wal, self.loop, on_abort=self.store.reset, on_commit=self.store.flush,
-            on_durable=self.durable.append,
+            on_durable=self.durable.append, on_logged=on_logged,
         )
         self.committer.start()
         self.reads = Reads(self.wal, self.store.touches, threads=1)
@@ -71,7 +122,11 @@ class Harness:
         self.closed = True
         self.committer.stop()
         self.reads.close()
-        self.wal.close()
+        try:
+            if self.shadow is not None:
+                self.shadow.verify(self.wal)
+        finally:
+            self.wal.close()
         if self._own_loop:
             self.loop.close()
 
