@@ -93,10 +93,12 @@ class ObjectNotFound(ObjectStoreError):
 
 
 class PreconditionFailed(ObjectStoreError):
-    """A conditional write lost: put(if_absent=True) found the key already there (S3 412)."""
+    """A conditional write lost (S3 412): put(if_absent=True) found the key already there, or
+    put(if_match=etag) found it missing or holding another version. Callers catch it: it is
+    an answer about the store's state, never sent to a client as such."""
 
-    def __init__(self, key: str) -> None:
-        super().__init__(f"object already exists: {key}")
+    def __init__(self, key: str, why: str = "object already exists") -> None:
+        super().__init__(f"{why}: {key}")
         self.key = key
 
 
