@@ -18,7 +18,8 @@ Conditional writes are atomic across threads and processes on this machine:
 - if_match holds an exclusive lock on the store's lock file (flock on `<root>/.ds3tmp-lock`,
   plus a lock of this process for file systems where flock is per process) while it compares
   the current ETag with the expected one and renames the new version into place. The data is
-  written and fsynced before the lock is taken, so it is held for a stat and a rename only.
+  written and fsynced before the lock is taken, so it is held for a stat, a rename and the
+  directory's fsync (the new version is durable before another writer can act on it).
 
 Blocking file I/O runs in worker threads (asyncio.to_thread) so the event loop never waits
 on the disk. The content type is kept in an extended attribute of the file, which makes it
