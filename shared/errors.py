@@ -3,6 +3,8 @@ shared.http.handlers.error_response (the status each class names below)."""
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
+
 
 class DS3Error(Exception):
     """Base class; `message` is safe to show to the client."""
@@ -93,15 +95,46 @@ class ObjectNotFound(ObjectStoreError):
 
 
 class PreconditionFailed(ObjectStoreError):
-    """A conditional write lost: put(if_absent=True) found the key already there (S3 412)."""
+    """A conditional write lost (S3 412): put(if_absent=True) found the key already there, or
+    put(if_match=etag) found it missing or holding another version. Callers catch it: it is
+    an answer about the store's state, never sent to a client as such."""
 
-    def __init__(self, key: str) -> None:
-        super().__init__(f"object already exists: {key}")
+    def __init__(self, key: str, why: str = "object already exists") -> None:
+        super().__init__(f"{why}: {key}")
         self.key = key
 
 
 class ObjectStoreUnavailable(Unavailable, ObjectStoreError):
     """The store cannot be reached or answered 5xx / throttled: retry later (503)."""
+
+
+# ---------------------------------------------------------------- ownership of a store prefix
+# shared.ownership: exactly one ingester writes a store prefix at a time.
+
+
+class OwnedElsewhere(Unavailable):
+    """acquire() refused: another ingester holds a live lease on the store prefix (503; a
+    standby retries once the lease has lapsed)."""
+
+    def __init__(self, owner_id: str, advertise_url: str, epoch: int, lease_expires_at: float,
+                 retry_after: int = 1) -> None:
+        until = datetime.fromtimestamp(lease_expires_at, UTC).isoformat(timespec="milliseconds")
+        super().__init__(f"store prefix is owned by {owner_id} ({advertise_url or 'no URL'}, epoch {epoch}) "
+                         f"until at least {until}", retry_after)
+        self.owner_id = owner_id
+        self.advertise_url = advertise_url
+        self.epoch = epoch
+        self.lease_expires_at = lease_expires_at
+
+
+class Superseded(Unavailable):
+    """This process no longer owns the store prefix (503): another ingester took it over, its
+    lease lapsed before it could be renewed, or it released it. It is fenced: it must write and
+    acknowledge nothing more under that ownership."""
+
+    def __init__(self, message: str, epoch: int) -> None:
+        super().__init__(message)
+        self.epoch = epoch
 
 
 # ---------------------------------------------------------------- access control and limits

@@ -4,6 +4,8 @@
     streams/<h[:2]>/<h>.json                       a stream's descriptor, h = sha256(path)
     snapshots/<uid[:2]>/<uid>/<offset>.<nonce>     a published snapshot (extensions §2); the
                                                    nonce: a re-publish never overwrites a blob
+    _ds3/owner.json                                who owns the store prefix: epoch and lease
+                                                   (shared.ownership); written conditionally only
 
 Streams are keyed by `uid` (random, 128 bits) rather than by path, so a path deleted and
 created again never reaches old objects, and several ingesters can share one bucket. The
@@ -14,6 +16,10 @@ from __future__ import annotations
 
 import hashlib
 import secrets
+from typing import Final
+
+# "_ds3/" holds the store's own bookkeeping, apart from the streams' objects.
+OWNER_KEY: Final = "_ds3/owner.json"
 
 
 def chunk_prefix(uid: str) -> str:

@@ -3,6 +3,13 @@
 moto's in-process mocks (mock_aws) do not patch aiobotocore, so tests talk HTTP to a real
 (moto) server on 127.0.0.1 with an ephemeral port, exactly as production talks to MinIO.
 
+Conditional writes: moto 5.2.5 enforces If-None-Match: * and If-Match on put_object (412, and
+404 NoSuchKey for If-Match on a missing key, as AWS). It checks and then stores without a lock
+of its own, so two racing requests could in principle both pass; the window is a few Python
+statements under the GIL and was never hit (1000 rounds of 8 racers each, bodies up to 400 KB,
+exactly one winner every time), so the single-winner tests run against it too. It never
+answers 409 ConditionalRequestConflict (tests fake that one).
+
     with MotoS3() as s3:             # or s3.start() / s3.stop()
         bucket = s3.new_bucket()
         store = open_store(f"s3://{bucket}/p", s3_endpoint=s3.endpoint)

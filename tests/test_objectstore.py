@@ -4,19 +4,26 @@ against S3 (moto's server), then a few tests cover what only one of them has."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import multiprocessing
 import os
 import socket
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+from botocore.exceptions import ClientError
 
 from shared.config import ConfigError
 from shared.errors import ObjectNotFound, ObjectStoreUnavailable, PreconditionFailed, Unavailable
 from shared.objectstore import LocalStore, ObjectStore, open_store
+from shared.objectstore import s3 as s3_module
 from shared.objectstore.base import TEMP_PREFIX
+from shared.objectstore.local import LOCK_NAME
 from shared.objectstore.s3 import S3Options, S3Store
+from tests import store_racer
 from tests.s3server import MotoS3
 
 MiB = 1024 * 1024
@@ -236,6 +243,65 @@ async def test_if_absent_concurrent_single_winner(store: ObjectStore) -> None:
     assert await store.get("race") == payload(50_000, seed=winners[0])
 
 
+async def test_etags_agree_and_are_the_md5(store: ObjectStore) -> None:
+    data = payload(5000, seed=3)
+    etag = await store.put("e/x", data, content_type="application/octet-stream")
+    assert etag == hashlib.md5(data).hexdigest()  # S3's single-part ETag; the local store's too
+    assert (await store.head("e/x")).etag == etag
+    assert await store.get_with_etag("e/x") == (data, etag)
+    assert [i.etag async for i in store.list("e/")] == [etag]
+    assert await store.put("e/x", b"other") != etag
+    assert await store.put("e/x", data) == etag  # same content, same ETag (as on S3)
+    with pytest.raises(ObjectNotFound):
+        await store.get_with_etag("e/missing")
+    assert store.counters.errors == 0
+
+
+async def test_if_absent_returns_the_etag(store: ObjectStore) -> None:
+    etag = await store.put("once", b"first", if_absent=True)
+    assert await store.get_with_etag("once") == (b"first", etag)
+
+
+async def test_if_match_replaces_only_that_version(store: ObjectStore) -> None:
+    e1 = await store.put("cas", b"v1")
+    e2 = await store.put("cas", b"v2", if_match=e1, content_type="application/json")
+    assert e2 != e1 and await store.get_with_etag("cas") == (b"v2", e2)
+    assert (await store.head("cas")).content_type == "application/json"
+    with pytest.raises(PreconditionFailed) as e:  # stale: someone else's write came first
+        await store.put("cas", b"v3", if_match=e1)
+    assert e.value.key == "cas" and "not version" in e.value.message
+    assert await store.get_with_etag("cas") == (b"v2", e2)  # unchanged
+    e3 = await store.put("cas", b"v3", if_match=f'"{e2}"')  # quoted as in HTTP: the same ETag
+    assert await store.get_with_etag("cas") == (b"v3", e3)
+    with pytest.raises(PreconditionFailed):  # a version of a missing object is never current
+        await store.put("absent", b"x", if_match=e3)
+    with pytest.raises(ObjectNotFound):
+        await store.head("absent")
+    await store.delete("cas")
+    with pytest.raises(PreconditionFailed):
+        await store.put("cas", b"v4", if_match=e3)
+    assert store.counters.errors == 0
+    with pytest.raises(ValueError):
+        await store.put("cas", b"x", if_absent=True, if_match=e3)
+
+
+async def test_if_match_concurrent_single_winner_each_round(store: ObjectStore) -> None:
+    etag = await store.put("cas", b"start")
+    for r in range(6):
+
+        async def attempt(i: int, current: str = etag, r: int = r) -> tuple[int, str] | None:
+            try:
+                return i, await store.put("cas", f"round {r} by {i}".encode(), if_match=current)
+            except PreconditionFailed:
+                return None
+
+        results = await asyncio.gather(*(attempt(i) for i in range(8)))
+        winners = [w for w in results if w is not None]
+        assert len(winners) == 1, results
+        i, etag = winners[0]
+        assert await store.get_with_etag("cas") == (f"round {r} by {i}".encode(), etag)
+
+
 # ---------------------------------------------------------------- keys
 BAD_KEYS = ["", "/abs", "../up", "a/../b", "a/..", "..", "./a", "a/./b", "a//b", "a/", "a\\b",
             "nul\x00", f"{TEMP_PREFIX}x", f"a/{TEMP_PREFIX}x"]
@@ -304,6 +370,72 @@ async def test_local_failed_rename_keeps_old_object(tmp_path: Path, monkeypatch:
         assert store.counters.errors == 1
 
 
+def test_local_conditional_writes_across_processes(tmp_path: Path) -> None:
+    """4 processes on one root: each round exactly one if_match and one if_absent wins."""
+    root, procs, rounds = tmp_path / "objects", 4, 15
+    asyncio.run(_put_once(root, "cas", b"start"))
+    ctx = multiprocessing.get_context("spawn")  # no fork of a process with threads and a loop
+    barrier = ctx.Barrier(procs, timeout=60)
+    results: Any = ctx.Queue()
+    workers = [ctx.Process(target=store_racer.race, args=(str(root), i, rounds, barrier, results))
+               for i in range(procs)]
+    for w in workers:
+        w.start()
+    try:
+        got = [results.get(timeout=120) for _ in range(2 * procs * rounds)]
+    finally:
+        for w in workers:
+            w.join(timeout=30)
+    assert all(w.exitcode == 0 for w in workers)
+    for kind in ("if_match", "if_absent"):
+        for r in range(rounds):
+            won = [ident for k, rr, ident, ok in got if k == kind and rr == r and ok]
+            assert len(won) == 1, (kind, r, won)
+    last = next(ident for k, r, ident, ok in got if k == "if_match" and r == rounds - 1 and ok)
+    assert (root / "cas").read_bytes() == f"round {rounds - 1} by {last}".encode()
+    assert sorted(p.name for p in root.iterdir()) == [LOCK_NAME, "cas", "new"]  # no temp files left
+
+
+async def _put_once(root: Path, key: str, data: bytes) -> None:
+    async with LocalStore(root) as store:
+        await store.put(key, data)
+
+
+async def test_local_lock_file_is_never_a_key(tmp_path: Path) -> None:
+    async with open_store(tmp_path.as_uri()) as store:
+        etag = await store.put("k", b"1")
+        await store.put("k", b"2", if_match=etag)
+        assert (tmp_path / LOCK_NAME).exists()
+        assert await keys_of(store) == ["k"]
+        with pytest.raises(ValueError):
+            await store.get(LOCK_NAME)
+
+
+async def test_local_etags_without_xattrs(tmp_path: Path) -> None:
+    """Where the file system keeps no extended attributes the ETag is inode-mtime-size; each
+    conditional write still makes every older ETag stale, even when written in one clock tick
+    with the same size (an inode number can be reused)."""
+    async with LocalStore(tmp_path) as store:
+        store._xattrs = False
+        etags = [await store.put("k", b"v0")]
+        mtimes = [(tmp_path / "k").stat().st_mtime_ns]
+        for i in range(1, 20):
+            etags.append(await store.put("k", f"v{i % 10}".encode(), if_match=etags[-1]))
+            mtimes.append((tmp_path / "k").stat().st_mtime_ns)
+        assert len(set(etags)) == len(etags)
+        assert mtimes == sorted(set(mtimes))  # strictly increasing
+        assert (await store.head("k")).etag == etags[-1] == (await store.get_with_etag("k"))[1]
+        for old in etags[:-1]:
+            with pytest.raises(PreconditionFailed):
+                await store.put("k", b"v9", if_match=old)
+        assert await store.get("k") == b"v9"
+        # mtimes keep increasing when the clock steps back (the current version stamped ahead)
+        future = time.time_ns() + 10**10
+        os.utime(tmp_path / "k", ns=(future, future))
+        await store.put("k", b"v0", if_match=(await store.head("k")).etag)
+        assert (tmp_path / "k").stat().st_mtime_ns > future
+
+
 async def test_local_rejects_escape(tmp_path: Path) -> None:
     root = tmp_path / "root"
     async with open_store(root.as_uri()) as store:
@@ -357,6 +489,34 @@ async def test_s3_unreachable_is_unavailable() -> None:
             await keys_of(store)
         assert store.counters.errors == 3
     assert time.monotonic() - t0 < 5
+
+
+class _ConflictingS3:
+    """Answers put_object with 409 ConditionalRequestConflict `conflicts` times, then 200."""
+
+    def __init__(self, conflicts: int) -> None:
+        self.conflicts = conflicts
+        self.calls = 0
+
+    async def put_object(self, **req: Any) -> dict[str, Any]:
+        self.calls += 1
+        if self.calls <= self.conflicts:
+            answer: Any = {"Error": {"Code": "ConditionalRequestConflict", "Message": "busy"},
+                           "ResponseMetadata": {"HTTPStatusCode": 409}}
+            raise ClientError(answer, "PutObject")
+        return {"ETag": '"abc"'}
+
+
+async def test_s3_conflicts_are_retried_then_lost(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(s3_module, "_CONFLICT_RETRIES", 2)
+    store = S3Store("bucket")
+    store._s3 = _ConflictingS3(conflicts=2)  # type: ignore[assignment]
+    assert await store.put("k", b"x", if_match="old") == "abc"  # the third try went through
+    store._s3 = fake = _ConflictingS3(conflicts=99)  # type: ignore[assignment]
+    with pytest.raises(PreconditionFailed) as e:
+        await store.put("k", b"x", if_absent=True)
+    assert fake.calls == 3 and "concurrent" in e.value.message
+    assert store.counters.errors == 0
 
 
 async def test_s3_one_client_per_store(s3_server: MotoS3, s3_bucket: str) -> None:

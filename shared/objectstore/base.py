@@ -4,6 +4,10 @@ Every implementation converts its own errors into the domain errors of shared.er
 (ObjectNotFound, PreconditionFailed, ObjectStoreUnavailable, ObjectStoreError), so callers
 handle one set of exceptions whatever the store is.
 
+ETags are opaque strings without quotes. S3's is its own (the MD5 hex of the content for a
+single-part unencrypted put); the local store's is the MD5 hex of the content as well where
+the file system keeps extended attributes (see shared.objectstore.local).
+
 Keys are '/'-separated relative names ("chunks/ab/123/0000000000000003"). Both stores
 validate them the same way (validate_key), so a key that works in `ds3 dev` also works on S3
 and the other way round.
@@ -27,7 +31,7 @@ DEFAULT_LIST_PAGE_SIZE: Final = 1000  # S3's own maximum for ListObjectsV2 and D
 class ObjectInfo:
     key: str
     size: int
-    etag: str  # opaque; changes when the object is rewritten
+    etag: str  # opaque (see the stores); differs between versions with different content
     content_type: str | None = None  # None from list() (S3 listings do not carry it)
     last_modified: float | None = None  # Unix time, seconds
 
@@ -73,13 +77,37 @@ class ObjectStore(Protocol):
     counters: StoreCounters
 
     async def put(
-        self, key: str, data: bytes, *, content_type: str | None = None, if_absent: bool = False
-    ) -> None:
-        """Write the whole object. if_absent: create only; PreconditionFailed if the key
-        exists (exactly one of several concurrent writers wins)."""
+        self,
+        key: str,
+        data: bytes,
+        *,
+        content_type: str | None = None,
+        if_absent: bool = False,
+        if_match: str | None = None,
+    ) -> str:
+        """Write the whole object; returns its new ETag.
+
+        Conditional writes (compare-and-swap; of several concurrent writers with the same
+        condition exactly one wins, the others get PreconditionFailed and change nothing):
+        if_absent: create only, PreconditionFailed if the key exists (S3 If-None-Match: *).
+        if_match: replace only the version whose ETag this is (from put, head, list or
+        get_with_etag); PreconditionFailed if the object is missing or is another version
+        (S3 If-Match). At most one of the two.
+
+        Only conditional writes are ordered with each other: an unconditional put or a delete
+        of a key racing a conditional write of it may be undone by it. Keys that are written
+        conditionally (the ownership record) are only ever written conditionally.
+
+        A conditional write whose answer was lost and that the client retried (botocore does)
+        can report PreconditionFailed although it happened; a caller that must know reads the
+        object back (shared.ownership does)."""
 
     async def get(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
         """Bytes [start, end) of the object, clamped like a Python slice."""
+
+    async def get_with_etag(self, key: str) -> tuple[bytes, str]:
+        """The whole object and the ETag of that very version (one request): what a
+        read-modify-write passes to put(if_match=...)."""
 
     def stream(
         self,

@@ -6,6 +6,21 @@ a write goes to a temporary file in the same directory, is fsynced, then renamed
 linked, for if_absent) into place and the directory is fsynced. A crash leaves either the
 old object or the new one, plus at worst a stray temp file that list/get never show.
 
+ETags are, as on S3, the MD5 hex of the content: computed by put() and kept in an extended
+attribute of the file (atomic with the data, like the content type), so head() and list() read
+it without reading the object. Where the file system has no extended attributes (or for a file
+written by an older version) the ETag is made of inode, mtime and size instead; objects are
+never modified in place, so it changes whenever the content can have.
+
+Conditional writes are atomic across threads and processes on this machine:
+- if_absent hard-links the finished temp file to the key: link() fails if the name exists, so
+  of concurrent creators exactly one wins, and the object is complete before anyone sees it.
+- if_match holds an exclusive lock on the store's lock file (flock on `<root>/.ds3tmp-lock`,
+  plus a lock of this process for file systems where flock is per process) while it compares
+  the current ETag with the expected one and renames the new version into place. The data is
+  written and fsynced before the lock is taken, so it is held for a stat, a rename and the
+  directory's fsync (the new version is durable before another writer can act on it).
+
 Blocking file I/O runs in worker threads (asyncio.to_thread) so the event loop never waits
 on the disk. The content type is kept in an extended attribute of the file, which makes it
 atomic with the data; where xattrs are unsupported head() reports None.
@@ -14,12 +29,16 @@ atomic with the data; where xattrs are unsupported head() reports None.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
+import fcntl
+import hashlib
 import logging
 import mmap
 import os
 import tempfile
-from collections.abc import AsyncIterator, Callable
+import threading
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -42,6 +61,11 @@ log = logging.getLogger(__name__)
 _R = TypeVar("_R")
 
 XATTR_CONTENT_TYPE: Final = "user.ds3.content_type"
+XATTR_MD5: Final = "user.ds3.md5"  # the ETag: MD5 hex of the content, set before the rename
+LOCK_NAME: Final = TEMP_PREFIX + "lock"  # in the root; never a key (validate_key refuses the prefix)
+# flock excludes open file descriptions, but on some file systems (NFS) it degrades to a
+# per-process lock: threads of one process also take this one.
+_PROCESS_LOCK: Final = threading.Lock()
 # Errors that a later retry may fix (full disk, I/O trouble); anything else is a bug or config.
 _TRANSIENT_ERRNOS: Final = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EAGAIN, errno.EMFILE})
 # A key whose path runs into a file or a directory names no object (as on S3).
@@ -55,13 +79,23 @@ class _Entry:
     is_dir: bool
     size: int
     mtime_ns: int
-    ino: int
+    etag: str
 
 
-def _etag(ino: int, mtime_ns: int, size: int) -> str:
-    # Objects are replaced by rename, never modified in place, so inode + mtime + size
-    # changes whenever the content can have changed.
-    return f"{ino:x}-{mtime_ns:x}-{size:x}"
+def _stat_etag(st: os.stat_result) -> str:
+    # Without the MD5 attribute. Objects are replaced by rename, never modified in place, so
+    # inode + mtime + size changes whenever the content can have changed.
+    return f"{st.st_ino:x}-{st.st_mtime_ns:x}-{st.st_size:x}"
+
+
+def _etag(target: int | str | Path, st: os.stat_result, xattrs: bool) -> str:
+    """The ETag of the file `target` (a path or an open descriptor) whose stat is `st`."""
+    if xattrs:
+        try:
+            return os.getxattr(target, XATTR_MD5).decode()
+        except OSError:
+            pass  # ENODATA: written without one; ENOTSUP: no xattrs on this file system
+    return _stat_etag(st)
 
 
 def _fsync_dir(path: Path) -> None:
@@ -80,18 +114,19 @@ def _converted(key: str, exc: OSError) -> Exception:
     return ObjectStoreError(f"local object store: {key}: {exc.strerror or exc}")
 
 
-def _scan(directory: Path) -> list[_Entry]:
+def _scan(directory: Path, xattrs: bool) -> list[_Entry]:
     out: list[_Entry] = []
     with os.scandir(directory) as it:
         for d in it:
             if d.name.startswith(TEMP_PREFIX):
-                continue  # an unfinished (or crashed) write: never an object
+                continue  # an unfinished (or crashed) write, or the lock file: never an object
             try:
                 st = d.stat()
                 is_dir = d.is_dir()
+                etag = "" if is_dir else _etag(d.path, st, xattrs)
             except FileNotFoundError:
                 continue  # deleted while we looked
-            out.append(_Entry(d.name, is_dir, st.st_size, st.st_mtime_ns, st.st_ino))
+            out.append(_Entry(d.name, is_dir, st.st_size, st.st_mtime_ns, etag))
     # Sort as the keys sort: a directory's keys all start with "name/", so it sorts as
     # that string ("a.b" < "a/..." < "a0"), which is S3's UTF-8 byte order (code point
     # order equals UTF-8 byte order).
@@ -100,8 +135,9 @@ def _scan(directory: Path) -> list[_Entry]:
 
 
 class LocalStore:
-    """Objects as files under `root`. One instance per root per process (no cross-process
-    locking is needed: every write is an atomic rename or link)."""
+    """Objects as files under `root`. Any number of instances and processes may share a
+    root: every write is an atomic rename or link, and conditional replacements (if_match)
+    take the root's lock file."""
 
     def __init__(self, root: Path, *, url: str | None = None) -> None:
         if not root.is_absolute():
@@ -132,11 +168,19 @@ class LocalStore:
 
     # ------------------------------------------------------------ writes
     async def put(
-        self, key: str, data: bytes, *, content_type: str | None = None, if_absent: bool = False
-    ) -> None:
+        self,
+        key: str,
+        data: bytes,
+        *,
+        content_type: str | None = None,
+        if_absent: bool = False,
+        if_match: str | None = None,
+    ) -> str:
+        if if_absent and if_match is not None:
+            raise ValueError("put: if_absent and if_match exclude each other")
         path = self._path(key)
         try:
-            await asyncio.to_thread(self._put_sync, key, path, data, content_type, if_absent)
+            etag = await asyncio.to_thread(self._put_sync, key, path, data, content_type, if_absent, if_match)
         except PreconditionFailed:
             raise  # a lost race is an answer, not an error
         except ObjectStoreError:
@@ -145,8 +189,10 @@ class LocalStore:
         finally:
             self.counters.puts += 1
         self.counters.bytes_out += len(data)
+        return etag
 
-    def _put_sync(self, key: str, path: Path, data: bytes, content_type: str | None, if_absent: bool) -> None:
+    def _put_sync(self, key: str, path: Path, data: bytes, content_type: str | None, if_absent: bool,
+                  if_match: str | None) -> str:
         fd, tmp = self._create_temp(key, path.parent)
         published = False
         try:
@@ -155,8 +201,11 @@ class LocalStore:
                 f.write(data)
                 f.flush()
                 if content_type is not None:
-                    self._set_content_type(f.fileno(), content_type)
+                    self._set_xattr(f.fileno(), XATTR_CONTENT_TYPE, content_type)
+                md5 = hashlib.md5(data, usedforsecurity=False).hexdigest()
+                tagged = self._set_xattr(f.fileno(), XATTR_MD5, md5)
                 os.fsync(f.fileno())
+                etag = md5 if tagged else _stat_etag(os.fstat(f.fileno()))
             if if_absent:
                 # link() fails with EEXIST if the name exists: of concurrent creators exactly
                 # one wins, and the winner's file is complete before anyone can see it.
@@ -164,10 +213,17 @@ class LocalStore:
                     os.link(tmp, path)
                 except FileExistsError:
                     raise PreconditionFailed(key) from None
+                _fsync_dir(path.parent)
+            elif if_match is not None:
+                with self._locked():
+                    etag = self._replace_if_match(key, tmp, path, if_match, etag, tagged)
+                    published = True
+                    _fsync_dir(path.parent)  # durable before another writer can act on it
             else:
                 os.replace(tmp, path)
                 published = True
-            _fsync_dir(path.parent)
+                _fsync_dir(path.parent)
+            return etag
         except OSError as exc:
             raise _converted(key, exc) from exc
         finally:
@@ -176,6 +232,40 @@ class LocalStore:
                     os.unlink(tmp)
                 except FileNotFoundError:
                     pass
+
+    def _replace_if_match(self, key: str, tmp: str, path: Path, expected: str, etag: str, tagged: bool) -> str:
+        """Under the lock: rename tmp over path if path is the version `expected`."""
+        expected = expected.strip('"')
+        try:
+            current = path.stat()
+            if not path.is_file():
+                raise IsADirectoryError(errno.EISDIR, "is a directory", str(path))
+        except _MISSING:
+            raise PreconditionFailed(key, f"no object (expected version {expected})") from None
+        if _etag(path, current, self._xattrs) != expected:
+            raise PreconditionFailed(key, f"object is not version {expected}")
+        if not tagged:
+            # Inode-mtime-size ETags: make the mtime strictly increase from version to version
+            # so that an old ETag can never match again (an inode number is reused, and a
+            # coarse clock can stamp two versions of one size alike).
+            st = os.stat(tmp)
+            mtime = max(st.st_mtime_ns, current.st_mtime_ns + 1000)
+            os.utime(tmp, ns=(st.st_atime_ns, mtime))
+            etag = _stat_etag(os.stat(tmp))
+        os.replace(tmp, path)
+        return etag
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        """The store's write lock, across threads and processes (see the module docstring).
+        A process that dies holding it releases it: the kernel drops the flock."""
+        with _PROCESS_LOCK:
+            fd = os.open(self.root / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+                yield
+            finally:
+                os.close(fd)  # releases the flock
 
     def _create_temp(self, key: str, parent: Path) -> tuple[int, str]:
         for _ in range(_PUT_ATTEMPTS):
@@ -192,17 +282,20 @@ class LocalStore:
                 raise _converted(key, exc) from exc
         raise ObjectStoreUnavailable(f"local object store: {key}: its directory keeps disappearing")
 
-    def _set_content_type(self, fd: int, content_type: str) -> None:
+    def _set_xattr(self, fd: int, name: str, value: str) -> bool:
+        """Whether the attribute was set (False: the file system keeps none)."""
         if not self._xattrs:
-            return
+            return False
         try:
-            os.setxattr(fd, XATTR_CONTENT_TYPE, content_type.encode())
+            os.setxattr(fd, name, value.encode())
+            return True
         except OSError as exc:
             if exc.errno not in (errno.ENOTSUP, errno.EOPNOTSUPP, errno.EPERM):
                 raise
             self._xattrs = False
-            log.warning("local object store %s: no extended attributes (%s); content types are not kept",
-                        self.root, exc.strerror)
+            log.warning("local object store %s: no extended attributes (%s); content types are not "
+                        "kept and ETags are inode-mtime-size", self.root, exc.strerror)
+            return False
 
     async def delete(self, key: str) -> None:
         path = self._path(key)
@@ -270,6 +363,15 @@ class LocalStore:
         with open(path, "rb") as f:
             f.seek(lo)
             return f.read(-1 if hi is None else hi - lo)
+
+    async def get_with_etag(self, key: str) -> tuple[bytes, str]:
+        data, etag = await self._read(key, None, None, self._read_with_etag)
+        self.counters.bytes_in += len(data)
+        return data, etag
+
+    def _read_with_etag(self, path: Path, lo: int, hi: int | None) -> tuple[bytes, str]:
+        with open(path, "rb") as f:  # one file, so the ETag is that of the bytes read
+            return f.read(), _etag(f.fileno(), os.fstat(f.fileno()), self._xattrs)
 
     async def stream(
         self,
@@ -353,7 +455,7 @@ class LocalStore:
                 content_type = os.getxattr(path, XATTR_CONTENT_TYPE).decode()
             except OSError:
                 pass  # ENODATA: written without a content type; ENOTSUP: no xattrs here
-        etag = _etag(st.st_ino, st.st_mtime_ns, st.st_size)
+        etag = _etag(path, st, self._xattrs)
         return ObjectInfo(key, st.st_size, etag, content_type, st.st_mtime_ns / 1e9)
 
     # ------------------------------------------------------------ listing
@@ -378,7 +480,7 @@ class LocalStore:
 
     async def _walk(self, dir_key: str, prefix: str, start_after: str | None) -> AsyncIterator[ObjectInfo]:
         try:
-            entries = await asyncio.to_thread(_scan, self.root / dir_key if dir_key else self.root)
+            entries = await asyncio.to_thread(_scan, self.root / dir_key if dir_key else self.root, self._xattrs)
         except OSError as exc:
             if isinstance(exc, _MISSING):
                 return  # nothing under this prefix
@@ -396,4 +498,4 @@ class LocalStore:
                 async for info in self._walk(sub, prefix, start_after):
                     yield info
             elif key.startswith(prefix) and (start_after is None or key > start_after):
-                yield ObjectInfo(key, e.size, _etag(e.ino, e.mtime_ns, e.size), None, e.mtime_ns / 1e9)
+                yield ObjectInfo(key, e.size, e.etag, None, e.mtime_ns / 1e9)

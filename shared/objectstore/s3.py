@@ -7,6 +7,13 @@ time and leak sockets under load.
 Endpoint, credentials and region follow botocore's usual chain (AWS_ENDPOINT_URL_S3 /
 AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID..., ~/.aws/config) unless given explicitly. With a custom
 endpoint the store uses path-style addressing, which MinIO and moto need.
+
+Conditional writes are S3's own: put(if_absent=True) sends If-None-Match: *, put(if_match=etag)
+sends If-Match (AWS since November 2024, MinIO; moto enforces both since 5.1.5 — the pinned
+5.2.5 does). 412 PreconditionFailed, and 404 NoSuchKey for If-Match on a missing key,
+become PreconditionFailed. 409 ConditionalRequestConflict (another conditional write of the key
+in flight) is retried a few times, which yields the real outcome; if it persists, our write did
+not happen and is reported as PreconditionFailed too.
 """
 
 from __future__ import annotations
@@ -218,25 +225,47 @@ class S3Store:
 
     # ------------------------------------------------------------ writes
     async def put(
-        self, key: str, data: bytes, *, content_type: str | None = None, if_absent: bool = False
-    ) -> None:
+        self,
+        key: str,
+        data: bytes,
+        *,
+        content_type: str | None = None,
+        if_absent: bool = False,
+        if_match: str | None = None,
+    ) -> str:
+        if if_absent and if_match is not None:
+            raise ValueError("put: if_absent and if_match exclude each other")
         req: PutObjectRequestTypeDef = {"Bucket": self.bucket, "Key": self._key(key), "Body": data}
         if content_type is not None:
             req["ContentType"] = content_type
         if if_absent:
             req["IfNoneMatch"] = "*"
+        if if_match is not None:
+            req["IfMatch"] = f'"{if_match.strip(chr(34))}"'
         s3 = await self._client()
         for attempt in range(_CONFLICT_RETRIES + 1):
             self.counters.puts += 1
             try:
                 with self._errors(key):
-                    await s3.put_object(**req)
+                    resp = await s3.put_object(**req)
                 break
             except _WriteConflict:
                 if attempt == _CONFLICT_RETRIES:
-                    raise
+                    # Every attempt was refused for a concurrent conditional write: ours did
+                    # not happen, and someone else was changing the object meanwhile.
+                    raise PreconditionFailed(key, "lost to concurrent conditional writes") from None
                 await asyncio.sleep(0.05 * 2**attempt)
+            except ObjectNotFound:
+                if if_match is None:
+                    raise
+                # S3 answers If-Match on a missing key with 404 NoSuchKey: no such version.
+                raise PreconditionFailed(key, f"no object (expected version {if_match})") from None
+            except PreconditionFailed:
+                if if_match is None:
+                    raise
+                raise PreconditionFailed(key, f"object is not version {if_match}") from None
         self.counters.bytes_out += len(data)
+        return resp["ETag"].strip('"')
 
     async def delete(self, key: str) -> None:
         k = self._key(key)
@@ -295,6 +324,17 @@ class S3Store:
             return b""  # start at or past the end: an empty slice, as in Python
         self.counters.bytes_in += len(data)
         return data
+
+    async def get_with_etag(self, key: str) -> tuple[bytes, str]:
+        k = self._key(key)
+        s3 = await self._client()
+        self.counters.gets += 1
+        with self._errors(key):
+            resp = await s3.get_object(Bucket=self.bucket, Key=k)
+            async with resp["Body"] as body:
+                data = await body.read()
+        self.counters.bytes_in += len(data)
+        return data, resp["ETag"].strip('"')
 
     async def stream(
         self,
