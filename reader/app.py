@@ -63,6 +63,7 @@ def create_app(config: ReaderConfig) -> web.Application:
             log.info("%s; forwarding goes through aiohttp's client", e)
         yield
         state.sse.stop()
+        await state.next_pages.close()
         if state.upstream is not None:
             await state.upstream.close()
         await session.close()

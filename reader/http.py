@@ -4,6 +4,7 @@ forwarded to the ingester, so one public URL serves the whole protocol."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Final
 from urllib.parse import urlencode
 
@@ -13,7 +14,7 @@ from aiohttp import web
 from reader import extension_http, sse_fanout
 from reader.fanout import Page
 from reader.proxy import IngesterClient, Upstream, to_response
-from reader.relay import RelayAhead
+from reader.relay import HeadStart, PageKey
 from reader.sealed import SealedRead
 from reader.state import READER, ReaderState, servable
 from shared import extensions, jsonmode, offsets
@@ -231,26 +232,50 @@ async def serve_sealed(
     # The local store maps the chunk's file: opened before the status line, so a missing
     # object is still an error answer and not a cut body.
     mapped = await st.chunks.mapped(piece)  # (HEAD is the ingester's: this is a GET)
+    relay: HeadStart | None = None
     try:
+        if mapped is None:
+            # The store's body: a relay started for this page while the previous one was sent
+            # (NextPages), else one started now, so its first byte is on the way while the
+            # status line goes out.
+            relay = st.next_pages.take((piece.key, piece.obj_start, piece.obj_end))
+            if relay is None:
+                relay = HeadStart(st.chunks.stream(piece, RELAY_PIECE))
+                relay.start()
         resp = web.StreamResponse(status=200, headers=headers)
         await resp.prepare(request)
         request[PREPARED] = True
         try:
-            await _send_slice(resp, st, piece, json_mode, mapped)
+            then = None if relay is None or found.final else lambda: _start_next_page(st, found)
+            await _send_slice(resp, piece, json_mode, mapped, relay, then)
             await resp.write_eof()
         except ConnectionResetError:  # the client left mid-body: nothing to answer, nothing to log
             pass
         return resp
     finally:
+        if relay is not None:
+            await relay.aclose()
         if mapped is not None:
             mapped.close()
 
 
-async def _send_slice(resp: web.StreamResponse, st: ReaderState, piece: Slice, json_mode: bool,
-                      mapped: MappedRange | None) -> None:
+def _start_next_page(st: ReaderState, found: SealedRead) -> None:
+    """Ask the store for the page after `found` now: a catch-up's client asks for it next."""
+    async def find() -> PageKey | None:
+        nxt = await st.locator.find(found.descriptor, offsets.parse(found.next_offset))
+        if nxt is None or nxt.piece.obj_end <= nxt.piece.obj_start:
+            return None
+        return nxt.piece.key, nxt.piece.obj_start, nxt.piece.obj_end
+
+    st.next_pages.start(find, lambda k: st.objects.stream(k[0], k[1], k[2], RELAY_PIECE))
+
+
+async def _send_slice(resp: web.StreamResponse, piece: Slice, json_mode: bool, mapped: MappedRange | None,
+                      relay: HeadStart | None, then: Callable[[], None] | None) -> None:
     """The slice's bytes (a JSON slice as '[' + slice without its last ',' + ']'). A mapped
     slice goes to the socket as views of the file (no copy in Python); a streamed one is
-    relayed piece by piece while the next piece is already being read (RelayAhead)."""
+    relayed piece by piece while the next piece is already being read (`relay`), and once its
+    first piece is out `then` is called (the next page is asked for)."""
     if json_mode:
         await resp.write(b"[")
     if mapped is not None:
@@ -258,18 +283,21 @@ async def _send_slice(resp: web.StreamResponse, st: ReaderState, piece: Slice, j
         for at in range(0, len(view), RELAY_PIECE):
             await resp.write(view[at:at + RELAY_PIECE])
     else:
+        assert relay is not None
         held = b""  # a JSON slice's last byte (its ',') must not be sent
-        async with RelayAhead(st.chunks.stream(piece)) as pieces:
-            async for part in pieces:
-                if not part:
-                    continue
-                if not json_mode:
-                    await resp.write(part)
-                    continue
-                if held:
-                    await resp.write(held)
-                held = part[-1:]
-                await resp.write(memoryview(part)[:-1])
+        async for part in relay:
+            if not part:
+                continue
+            if then is not None:
+                then()
+                then = None
+            if not json_mode:
+                await resp.write(part)
+                continue
+            if held:
+                await resp.write(held)
+            held = part[-1:]
+            await resp.write(memoryview(part)[:-1])
     if json_mode:
         await resp.write(b"]")
 

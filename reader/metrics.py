@@ -26,6 +26,10 @@ def collect(app: web.Application) -> Iterator[Metric]:
         return
     yield counter("ds3_reader_sealed_responses", "Catch-up reads answered from the object store: ingester "
                   "requests avoided.", st.sealed_responses)
+    yield counter("ds3_reader_next_pages_started", "Sealed pages asked of the object store before their "
+                  "client asked (reader/relay.py NextPages).", st.next_pages.started)
+    yield counter("ds3_reader_next_pages_taken", "Pages asked for ahead that their client then took.",
+                  st.next_pages.taken)
     yield counter("ds3_reader_forwarded", "Client requests forwarded to the ingester (before collapsing).",
                   st.forwarded)
     yield counter("ds3_reader_ingester_requests", "Requests sent to the ingester (after collapsing; SSE "

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Final
 
 from aiohttp import web
@@ -11,6 +11,7 @@ from aiohttp import web
 from reader.descriptors import DescriptorCache
 from reader.fanout import LiveHub
 from reader.proxy import IngesterClient
+from reader.relay import NextPages
 from reader.sealed import SealedLocator
 from reader.upstream import UpstreamPool
 from shared.chunkstore import ChunkReader
@@ -29,6 +30,7 @@ class ReaderState:
     ingester: IngesterClient
     sse: LiveHub  # the live channels: long-poll and SSE fan-out
     upstream: UpstreamPool | None = None  # the forwarding lane's connections (reader/forwardlane.py)
+    next_pages: NextPages = field(default_factory=NextPages)  # catch-ups' next pages, already asked for
     sealed_responses: int = 0
     forwarded: int = 0
 
