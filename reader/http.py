@@ -4,8 +4,8 @@ forwarded to the ingester, so one public URL serves the whole protocol."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
-from typing import Final
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Final, cast
 from urllib.parse import urlencode
 
 import orjson
@@ -14,7 +14,7 @@ from aiohttp import web
 from reader import extension_http, sse_fanout
 from reader.fanout import Page
 from reader.proxy import IngesterClient, Upstream, to_response
-from reader.relay import HeadStart, PageKey
+from reader.relay import Body, HeadStart, PageKey, splice_body
 from reader.sealed import SealedRead
 from reader.state import READER, ReaderState, servable
 from shared import extensions, jsonmode, offsets
@@ -43,6 +43,7 @@ from shared.http.handlers import (
     stream_path_of,
 )
 from shared.objectstore import MappedRange
+from shared.objectstore.s3 import OpenBody
 
 log = logging.getLogger("ds3.reader")
 START_URL_CACHE: Final = "public, max-age=60, stale-while-revalidate=300"
@@ -240,14 +241,14 @@ async def serve_sealed(
             # status line goes out.
             relay = st.next_pages.take((piece.key, piece.obj_start, piece.obj_end))
             if relay is None:
-                relay = HeadStart(st.chunks.stream(piece, RELAY_PIECE))
+                relay = HeadStart(_opener(st, (piece.key, piece.obj_start, piece.obj_end)))
                 relay.start()
         resp = web.StreamResponse(status=200, headers=headers)
         await resp.prepare(request)
         request[PREPARED] = True
         try:
             then = None if relay is None or found.final else lambda: _start_next_page(st, found)
-            await _send_slice(resp, piece, json_mode, mapped, relay, then)
+            await _send_slice(request, resp, st, piece, json_mode, mapped, relay, then)
             await resp.write_eof()
         except ConnectionResetError:  # the client left mid-body: nothing to answer, nothing to log
             pass
@@ -267,15 +268,29 @@ def _start_next_page(st: ReaderState, found: SealedRead) -> None:
             return None
         return nxt.piece.key, nxt.piece.obj_start, nxt.piece.obj_end
 
-    st.next_pages.start(find, lambda k: st.objects.stream(k[0], k[1], k[2], RELAY_PIECE))
+    st.next_pages.start(find, lambda k: _opener(st, k)())
 
 
-async def _send_slice(resp: web.StreamResponse, piece: Slice, json_mode: bool, mapped: MappedRange | None,
-                      relay: HeadStart | None, then: Callable[[], None] | None) -> None:
+def _opener(st: ReaderState, k: PageKey) -> Callable[[], Awaitable[Body]]:
+    """What asks the store for object range `k`: its body to read or to take off its socket
+    (S3), else its pieces."""
+    open_body = getattr(st.objects, "open_body", None)
+    if open_body is not None:
+        return lambda: cast(Awaitable[Body], open_body(k[0], k[1], k[2]))
+
+    async def pieces() -> Body:
+        return st.objects.stream(k[0], k[1], k[2], RELAY_PIECE)
+    return pieces
+
+
+async def _send_slice(request: web.Request, resp: web.StreamResponse, st: ReaderState, piece: Slice,
+                      json_mode: bool, mapped: MappedRange | None, relay: HeadStart | None,
+                      then: Callable[[], None] | None) -> None:
     """The slice's bytes (a JSON slice as '[' + slice without its last ',' + ']'). A mapped
-    slice goes to the socket as views of the file (no copy in Python); a streamed one is
-    relayed piece by piece while the next piece is already being read (`relay`), and once its
-    first piece is out `then` is called (the next page is asked for)."""
+    slice goes to the socket as views of the file (no copy in Python). A store's body, once
+    its headers are in (`then` is called then: the next page is asked for), is moved from its
+    socket to the client's in the kernel where both are plain TCP (splice_body), else relayed
+    piece by piece."""
     if json_mode:
         await resp.write(b"[")
     if mapped is not None:
@@ -284,13 +299,30 @@ async def _send_slice(resp: web.StreamResponse, piece: Slice, json_mode: bool, m
             await resp.write(view[at:at + RELAY_PIECE])
     else:
         assert relay is not None
+        body = await relay.body()
+        if then is not None:
+            then()
+        size = piece.obj_end - piece.obj_start
+        if isinstance(body, OpenBody):
+            transport = request.transport
+            detached = None
+            if transport is not None and transport.get_extra_info("sslcontext") is None and size:
+                detached = body.detach()
+            if detached is not None:
+                assert transport is not None
+                head, fd, _ = detached
+                await splice_body(resp, transport, head, fd, size - 1 if json_mode else size,
+                                  st.config.limits.send_timeout, body.took)
+                if json_mode:
+                    await resp.write(b"]")
+                return
+            body = body.pieces(RELAY_PIECE)
+        if body is None:  # an empty range
+            body = _nothing()
         held = b""  # a JSON slice's last byte (its ',') must not be sent
-        async for part in relay:
+        async for part in body:
             if not part:
                 continue
-            if then is not None:
-                then()
-                then = None
             if not json_mode:
                 await resp.write(part)
                 continue
@@ -300,6 +332,11 @@ async def _send_slice(resp: web.StreamResponse, piece: Slice, json_mode: bool, m
             await resp.write(memoryview(part)[:-1])
     if json_mode:
         await resp.write(b"]")
+
+
+async def _nothing() -> AsyncIterator[bytes]:
+    return
+    yield b""
 
 
 async def renew(st: ReaderState, path: str) -> None:

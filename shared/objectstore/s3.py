@@ -358,30 +358,28 @@ class S3Store:
         end: int | None = None,
         chunk_size: int = DEFAULT_CHUNK_SIZE,
     ) -> AsyncIterator[bytes]:
-        k = self._key(key)
-        lo, hi = check_range(start, end)
         if chunk_size <= 0:
             raise ValueError(f"chunk_size must be positive: {chunk_size}")
-        if hi == lo:
-            await self.head(key)
+        body = await self.open_body(key, start, end)
+        if body is None:
             return
-        self.counters.gets += 1
-        resp = await self._open(key, k, lo, hi)
-        if resp is None:
-            return  # start at or past the end
-        # Released even when the consumer stops early (aclose): a body read to its end goes
-        # back to the pool, one left unread is dropped with its connection.
         try:
-            content = resp.content
-            while True:
-                with self._errors(key):
-                    piece = await content.read(chunk_size)
-                if not piece:
-                    return
-                self.counters.bytes_in += len(piece)
+            async for piece in body.pieces(chunk_size):
                 yield piece
         finally:
-            resp.release()
+            body.close()
+
+    async def open_body(self, key: str, start: int | None = None, end: int | None = None) -> OpenBody | None:
+        """A ranged GET with its status and headers in and its body still to read (stream()
+        without the first wait), or None for an empty range (one at or past the end)."""
+        k = self._key(key)
+        lo, hi = check_range(start, end)
+        if hi == lo:
+            await self.head(key)
+            return None
+        self.counters.gets += 1
+        resp = await self._open(key, k, lo, hi)
+        return None if resp is None else OpenBody(self, key, resp)
 
     async def _open(self, key: str, k: str, lo: int, hi: int | None) -> aiohttp.ClientResponse | None:
         """A presigned GET of the range, its status line and headers read: the response with
@@ -485,3 +483,79 @@ class S3Store:
             if not resp.get("IsTruncated") or not token:
                 return
             req["ContinuationToken"] = token
+
+
+class OpenBody:
+    """An object body on its way: read it in pieces (pieces()), or, where the connection is
+    plain HTTP and the body framed by its length, take it off the socket (detach()) to move it
+    in the kernel (reader/relay.py splice_body) without reading it into Python. Such a body is
+    held on its socket from the start (aiohttp stops reading it once the headers are in: a
+    body asked for ahead waits in the kernel's buffers, not in Python's). close() releases the
+    connection: back to the pool after a whole body read with pieces(), dropped otherwise."""
+
+    def __init__(self, store: S3Store, key: str, resp: aiohttp.ClientResponse) -> None:
+        self._store = store
+        self._key = key
+        self._resp = resp
+        self._detached = False
+        self._read = False
+        self._held = self._hold()
+
+    def _hold(self) -> tuple[bytes, int, int] | None:
+        r = self._resp
+        conn = r.connection
+        if conn is None or conn.transport is None or conn.protocol is None:
+            return None
+        size = r.content_length
+        if (size is None or r.url.scheme != "http" or conn.transport.get_extra_info("sslcontext") is not None
+                or r.headers.get("Transfer-Encoding") or r.headers.get("Content-Encoding", "identity") != "identity"):
+            return None
+        sock = conn.transport.get_extra_info("socket")
+        if sock is None:
+            return None
+        head = r.content.read_nowait()  # what came with the headers (this may resume reading:
+        conn.protocol.pause_reading()   # paused again before the event loop runs)
+        return head, sock.fileno(), size - len(head)
+
+    async def pieces(self, chunk_size: int = DEFAULT_CHUNK_SIZE) -> AsyncIterator[bytes]:
+        if self._detached:
+            raise RuntimeError("the body was taken off its socket")
+        self._read = True
+        store = self._store
+        if self._held is not None:  # aiohttp reads the rest after what was taken already
+            head, self._held = self._held[0], None
+            conn = self._resp.connection
+            if conn is not None and conn.protocol is not None:
+                conn.protocol.resume_reading()
+            for at in range(0, len(head), chunk_size):
+                piece = head[at:at + chunk_size]
+                store.counters.bytes_in += len(piece)
+                yield piece
+        content = self._resp.content
+        while True:
+            with store._errors(self._key):
+                piece = await content.read(chunk_size)
+            if not piece:
+                return
+            store.counters.bytes_in += len(piece)
+            yield piece
+
+    def detach(self) -> tuple[bytes, int, int] | None:
+        """(bytes read off the socket already, the socket's file descriptor, bytes still on
+        it), aiohttp no longer reading it; or None (TLS, a body not framed by its length or
+        encoded, or pieces() began): then read pieces()."""
+        if self._held is None or self._read or self._detached:
+            return None
+        self._detached = True
+        self._store.counters.bytes_in += len(self._held[0])
+        return self._held
+
+    def took(self, n: int) -> None:
+        """`n` bytes of a detached body were moved (counted as read from the store)."""
+        self._store.counters.bytes_in += n
+
+    def close(self) -> None:
+        if self._detached or self._held is not None:
+            self._resp.close()  # the connection's parser never saw the rest: not reusable
+        else:
+            self._resp.release()
