@@ -252,6 +252,12 @@ async def serve_sealed(
             await resp.write_eof()
         except ConnectionResetError:  # the client left mid-body: nothing to answer, nothing to log
             pass
+        except (ObjectStoreError, Unavailable) as e:
+            # The status line is out: the client can only see a cut body, so the connection
+            # is dropped (not kept waiting for bytes that will not come).
+            log.warning("object store failed mid-body on %s: %s; the response is cut", request.path, e)
+            if request.transport is not None:
+                request.transport.abort()
         return resp
     finally:
         if relay is not None:

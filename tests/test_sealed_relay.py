@@ -7,12 +7,29 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import aiohttp
 import pytest
 
-from tests.cluster import TIMEOUT, Cluster, StoreView, append, create, read_pages, sealed_end, wait_for
+from reader.relay import Body, NextPages, PageKey
+from shared.errors import ObjectStoreUnavailable
+from tests import procs
+from tests.cluster import (
+    TIMEOUT,
+    Cluster,
+    StoreView,
+    append,
+    create,
+    read_pages,
+    reader_metrics,
+    sealed_end,
+    wait_for,
+)
+from tests.s3server import MotoS3
+from tests.tcpgate import TcpGate
 
 OCTET = "application/octet-stream"
 JSON = "application/json"
@@ -88,3 +105,137 @@ async def test_head_through_the_reader_agrees_with_a_sealed_get(tmp_path: Path, 
                     == {k: r.headers.get(k) for k in ("Stream-Next-Offset", "Content-Type", "Stream-Closed")}
             pages = await read_pages(s, f"{c.reader.url}/v1/stream/h")
             assert pages[-1].next_offset == tail
+
+
+async def test_a_store_failing_mid_body_cuts_the_response_and_the_reader_goes_on(
+        tmp_path: Path, gated_s3: tuple[StoreView, TcpGate]) -> None:
+    """The reader reads the store through a gate; the gate is cut while a page's body is on its
+    way (the client reads slowly): the client gets a cut body and the connection closed, not a
+    hang; the reader logs no traceback, leaks no descriptor, and serves again once the store is
+    back."""
+    store, gate = gated_s3
+    data = [os.urandom(512 * 1024) for _ in range(24)]  # 12 MiB: one page, more than the buffers hold
+    with Cluster(tmp_path, store, seal_bytes=16 * 1024 * 1024) as c:
+        async with aiohttp.ClientSession(timeout=TIMEOUT) as s:
+            await _seal(c, s, "cut", OCTET, data)
+        gated = procs.reader(tmp_path / "gated", c.ingester.url, store.url, *store.server_args(gate.url)[2:],
+                             "--log-level", "warning").start()
+        try:
+            async with aiohttp.ClientSession(timeout=TIMEOUT) as s:  # warm: descriptor and head cached
+                pages = await read_pages(s, f"{gated.url}/v1/stream/cut")
+            assert b"".join(p.body for p in pages) == b"".join(data)
+            fds = len(os.listdir(f"/proc/{gated.popen.pid}/fd")) if gated.popen else 0
+            sock = socket.socket()
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)  # a slow reader
+            sock.setblocking(False)
+            loop = asyncio.get_running_loop()
+            await loop.sock_connect(sock, ("127.0.0.1", gated.port))
+            reader, writer = await asyncio.open_connection(sock=sock)
+            writer.write(b"GET /v1/stream/cut?offset=-1 HTTP/1.1\r\nHost: x\r\n\r\n")
+            await writer.drain()
+            head = await reader.readuntil(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.1 200")
+            length = int(next(h for h in head.split(b"\r\n") if h.lower().startswith(b"content-length:")).split(b":")[1])
+            got = len(await reader.read(64 * 1024))
+            await asyncio.to_thread(gate.down)  # the store's connections are reset mid-body
+            while chunk := await asyncio.wait_for(reader.read(1 << 20), 20):  # ends, not hangs
+                got += len(chunk)
+            assert 0 < got < length
+            writer.close()
+            await asyncio.to_thread(gate.up)
+            async with aiohttp.ClientSession(timeout=TIMEOUT) as s:
+                pages = await read_pages(s, f"{gated.url}/v1/stream/cut")
+            assert b"".join(p.body for p in pages) == b"".join(data)
+            if gated.popen:  # nothing held for the cut response (a store socket, a pipe)
+                await asyncio.to_thread(wait_for, lambda: len(os.listdir(f"/proc/{gated.popen.pid}/fd")) <= fds + 2,
+                                        10, "the cut response's descriptors closed")
+            log = gated.log_path.read_text()
+            assert "the response is cut" in log
+            assert "Traceback" not in log and "ERROR" not in log and "never retrieved" not in log, log[-3000:]
+        finally:
+            gated.stop()
+
+
+async def test_a_catch_up_on_s3_takes_each_next_page_asked_for_ahead(tmp_path: Path, s3_server: MotoS3,
+                                                                     s3_bucket: str) -> None:
+    store = StoreView.s3_store(s3_server, s3_bucket)
+    with Cluster(tmp_path, store, seal_bytes=64 * 1024) as c:
+        async with aiohttp.ClientSession(timeout=TIMEOUT) as s:
+            data = [os.urandom(20_000) for _ in range(20)]
+            await _seal(c, s, "ahead", OCTET, data)
+            pages = await read_pages(s, f"{c.reader.url}/v1/stream/ahead")
+        assert b"".join(p.body for p in pages) == b"".join(data)
+        m = reader_metrics(c.reader.url)
+        sealed = m["ds3_reader_sealed_responses_total"]
+        assert sealed >= 5
+        # every sealed page but the first was asked of the store before its client asked
+        assert m["ds3_reader_next_pages_taken_total"] == sealed - 1
+        assert m["ds3_reader_next_pages_started_total"] == sealed - 1
+
+
+# ---------------------------------------------------------------- NextPages, in process
+class _Body:
+    def __init__(self, pieces: list[bytes]) -> None:
+        self.pieces = pieces
+        self.closed = False
+
+    def __aiter__(self) -> _Body:
+        return self
+
+    async def __anext__(self) -> bytes:
+        if not self.pieces:
+            raise StopAsyncIteration
+        return self.pieces.pop(0)
+
+    async def aclose(self) -> None:
+        self.closed = True
+
+
+async def test_next_pages_are_taken_once_and_dropped_when_not() -> None:
+    opened: dict[PageKey, _Body] = {}
+
+    async def open_(key: PageKey) -> Body:
+        opened[key] = _Body([b"x" * key[1]])
+        return opened[key]
+
+    def find(key: PageKey) -> Callable[[], Awaitable[PageKey | None]]:
+        async def f() -> PageKey | None:
+            return key
+        return f
+
+    pages = NextPages(ttl=0.2, limit=2)
+    for i in (1, 2, 3):
+        pages.start(find(("k", i, 10)), open_)
+    await asyncio.sleep(0.05)
+    assert len(pages) == 2 and pages.started == 3
+    assert pages.take(("k", 1, 10)) is None  # pushed out by newer ones, its body closed
+    await asyncio.sleep(0)
+    assert opened[("k", 1, 10)].closed
+    relay = pages.take(("k", 2, 10))
+    assert relay is not None and pages.take(("k", 2, 10)) is None  # once
+    body = await relay.body()
+    assert body is opened[("k", 2, 10)]
+    await relay.aclose()
+    assert opened[("k", 2, 10)].closed
+    await asyncio.sleep(0.3)  # past the ttl: dropped
+    assert pages.take(("k", 3, 10)) is None and opened[("k", 3, 10)].closed
+    assert pages.taken == 1 and pages.dropped == 2
+
+    async def failing(key: PageKey) -> Body:
+        raise ObjectStoreUnavailable("down")
+
+    pages.start(find(("k", 4, 10)), failing)
+    await asyncio.sleep(0.05)
+    assert pages.take(("k", 4, 10)) is None  # a failed one is not handed out: the client asks again
+
+    async def nothing() -> PageKey | None:
+        return None
+
+    pages.start(nothing, open_)  # nothing to read next: nothing held
+    pages.start(find(("k", 5, 10)), open_)
+    await asyncio.sleep(0.05)
+    await pages.close()
+    assert len(pages) == 0 and opened[("k", 5, 10)].closed
+    pages.start(find(("k", 6, 10)), open_)  # closed: ignored
+    await asyncio.sleep(0.05)
+    assert ("k", 6, 10) not in opened
