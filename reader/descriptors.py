@@ -51,5 +51,10 @@ class DescriptorCache:
         self._entries[path] = (time.monotonic(), desc)
         return desc
 
+    def peek(self, path: str) -> Descriptor | None:
+        """The cached descriptor however old (a guess to act on early, never to answer with)."""
+        hit = self._entries.get(path)
+        return None if hit is None else hit[1]
+
     def forget(self, path: str) -> None:
         self._entries.pop(path, None)

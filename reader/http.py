@@ -94,6 +94,11 @@ async def handle_get(request: web.Request, st: ReaderState, path: str) -> web.St
         try:
             # The start URL outlives a delete and re-create of the path: check which stream it is.
             fresh = 0.0 if not isinstance(given, offsets.Offset) else None
+            if fresh is not None and (cached := st.descriptors.peek(path)) is not None \
+                    and servable(cached) and cached.snapshot_offset is None:
+                # Meanwhile the first page is asked of the store as the cached descriptor has it
+                # (the same stream, most likely: then serve_sealed takes it; else it is dropped).
+                _start_page(st, cached, start)
             desc = await st.descriptors.get(path, max_age=fresh)
             if desc is not None:
                 check_retained(desc, given)
@@ -268,8 +273,18 @@ async def serve_sealed(
 
 def _start_next_page(st: ReaderState, found: SealedRead) -> None:
     """Ask the store for the page after `found` now: a catch-up's client asks for it next."""
+    _start_page(st, found.descriptor, offsets.parse(found.next_offset))
+
+
+def _start_page(st: ReaderState, desc: Descriptor, start: offsets.Offset) -> None:
+    """Ask the store for the sealed page at `start` (if there is one) ahead of its request
+    (reader/relay.py NextPages). Not for a store whose files are mapped instead (the local
+    store: nothing to wait for)."""
+    if getattr(st.objects, "open_body", None) is None:
+        return
+
     async def find() -> PageKey | None:
-        nxt = await st.locator.find(found.descriptor, offsets.parse(found.next_offset))
+        nxt = await st.locator.find(desc, start)
         if nxt is None or nxt.piece.obj_end <= nxt.piece.obj_start:
             return None
         return nxt.piece.key, nxt.piece.obj_start, nxt.piece.obj_end

@@ -40,6 +40,8 @@ class SealedLocator:
 
     async def find(self, desc: Descriptor, start: offsets.Offset) -> SealedRead | None:
         """The sealed read for `start`, or None when that position is not sealed (yet)."""
+        if desc.closed and desc.final_offset is not None and start.position >= _position(desc.final_offset):
+            return None  # a closed stream's end: nothing is sealed there (no store request to say so)
         owner, cap = desc, None
         for _ in range(64):  # fork chains are short; the bound only guards against cycles
             if owner.fork_source is None or start.position >= owner.fork_position:
@@ -63,3 +65,10 @@ class SealedLocator:
                 piece = await self.chunks.slice(owner.uid, chunk, start.position, self.max_bytes, cap=cap)
                 return SealedRead(desc, owner.uid, chunk, piece, offsets.encode(chunk, piece.end))
         return None
+
+
+def _position(offset: str) -> int:
+    try:
+        return offsets.parse(offset).position
+    except ValueError:
+        return 1 << 62  # not ours to judge: look it up
