@@ -15,7 +15,9 @@ seals 8 MiB chunks, closes it, waits until every chunk is sealed, then times, be
   Stream-Up-To-Date). Sealed pages come from the store; the ingester is not asked.
 
 MiB/s counts stored bytes (JSON messages with their ',' delimiter). The ratio reader/direct is
-the figure the target is about; the reader runs with one worker.
+the figure the target is about; the reader runs with one worker. The servers run this tree's
+code (PYTHONPATH is set for them). On a machine shared with other work the figures move a lot
+from run to run: compare ratios of one run, and take the best of several.
 """
 
 from __future__ import annotations
@@ -200,6 +202,9 @@ def measure(kind: str, store: StoreView, s3: MotoS3 | None, work: Path, mib: int
 
 
 def main() -> None:
+    # The servers are `.venv/bin/ds3` processes: make them import this tree's code (a venv shared
+    # between worktrees would import another checkout's otherwise).
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--mib", type=int, default=64, help="stream size in MiB (default 64)")
     ap.add_argument("--runs", type=int, default=3, help="runs of each read; the best is reported")

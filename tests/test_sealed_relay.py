@@ -1,5 +1,5 @@
 """The reader's relay of sealed chunks (a local store's file is sent as a view of its mapping,
-an S3 body is read ahead while the client drains): clients that leave mid-body cost nothing
+an S3 body is asked for ahead and spliced to the client): clients that leave mid-body cost nothing
 lasting, whole responses stay byte-exact, and HEAD (answered by the ingester) agrees with a
 sealed GET."""
 
