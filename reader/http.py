@@ -239,21 +239,23 @@ async def serve_sealed(
     # object is still an error answer and not a cut body.
     mapped = await st.chunks.mapped(piece)  # (HEAD is the ingester's: this is a GET)
     relay: HeadStart | None = None
+    body: Body = None
     try:
         if mapped is None:
-            # The store's body: a relay started for this page while the previous one was sent
-            # (NextPages), else one started now, so its first byte is on the way while the
-            # status line goes out.
+            # The store's body: asked for while the previous page was sent (NextPages), else now.
             relay = st.next_pages.take((piece.key, piece.obj_start, piece.obj_end))
             if relay is None:
                 relay = HeadStart(_opener(st, (piece.key, piece.obj_start, piece.obj_end)))
-                relay.start()
+            # The store's answer before ours: a store failing here is still an error answer
+            # (or the ingester's), not a cut body.
+            body = await relay.body()
+            if not found.final:
+                _start_next_page(st, found)
         resp = web.StreamResponse(status=200, headers=headers)
         await resp.prepare(request)
         request[PREPARED] = True
         try:
-            then = None if relay is None or found.final else lambda: _start_next_page(st, found)
-            await _send_slice(request, resp, st, piece, json_mode, mapped, relay, then)
+            await _send_slice(request, resp, st, piece, json_mode, mapped, body)
             await resp.write_eof()
         except ConnectionResetError:  # the client left mid-body: nothing to answer, nothing to log
             pass
@@ -305,13 +307,11 @@ def _opener(st: ReaderState, k: PageKey) -> Callable[[], Awaitable[Body]]:
 
 
 async def _send_slice(request: web.Request, resp: web.StreamResponse, st: ReaderState, piece: Slice,
-                      json_mode: bool, mapped: MappedRange | None, relay: HeadStart | None,
-                      then: Callable[[], None] | None) -> None:
+                      json_mode: bool, mapped: MappedRange | None, body: Body) -> None:
     """The slice's bytes (a JSON slice as '[' + slice without its last ',' + ']'). A mapped
-    slice goes to the socket as views of the file (no copy in Python). A store's body, once
-    its headers are in (`then` is called then: the next page is asked for), is moved from its
-    socket to the client's in the kernel where both are plain TCP (splice_body), else relayed
-    piece by piece."""
+    slice goes to the socket as views of the file (no copy in Python). A store's body is moved
+    from its socket to the client's in the kernel where both are plain TCP (splice_body), else
+    relayed piece by piece."""
     if json_mode:
         await resp.write(b"[")
     if mapped is not None:
@@ -319,10 +319,6 @@ async def _send_slice(request: web.Request, resp: web.StreamResponse, st: Reader
         for at in range(0, len(view), RELAY_PIECE):
             await resp.write(view[at:at + RELAY_PIECE])
     else:
-        assert relay is not None
-        body = await relay.body()
-        if then is not None:
-            then()
         size = piece.obj_end - piece.obj_start
         if isinstance(body, OpenBody):
             transport = request.transport
