@@ -574,3 +574,22 @@ async def test_map_range_is_the_local_file_or_none(store: ObjectStore, start: in
         mapped.close()
     with pytest.raises(ObjectNotFound):
         await store.map_range("missing", 0, 10)
+
+
+async def test_s3_reads_reuse_presigned_urls_and_refresh_a_refused_one(s3_server: MotoS3, s3_bucket: str) -> None:
+    store = open_store(f"s3://{s3_bucket}/p", s3_endpoint=s3_server.endpoint)
+    assert isinstance(store, S3Store)
+    async with store:
+        await store.put("k", b"0123456789")
+        assert await store.get("k", 2, 5) == b"234"
+        url, until = store._presigned_urls["p/k"]
+        assert await store.get("k", 5) == b"56789"  # the same URL, another range
+        assert store._presigned_urls["p/k"] == (url, until)
+        # a URL the store no longer accepts (say, credentials rotated): presigned again
+        bad = url.with_query(None)  # (moto checks that a request is signed, not the signature)
+        store._presigned_urls["p/k"] = (bad, until)
+        assert b"".join([p async for p in store.stream("k", 0, 4)]) == b"0123"
+        assert store._presigned_urls["p/k"][0] != bad
+        assert store.counters.errors == 0
+        with pytest.raises(ObjectNotFound):
+            await store.get("missing")

@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import os
 import re
+import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from types import TracebackType
@@ -67,7 +68,9 @@ _TRANSPORT_ERRORS: Final = (ConnectionError, HTTPClientError, IncompleteReadErro
 # over a plain aiohttp session to a presigned URL: a botocore request costs ~1.7 ms of CPU per
 # GET, presigning ~0.15 ms and the plain request ~0.4 ms (scripts/bench_catchup.py), and the
 # session's larger read buffer hands out fewer, larger pieces.
-_PRESIGN_SECONDS: Final = 900
+_PRESIGN_SECONDS: Final = 900  # how long a presigned URL is valid
+_PRESIGN_REUSE: Final = 60.0  # how long one is used again (well within its validity)
+_PRESIGNED_MAX: Final = 4096  # URLs kept for reuse at most
 _STREAM_READ_BUFSIZE: Final = 1024 * 1024
 _ERROR_CODE: Final = re.compile(rb"<Code>([^<]{1,64})</Code>")
 # S3 answers 409 ConditionalRequestConflict while another conditional write of the same key
@@ -149,7 +152,8 @@ class S3Store:
         self._lock = asyncio.Lock()
         self._ctx: ClientCreatorContext[S3Client] | None = None
         self._s3: S3Client | None = None
-        self._http: aiohttp.ClientSession | None = None  # stream()'s presigned GETs
+        self._http: aiohttp.ClientSession | None = None  # get() and stream(): presigned GETs
+        self._presigned_urls: dict[str, tuple[URL, float]] = {}
         self._closed = False
 
     # ------------------------------------------------------------ lifecycle
@@ -384,19 +388,20 @@ class S3Store:
     async def _open(self, key: str, k: str, lo: int, hi: int | None) -> aiohttp.ClientResponse | None:
         """A presigned GET of the range, its status line and headers read: the response with
         its body to read, or None for 416 (a range starting at or past the end). Transport
-        failures, 5xx and throttling are retried like botocore's standard mode does."""
+        failures, 5xx and throttling are retried like botocore's standard mode does; a 403 to
+        a URL presigned earlier is asked again with a fresh one (credentials may have changed)."""
         s3 = await self._client()
         http = self._http_session()
         headers = {"Accept-Encoding": "identity", **self._range(lo, hi)}
         attempts = max(1, self.options.attempts)
-        for attempt in range(attempts):
-            with self._errors(key):
-                url = await s3.generate_presigned_url(
-                    "get_object", Params={"Bucket": self.bucket, "Key": k}, ExpiresIn=_PRESIGN_SECONDS)
+        attempt, fresh = 0, False
+        while True:
+            attempt += 1
+            url, reused = await self._presigned(s3, key, k, fresh)
             try:
-                resp = await http.get(URL(url, encoded=True), headers=headers)
+                resp = await http.get(url, headers=headers)
             except _TRANSPORT_ERRORS as exc:
-                if attempt + 1 < attempts:
+                if attempt < attempts:
                     await asyncio.sleep(0.05 * 2**attempt)
                     continue
                 self.counters.errors += 1
@@ -408,17 +413,36 @@ class S3Store:
                     said = await resp.content.read(64 * 1024)
             finally:
                 resp.release()
+            if resp.status == 403 and reused:
+                fresh = True
+                attempt -= 1  # not the store's failure: ours, with an old URL
+                continue
             found = _ERROR_CODE.search(said)
             error = self._answer_error(key, resp.status, found.group(1).decode("ascii", "replace") if found else "")
             if isinstance(error, _RangeNotSatisfiable):
                 return None
-            if isinstance(error, ObjectStoreUnavailable) and attempt + 1 < attempts:
+            if isinstance(error, ObjectStoreUnavailable) and attempt < attempts:
                 await asyncio.sleep(0.05 * 2**attempt)
                 continue
             if not isinstance(error, _ANSWERS):
                 self.counters.errors += 1
             raise error
-        raise AssertionError("unreachable")
+
+    async def _presigned(self, s3: S3Client, key: str, k: str, fresh: bool) -> tuple[URL, bool]:
+        """A presigned GET URL of object `k` (any range of it: Range is not signed), reused for
+        _PRESIGN_REUSE seconds: presigning costs more than a GET's own request. (url, reused)."""
+        now = time.monotonic()
+        hit = self._presigned_urls.get(k)
+        if hit is not None and not fresh and now < hit[1]:
+            return hit[0], True
+        with self._errors(key):
+            raw = await s3.generate_presigned_url(
+                "get_object", Params={"Bucket": self.bucket, "Key": k}, ExpiresIn=_PRESIGN_SECONDS)
+        url = URL(raw, encoded=True)
+        if len(self._presigned_urls) >= _PRESIGNED_MAX:
+            self._presigned_urls.clear()
+        self._presigned_urls[k] = (url, now + _PRESIGN_REUSE)
+        return url, False
 
     def _http_session(self) -> aiohttp.ClientSession:
         if self._closed:
