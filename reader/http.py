@@ -47,6 +47,9 @@ from shared.objectstore.s3 import OpenBody
 
 log = logging.getLogger("ds3.reader")
 START_URL_CACHE: Final = "public, max-age=60, stale-while-revalidate=300"
+# Pages of a catch-up asked of the store ahead of their requests: the next one's time to first
+# byte and the one after's pass while a page is sent (scripts/bench_catchup.py).
+NEXT_PAGES_AHEAD: Final = 2
 
 
 async def handle_stream(request: web.Request) -> web.StreamResponse:
@@ -274,14 +277,15 @@ async def serve_sealed(
 
 
 def _start_next_page(st: ReaderState, found: SealedRead) -> None:
-    """Ask the store for the page after `found` now: a catch-up's client asks for it next."""
-    _start_page(st, found.descriptor, offsets.parse(found.next_offset))
+    """Ask the store for the pages after `found` now: a catch-up's client asks for them next."""
+    _start_page(st, found.descriptor, offsets.parse(found.next_offset), NEXT_PAGES_AHEAD)
 
 
-def _start_page(st: ReaderState, desc: Descriptor, start: offsets.Offset) -> None:
-    """Ask the store for the sealed page at `start` (if there is one) ahead of its request
-    (reader/relay.py NextPages). Not for a store whose files are mapped instead (the local
-    store: nothing to wait for)."""
+def _start_page(st: ReaderState, desc: Descriptor, start: offsets.Offset, ahead: int = 1) -> None:
+    """Ask the store for the sealed page at `start` (if there is one) ahead of its request,
+    and for the `ahead` - 1 pages after it (reader/relay.py NextPages: one already asked for
+    is not asked again). Not for a store whose files are mapped instead (the local store:
+    nothing to wait for)."""
     if getattr(st.objects, "open_body", None) is None:
         return
 
@@ -289,6 +293,8 @@ def _start_page(st: ReaderState, desc: Descriptor, start: offsets.Offset) -> Non
         nxt = await st.locator.find(desc, start)
         if nxt is None or nxt.piece.obj_end <= nxt.piece.obj_start:
             return None
+        if ahead > 1 and not nxt.final:
+            _start_page(st, desc, offsets.parse(nxt.next_offset), ahead - 1)
         return nxt.piece.key, nxt.piece.obj_start, nxt.piece.obj_end
 
     st.next_pages.start(find, lambda k: _opener(st, k)())

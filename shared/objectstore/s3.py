@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import os
 import re
+import socket
 import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
@@ -72,6 +73,7 @@ _PRESIGN_SECONDS: Final = 900  # how long a presigned URL is valid
 _PRESIGN_REUSE: Final = 60.0  # how long one is used again (well within its validity)
 _PRESIGNED_MAX: Final = 4096  # URLs kept for reuse at most
 _STREAM_READ_BUFSIZE: Final = 1024 * 1024
+_HOLD_BUFFER: Final = 8 * 1024 * 1024  # a held body's socket receive buffer, at most
 _ERROR_CODE: Final = re.compile(rb"<Code>([^<]{1,64})</Code>")
 # S3 answers 409 ConditionalRequestConflict while another conditional write of the same key
 # is in flight; retrying then yields the real outcome (success or 412).
@@ -539,6 +541,10 @@ class OpenBody:
             return None
         head = r.content.read_nowait()  # what came with the headers (this may resume reading:
         conn.protocol.pause_reading()   # paused again before the event loop runs)
+        with contextlib.suppress(OSError, AttributeError):
+            # Room for the body in the kernel meanwhile: a body asked for ahead of its request
+            # keeps arriving (the store sends on) until it is taken.
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, max(64 * 1024, min(size - len(head), _HOLD_BUFFER)))
         return head, sock.fileno(), size - len(head)
 
     async def pieces(self, chunk_size: int = DEFAULT_CHUNK_SIZE) -> AsyncIterator[bytes]:
