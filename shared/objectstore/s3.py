@@ -541,10 +541,12 @@ class OpenBody:
             return None
         head = r.content.read_nowait()  # what came with the headers (this may resume reading:
         conn.protocol.pause_reading()   # paused again before the event loop runs)
-        with contextlib.suppress(OSError, AttributeError):
-            # Room for the body in the kernel meanwhile: a body asked for ahead of its request
-            # keeps arriving (the store sends on) until it is taken.
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, max(64 * 1024, min(size - len(head), _HOLD_BUFFER)))
+        if size - len(head) > _HOLD_BUFFER // 8:
+            with contextlib.suppress(OSError, AttributeError):
+                # Room for the body in the kernel meanwhile: a body asked for ahead of its
+                # request keeps arriving (the store sends on) until it is taken. (Fixed, and
+                # large: the connection may be reused for other bodies.)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, _HOLD_BUFFER)
         return head, sock.fileno(), size - len(head)
 
     async def pieces(self, chunk_size: int = DEFAULT_CHUNK_SIZE) -> AsyncIterator[bytes]:
