@@ -14,7 +14,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from reader.relay import Body, NextPages, PageKey
+from reader.relay import NEXT_PAGE_TTL, Body, NextPages, PageKey
 from shared.errors import ObjectStoreUnavailable
 from tests import procs
 from tests.cluster import (
@@ -62,6 +62,7 @@ async def test_clients_leaving_mid_body_leave_the_reader_whole(tmp_path: Path, s
         async with aiohttp.ClientSession(timeout=TIMEOUT) as s:
             await _seal(c, s, "big", OCTET, data)
         url = "/v1/stream/big?offset=-1"
+        fds = _fds(c.reader)
         for _ in range(25):  # more than any pool: a leaked store connection or map would show
             reader, writer = await asyncio.open_connection("127.0.0.1", c.reader.port)
             writer.write(f"GET {url} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
@@ -72,8 +73,17 @@ async def test_clients_leaving_mid_body_leave_the_reader_whole(tmp_path: Path, s
         async with aiohttp.ClientSession(timeout=TIMEOUT) as s:
             pages = await read_pages(s, f"{c.reader.url}/v1/stream/big")
         assert b"".join(p.body for p in pages) == b"".join(data)
+        # nothing held for the clients that left (store sockets, pipes, maps); pages asked for
+        # ahead are dropped after NEXT_PAGE_TTL
+        await asyncio.to_thread(wait_for, lambda: _fds(c.reader) <= fds + 2, NEXT_PAGE_TTL + 10,
+                                "the reader's descriptors back to what they were")
         log = c.reader.log_path.read_text()
         assert "Traceback" not in log and "ERROR" not in log, log[-3000:]
+
+
+def _fds(proc: procs.Proc) -> int:
+    assert proc.popen is not None
+    return len(os.listdir(f"/proc/{proc.popen.pid}/fd"))
 
 
 async def test_sealed_json_and_binary_reads_are_byte_exact_from_any_boundary(tmp_path: Path, store: StoreView) -> None:
