@@ -196,6 +196,9 @@ class S3Store:
                     retries={"total_max_attempts": o.attempts, "mode": "standard"},
                     max_pool_connections=o.max_pool_connections,
                     s3={"addressing_style": "path"} if path_style else None,
+                    # SigV4 for presigned URLs too (botocore may presign with V2, which S3
+                    # refuses for KMS-encrypted objects and newer regions)
+                    signature_version="s3v4",
                 )
                 ctx = self._session.create_client(
                     "s3", endpoint_url=self._endpoint, region_name=self._region, config=config
