@@ -54,6 +54,10 @@ from urllib.parse import urlsplit
 from shared import buckets
 
 FORMAT_VERSION: Final = 1
+# A 421 Misdirected Request from an ingester names the stream's owner in these headers.
+OWNER_HEADER: Final = "DS3-Owner"  # the owner's URL
+OWNER_ID_HEADER: Final = "DS3-Owner-Id"
+GENERATION_HEADER: Final = "DS3-Cluster-Generation"  # of the description the ingester judged by
 MAX_ID_LENGTH: Final = 64  # blake2b keys are at most 64 bytes; ids are ASCII
 MAX_INGESTERS: Final = 1024
 _ID_RE: Final = re.compile(r"\A[A-Za-z0-9][A-Za-z0-9._-]{0,63}\Z")
