@@ -106,7 +106,7 @@ async def test_watcher_steps(store: LocalStore) -> None:
     assert w.current == Cluster.of(AB, 1) and w.error is None
     assert not await w.refresh()  # unchanged
     await set_cluster(store, {"a": AB["a"]})
-    assert await w.refresh() and w.current.ids == ("a",)  # type: ignore[union-attr]
+    assert await w.refresh() and w.current.ids == ("a",)
     assert changes == [(None, 1), (1, 2)]
     # an unreadable description keeps the current one, and says why
     await store.put(keys.CLUSTER_KEY, b"garbage")
