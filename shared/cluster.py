@@ -12,8 +12,10 @@ it has seen (`current`). It only moves forward: a description is adopted when it
 higher than the current one. One with the same generation but other contents, or a lower one,
 is refused with a logged error (a change must bump the generation, or processes could disagree
 about the same generation); an unreadable one, or a store that does not answer, keeps the
-current description and says why in `error`. Time is injectable (`sleep`), and `refresh()` is
-one step, so tests drive it.
+current description and says why in `error` (a read that takes over `timeout` seconds fails).
+Time is injectable (`sleep`), and `refresh()` is one step, so tests drive it; concurrent
+refreshes share one read, and `refresh_if_older(generation)` re-reads at once when someone
+(a 421's DS3-Cluster-Generation) shows a newer generation exists.
 
 Membership is an ingester's view: its own id and the watcher; `check(path)` raises Misdirected
 (421, naming the owner) for a stream another ingester owns, or Unavailable (503) while no
@@ -45,6 +47,7 @@ from shared.placement import Cluster, Ingester, PlacementError, placement_key
 log = logging.getLogger("ds3.cluster")
 
 DEFAULT_INTERVAL: Final = 5.0
+DEFAULT_READ_TIMEOUT: Final = 10.0  # a read that takes longer counts as failed (the last description stays)
 _CACHE_MAX: Final = 65_536  # owners remembered per description (placement keys -> owner)
 
 
@@ -160,9 +163,10 @@ class ClusterWatcher:
     """The newest cluster description of a source, re-read every `interval` seconds."""
 
     def __init__(self, source: ClusterSource, interval: float = DEFAULT_INTERVAL, *,
-                 sleep: Sleep = asyncio.sleep) -> None:
+                 sleep: Sleep = asyncio.sleep, timeout: float = DEFAULT_READ_TIMEOUT) -> None:
         self.source = source
         self.interval = interval
+        self.timeout = timeout
         self.current: Cluster | None = None
         self.error: str | None = None  # why the last read failed or was refused; None when fine
         self.reads = 0
@@ -171,19 +175,43 @@ class ClusterWatcher:
         self._sleep = sleep
         self._listeners: list[Callable[[Cluster | None, Cluster], None]] = []
         self._task: asyncio.Task[None] | None = None
+        self._reading: asyncio.Future[bool] | None = None
 
     def on_change(self, listener: Callable[[Cluster | None, Cluster], None]) -> None:
         """`listener(old, new)` after a description is adopted (on the event loop)."""
         self._listeners.append(listener)
 
     async def refresh(self) -> bool:
-        """Read the source once; True when a newer description was adopted."""
+        """Read the source once; True when a newer description was adopted. Concurrent calls
+        share one read."""
+        if self._reading is None:
+            self._reading = asyncio.ensure_future(self._refresh())
+            self._reading.add_done_callback(self._read_done)
+        return await asyncio.shield(self._reading)
+
+    def _read_done(self, fut: asyncio.Future[bool]) -> None:
+        if self._reading is fut:
+            self._reading = None
+
+    async def refresh_if_older(self, generation: int) -> bool:
+        """Re-read now if the current description is older than `generation` (e.g. a 421's
+        DS3-Cluster-Generation); True when a newer one was adopted."""
+        current = self.current
+        if current is not None and current.generation >= generation:
+            return False
+        return await self.refresh()
+
+    async def _refresh(self) -> bool:
         self.reads += 1
         try:
-            found = await self.source.load()
-        except (PlacementError, ObjectStoreError, OSError) as e:
+            async with asyncio.timeout(self.timeout):
+                found = await self.source.load()
+        except (PlacementError, ObjectStoreError, OSError, TimeoutError) as e:
             self.failures += 1
-            message = e.message if isinstance(e, ObjectStoreError) else str(e)
+            if isinstance(e, TimeoutError):
+                message = f"no answer within {self.timeout:g} s"
+            else:
+                message = e.message if isinstance(e, ObjectStoreError) else str(e)
             self._fail(f"cannot read the cluster description from {self.source.description}: {message}")
             return False
         if found is None:

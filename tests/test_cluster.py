@@ -145,7 +145,7 @@ async def test_watcher_loop_with_injected_sleep(tmp_path: Path) -> None:
     tick.set()
     for _ in range(100):
         await asyncio.sleep(0)
-        if w.current.generation == 2:
+        if w.current.generation == 2 and len(slept) == 2:
             break
     assert w.current.ids == ("b",)
     assert slept[:2] == [2.5, 2.5]
@@ -188,3 +188,29 @@ async def test_membership(tmp_path: Path) -> None:
     assert m.readiness() is not None and "not in the cluster description (generation 5: b)" in m.readiness()  # type: ignore[operator]
     with pytest.raises(Misdirected):
         m.check(mine)
+
+
+class SlowSource:
+    description = "slow"
+
+    def __init__(self, cluster: Cluster, delay: float) -> None:
+        self.cluster = cluster
+        self.delay = delay
+        self.loads = 0
+
+    async def load(self) -> Cluster | None:
+        self.loads += 1
+        await asyncio.sleep(self.delay)
+        return self.cluster
+
+
+async def test_watcher_reads_are_shared_and_bounded() -> None:
+    src = SlowSource(Cluster.of(AB, 2), 0.05)
+    w = ClusterWatcher(src, timeout=1)
+    assert list(await asyncio.gather(w.refresh(), w.refresh(), w.refresh())) == [True, True, True]
+    assert src.loads == 1 and w.current is not None and w.current.generation == 2
+    assert not await w.refresh_if_older(2) and src.loads == 1  # we have it: no read
+    assert not await w.refresh_if_older(3) and src.loads == 2  # asked for newer: read (none there)
+    slow = ClusterWatcher(SlowSource(Cluster.of(AB, 1), 5), timeout=0.05)
+    assert not await slow.refresh()
+    assert slow.current is None and "no answer within 0.05 s" in (slow.error or "") and slow.failures == 1
