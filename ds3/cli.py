@@ -443,6 +443,34 @@ def cluster_set(store: str, s3_endpoint: str | None, ingesters: tuple[str, ...],
     click.echo(json.dumps(new.to_json(), indent=2))
 
 
+@cluster.command("owner")
+@_cluster_store_options
+@click.argument("urls", nargs=-1, required=True, metavar="URL_PATH...")
+def cluster_owner(store: str, s3_endpoint: str | None, urls: tuple[str, ...]) -> None:
+    """Which ingester owns each stream or bucket, by URL path (/v1/stream/{path},
+    /v1/buckets/{bucket}[/{stream}]; percent-encoded as in a request), under the description
+    in the store: one line each, `<url path> <id> <url>`."""
+    from shared import buckets
+    from shared.cluster import read_cluster
+    from shared.config import LMDB_MAX_KEY
+    from shared.errors import DS3Error
+    from shared.http.handlers import stream_path_of
+
+    found = _cluster_run(store, s3_endpoint, read_cluster)
+    if found is None:
+        raise click.ClickException(f"no cluster description in {store} yet: write one with `ds3 cluster set`")
+    for url in urls:
+        try:
+            raw = url.split("?", 1)[0]
+            if raw.startswith(buckets.BUCKETS_PREFIX) and buckets.parse_url(raw)[1] is None:
+                owner = found.cluster.bucket_owner(buckets.parse_url(raw)[0])
+            else:
+                owner = found.cluster.owner(stream_path_of(raw, LMDB_MAX_KEY))
+        except DS3Error as e:
+            raise click.UsageError(f"{url}: {e.message}") from e
+        click.echo(f"{url} {owner.id} {owner.url}")
+
+
 from pipeline.cli import pipeline_group  # noqa: E402 - the Spark jobs (docs/pipeline.md)
 
 main.add_command(pipeline_group)

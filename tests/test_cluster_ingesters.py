@@ -334,6 +334,13 @@ def test_cluster_command(tmp_path: Path) -> None:
     assert r.exit_code == 1 and "at generation 1, not 0" in r.output
     r = run(main, ["cluster", "set", "--store", store, "--ingester", "a=http://127.0.0.1:1", "--if-generation", "1"])
     assert r.exit_code == 0 and json.loads(r.output)["generation"] == 2
+    r = run(main, ["cluster", "owner", "--store", store, "/v1/stream/x", "/v1/buckets/tenant-1",
+                   "/v1/buckets/tenant-1/s%20s"])
+    assert r.exit_code == 0, r.output
+    assert r.output.splitlines() == ["/v1/stream/x a http://127.0.0.1:1", "/v1/buckets/tenant-1 a http://127.0.0.1:1",
+                                     "/v1/buckets/tenant-1/s%20s a http://127.0.0.1:1"]
+    r = run(main, ["cluster", "owner", "--store", store, "/v1/nope"])
+    assert r.exit_code == 2 and "not a stream URL" in r.output
     for bad, message in [(["--ingester", "a"], "write it as id=url"),
                          (["--ingester", "a=http://h:1", "--ingester", "a=http://h:2"], "appears more than once")]:
         r = run(main, ["cluster", "set", "--store", store, *bad])
