@@ -110,6 +110,15 @@ def _ingester_options(f: FC) -> FC:
         _opt("--wal-max-bytes", env="DS3_WAL_MAX_BYTES", type=int, default=4 * GiB,
              help="Unsealed data the WAL may hold while the store is down; past it appends get 503."),
         _opt("--uploads", env="DS3_UPLOADS", type=int, default=4, help="Concurrent chunk uploads."),
+        _opt("--ingester-id", env="DS3_INGESTER_ID", default=None,
+             help="This ingester's id in the cluster description (several ingesters sharing one store; "
+                  "docs/architecture.md \"Placement\"): it serves only the streams placed on it and answers "
+                  "421 naming the owner for the others. Without it: no cluster, it owns every stream."),
+        _opt("--cluster", env="DS3_CLUSTER", type=click.Path(path_type=Path), default=None,
+             help="Read the cluster description from this JSON file instead of the store's _ds3/cluster.json "
+                  "(ds3 dev, tests). Needs --ingester-id."),
+        _opt("--cluster-refresh", env="DS3_CLUSTER_REFRESH", type=float, default=5.0,
+             help="Seconds between reads of the cluster description."),
         _opt("--sse-max-seconds", env="DS3_SSE_MAX_SECONDS", type=float, default=60.0,
              help="SSE connections are closed after this long so CDNs can collapse them."),
         _opt("--max-read-bytes", env="DS3_MAX_READ_BYTES", type=int, default=1 * MiB,
@@ -355,6 +364,111 @@ def dev(**kw: Any) -> None:
     except DevSettingError as e:
         raise click.UsageError(str(e)) from e
     sys.exit(run_dev(**kw))
+
+
+@main.group()
+def cluster() -> None:
+    """The cluster description: which ingesters share the store and own which streams
+    (docs/architecture.md "Placement"). Kept in the store at _ds3/cluster.json; every ingester
+    started with --ingester-id re-reads it every --cluster-refresh seconds."""
+
+
+def _cluster_store_options(f: FC) -> FC:
+    return _apply(f, [
+        _opt("--store", env="DS3_STORE", required=True, help="Object store: s3://bucket/prefix or file:///path."),
+        _opt("--s3-endpoint", env="DS3_S3_ENDPOINT", default=None,
+             help="S3 endpoint URL (MinIO, moto). Default: AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL, else AWS."),
+    ])
+
+
+def _cluster_run(store_url: str, s3_endpoint: str | None, action: Callable[[Any], Any]) -> Any:
+    from shared.config import _check_store_url
+    from shared.errors import DS3Error
+    from shared.objectstore import open_store
+
+    try:
+        _check_store_url(store_url)
+    except ConfigError as e:
+        raise click.UsageError(str(e)) from e
+
+    async def run() -> Any:
+        async with open_store(store_url, s3_endpoint=s3_endpoint) as store:
+            return await action(store)
+
+    try:
+        return asyncio.run(run())
+    except DS3Error as e:
+        raise click.ClickException(e.message) from e
+
+
+@cluster.command("show")
+@_cluster_store_options
+def cluster_show(store: str, s3_endpoint: str | None) -> None:
+    """Print the description (JSON, with its ETag); exit 1 when there is none."""
+    import json
+
+    from shared.cluster import read_cluster
+
+    found = _cluster_run(store, s3_endpoint, read_cluster)
+    if found is None:
+        raise click.ClickException(f"no cluster description in {store} yet: write one with `ds3 cluster set`")
+    click.echo(json.dumps({**found.cluster.to_json(), "etag": found.etag}, indent=2))
+
+
+@cluster.command("set")
+@_cluster_store_options
+@click.option("--ingester", "ingesters", multiple=True, required=True, metavar="ID=URL",
+              help="An ingester: its id (what placement hashes; keep it when the machine changes) and the URL "
+                   "readers reach it at. Repeat it for each; the list replaces the current one.")
+@click.option("--if-generation", type=int, default=None,
+              help="Write only if the description is at this generation now (0: none yet).")
+def cluster_set(store: str, s3_endpoint: str | None, ingesters: tuple[str, ...], if_generation: int | None) -> None:
+    """Replace the ingester list: writes the next generation with If-Match on the version read,
+    so two admins cannot overwrite each other (the loser changes nothing and is told).
+
+    Placement moves about 1/N of the streams when an ingester is added; moving their data is not
+    done yet (issue 15, item 4): change a cluster that holds streams only when that is acceptable."""
+    import json
+
+    from shared.cluster import set_cluster
+    from shared.placement import Cluster, PlacementError, parse_ingester_spec
+
+    try:
+        pairs = [parse_ingester_spec(spec) for spec in ingesters]
+        Cluster.of(pairs)  # duplicates and the like, before the store is asked
+    except PlacementError as e:
+        raise click.UsageError(str(e)) from e
+    new = _cluster_run(store, s3_endpoint,
+                       lambda objects: set_cluster(objects, pairs, expected_generation=if_generation))
+    click.echo(json.dumps(new.to_json(), indent=2))
+
+
+@cluster.command("owner")
+@_cluster_store_options
+@click.argument("urls", nargs=-1, required=True, metavar="URL_PATH...")
+def cluster_owner(store: str, s3_endpoint: str | None, urls: tuple[str, ...]) -> None:
+    """Which ingester owns each stream or bucket, by URL path (/v1/stream/{path},
+    /v1/buckets/{bucket}[/{stream}]; percent-encoded as in a request), under the description
+    in the store: one line each, `<url path> <id> <url>`."""
+    from shared import buckets
+    from shared.cluster import read_cluster
+    from shared.config import LMDB_MAX_KEY
+    from shared.errors import DS3Error
+    from shared.http.handlers import stream_path_of
+
+    found = _cluster_run(store, s3_endpoint, read_cluster)
+    if found is None:
+        raise click.ClickException(f"no cluster description in {store} yet: write one with `ds3 cluster set`")
+    for url in urls:
+        try:
+            raw = url.split("?", 1)[0]
+            if raw.startswith(buckets.BUCKETS_PREFIX) and buckets.parse_url(raw)[1] is None:
+                owner = found.cluster.bucket_owner(buckets.parse_url(raw)[0])
+            else:
+                owner = found.cluster.owner(stream_path_of(raw, LMDB_MAX_KEY))
+        except DS3Error as e:
+            raise click.UsageError(f"{url}: {e.message}") from e
+        click.echo(f"{url} {owner.id} {owner.url}")
 
 
 from pipeline.cli import pipeline_group  # noqa: E402 - the Spark jobs (docs/pipeline.md)

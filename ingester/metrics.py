@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import lmdb
 from aiohttp import web
-from prometheus_client.metrics_core import CounterMetricFamily, Metric
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from ingester.fastlane import served
 from ingester.service import SERVICE, IngesterService
@@ -32,6 +32,57 @@ def _wal(svc: IngesterService) -> Iterator[Metric]:
                 (int(info["last_pgno"]) + 1) * page)
 
 
+def _streams(svc: IngesterService) -> int | None:
+    try:
+        return svc.wal.stats()["streams"]
+    except lmdb.Error:  # closed during shutdown
+        return None
+
+
+def _cluster(svc: IngesterService) -> Iterator[Metric]:
+    m = svc.membership
+    if m is None:
+        return
+    cluster = m.cluster
+    me = m.me
+    member = GaugeMetricFamily("ds3_cluster_member", "1 while the cluster description names this ingester "
+                               "(labels: its id and URL there), else 0.", labels=["ingester_id", "url"])
+    member.add_metric([m.ingester_id, me.url if me is not None else ""], 1 if me is not None else 0)
+    yield member
+    yield gauge("ds3_cluster_generation", "Generation of the cluster description this ingester places streams "
+                "by (0: none read yet).", cluster.generation if cluster is not None else 0)
+    yield gauge("ds3_cluster_ingesters", "Ingesters the cluster description names.",
+                len(cluster.ingesters) if cluster is not None else 0)
+    streams = _streams(svc)
+    if streams is not None:
+        held = GaugeMetricFamily("ds3_cluster_streams", "Streams this ingester holds (its WAL's: open, closed, "
+                                 "soft-deleted), by ingester id: sum over ingesters for the cluster.",
+                                 labels=["ingester_id"])
+        held.add_metric([m.ingester_id], streams)
+        yield held
+    yield counter("ds3_cluster_misdirected", "Stream requests refused with 421 Misdirected Request: another "
+                  "ingester owns the stream.", m.misdirected)
+    yield counter("ds3_cluster_description_read_failures", "Reads of the cluster description that failed or "
+                  "were refused (the last good one stays in use).", m.watcher.failures)
+
+
+def cluster_status(svc: IngesterService | None) -> dict[str, object] | None:
+    """The "cluster" field of /readyz: who this ingester is, by which description, holding how many streams."""
+    if svc is None or svc.membership is None:
+        return None
+    m = svc.membership
+    cluster, me = m.cluster, m.me
+    return {
+        "ingester_id": m.ingester_id,
+        "url": me.url if me is not None else None,
+        "generation": cluster.generation if cluster is not None else None,
+        "ingesters": [{"id": i.id, "url": i.url} for i in cluster.ingesters] if cluster is not None else [],
+        "streams": _streams(svc),
+        "source": m.watcher.source.description,
+        "error": m.watcher.error,
+    }
+
+
 def collect(app: web.Application) -> Iterator[Metric]:
     svc = app.get(SERVICE)
     if svc is None:  # not started yet, or stopped
@@ -47,6 +98,7 @@ def collect(app: web.Application) -> Iterator[Metric]:
     yield from committer.batch_sizes.collect()
     yield from committer.commit_seconds.collect()
     yield from _wal(svc)
+    yield from _cluster(svc)
     yield gauge("ds3_ingester_live_waiters", "Long-polls and SSE streams waiting for appends now.",
                 svc.notifier.waiting)
     sealer = svc.sealer
@@ -85,6 +137,15 @@ def install(app: web.Application, metrics: AppMetrics, config: IngesterConfig) -
     ready.add("wal", wal, cached=False)
     if config.store is not None:
         ready.add("object_store", store_check(lambda: _chunk_store(app)))
+    if config.ingester_id is not None:
+        async def cluster() -> str | None:
+            svc = app.get(SERVICE)
+            if svc is None or svc.membership is None:
+                return "starting"
+            return svc.membership.readiness()
+
+        ready.add("cluster", cluster, cached=False)
+        ready.describe("cluster", lambda: cluster_status(app.get(SERVICE)))
 
 
 def _service_stores(app: web.Application) -> list[ObjectStore]:

@@ -34,6 +34,7 @@ from ingester.store import (
 from ingester.wal import GroupCommitter, WalEnv
 from shared import offsets
 from shared.chunkstore import ChunkReader
+from shared.cluster import ClusterWatcher, FileSource, Membership, StoreSource
 from shared.config import IngesterConfig
 from shared.errors import BadRequest
 from shared.http.metrics import LoopHistogram
@@ -63,6 +64,9 @@ class IngesterService:
         self._reaper: ObjectReaper | None = None
         self._blobs: ObjectStore | None = None
         self._tasks: list[asyncio.Task[None]] = []
+        # With --ingester-id: the cluster description and which streams are this ingester's
+        # (handlers and the fast lane check every stream request against it). None: no cluster.
+        self.membership: Membership | None = None
         # Collected by ingester.metrics at scrape time; observed on the event loop only.
         self.append_seconds = LoopHistogram(
             "ds3_ingester_append_seconds", "Time from an append's submission to the writer until it is durable "
@@ -109,6 +113,8 @@ class IngesterService:
             self.sealer.start()
             log.info("sealing chunks into %s (%d to upload, %d removed streams to clean)",
                      self.config.store, len(refs), len(garbage))
+        if self.config.ingester_id is not None:
+            await self._join_cluster(self.config.ingester_id)
         # Snapshot blobs live in the object store; with none configured, in the data dir.
         self._blobs = self.objects or LocalStore(self.config.data_dir.absolute() / "snapshots")
         self._reaper = ObjectReaper(self.store, self.committer, self._blobs)
@@ -120,7 +126,23 @@ class IngesterService:
         )
         self._tasks.append(asyncio.create_task(self._housekeeping(), name="ds3-housekeeping"))
 
+    async def _join_cluster(self, ingester_id: str) -> None:
+        if self.config.cluster is not None:
+            source: FileSource | StoreSource = FileSource(self.config.cluster)
+        else:
+            assert self.objects is not None  # the config insists on --store or --cluster
+            source = StoreSource(self.objects)
+        watcher = ClusterWatcher(source, self.config.cluster_refresh)
+        await watcher.refresh()  # a failure leaves it without a description: stream requests get 503
+        watcher.start()
+        self.membership = Membership(ingester_id, watcher)
+        why = self.membership.readiness()
+        log.info("cluster member %s (description from %s)%s", ingester_id, source.description,
+                 f": not ready: {why}" if why else "")
+
     async def stop(self) -> None:
+        if self.membership is not None:
+            await self.membership.watcher.stop()
         for t in self._tasks:
             t.cancel()
         for t in self._tasks:

@@ -147,6 +147,11 @@ class IngesterConfig:
     seal_age: float = 60.0
     wal_max_bytes: int = 4 * GiB
     uploads: int = 4
+    # Placement (issue 15; shared.placement): this ingester's id in the cluster description,
+    # read from the store (_ds3/cluster.json) or from a file. None: no cluster, it owns every stream.
+    ingester_id: str | None = None
+    cluster: Path | None = None  # a description file instead of the store's (ds3 dev, tests)
+    cluster_refresh: float = 5.0  # seconds between reads of the description
     auth: AuthConfig = field(default_factory=AuthConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
 
@@ -156,6 +161,7 @@ class IngesterConfig:
                 raise ConfigError(f"{setting}: {why}")
 
         need(bool(self.host), "host (DS3_HOST)", "must not be empty")
+        self._check_cluster()
         need(0 <= self.port <= 65535, "port (DS3_PORT)", f"{self.port} is not a TCP port")
         need(0 <= self.tail_max_age <= 60, "tail-max-age (DS3_TAIL_MAX_AGE)", "must be between 0 and 60 seconds")
         need(0.1 <= self.long_poll_timeout <= 3600, "long-poll-timeout (DS3_LONG_POLL_TIMEOUT)",
@@ -181,6 +187,34 @@ class IngesterConfig:
         need(self.wal_max_bytes >= 2 * self.seal_bytes, "wal-max-bytes (DS3_WAL_MAX_BYTES)",
              "must be at least twice seal-bytes")
         need(1 <= self.uploads <= 64, "uploads (DS3_UPLOADS)", "must be between 1 and 64")
+
+    def _check_cluster(self) -> None:
+        from shared.cluster import load_cluster_file
+        from shared.placement import PlacementError, validate_id
+
+        need = _need
+        need(0.1 <= self.cluster_refresh <= 3600, "cluster-refresh (DS3_CLUSTER_REFRESH)",
+             "must be between 0.1 and 3600 seconds")
+        if self.ingester_id is None:
+            need(self.cluster is None, "cluster (DS3_CLUSTER)",
+                 "needs ingester-id (DS3_INGESTER_ID): this ingester's id in the description")
+            return
+        try:
+            validate_id(self.ingester_id)
+        except PlacementError as e:
+            raise ConfigError(f"ingester-id (DS3_INGESTER_ID): {e}") from None
+        if self.cluster is None:
+            need(self.store is not None, "ingester-id (DS3_INGESTER_ID)",
+                 "the cluster description is read from the store (--store, its _ds3/cluster.json) or from a "
+                 "file (--cluster FILE): give one of them")
+            return
+        try:
+            cluster = load_cluster_file(self.cluster)
+        except PlacementError as e:
+            raise ConfigError(f"cluster (DS3_CLUSTER): {e}") from None
+        need(cluster.get(self.ingester_id) is not None, "ingester-id (DS3_INGESTER_ID)",
+             f"{self.ingester_id!r} is not in the cluster file {self.cluster} (its ingesters: "
+             f"{', '.join(cluster.ids)})")
 
     @property
     def wal_dir(self) -> Path:
