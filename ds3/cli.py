@@ -293,7 +293,14 @@ def ingester(**kw: Any) -> None:
 
 @main.command()
 @_server_options
-@_opt("--ingester", env="DS3_INGESTER", required=True, help="Base URL of the ingester.")
+@_opt("--ingester", env="DS3_INGESTER", default=None,
+      help="Base URL of the ingester: where every request goes while there is no cluster description "
+           "(none in the store's _ds3/cluster.json and no --cluster). Required without --cluster.")
+@_opt("--cluster", env="DS3_CLUSTER", type=click.Path(path_type=Path), default=None,
+      help="Route by the cluster description in this JSON file instead of the store's _ds3/cluster.json "
+           "(ds3 dev, tests): every request goes to its stream's owner (docs/architecture.md \"Routing\").")
+@_opt("--cluster-refresh", env="DS3_CLUSTER_REFRESH", type=float, default=5.0,
+      help="Seconds between reads of the cluster description.")
 @_opt("--store", env="DS3_STORE", required=True, help="Object store: s3://bucket/prefix or file:///path.")
 @_opt("--max-read-bytes", env="DS3_MAX_READ_BYTES", type=int, default=16 * MiB,
       help="Most bytes of a sealed chunk one response carries.")

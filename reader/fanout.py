@@ -30,15 +30,19 @@ import copy
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from aiohttp import web
 
-from reader.proxy import IngesterClient, Upstream, to_response
+from reader.proxy import Upstream, to_response
 from shared import offsets, sse
 from shared import protocol as P
 from shared.buckets import url_path
 from shared.errors import DS3Error, Unavailable
+from shared.placement import placement_key
+
+if TYPE_CHECKING:
+    from reader.routing import Router
 
 log = logging.getLogger("ds3.reader.live")
 
@@ -154,6 +158,7 @@ class Channel:
     def __init__(self, hub: LiveHub, path: str, offset: str) -> None:
         self.hub = hub
         self.path = path
+        self.key = placement_key(path)  # what its owner is found by
         self.offset = offset  # where the running (or next) upstream long-poll starts
         self.latest: Answer | None = None  # the last answer, from its start to `offset`
         # the last answers by where they start, oldest first: a long-poll a few answers behind
@@ -253,13 +258,14 @@ class Channel:
 
     async def _poll(self) -> Upstream:
         qs = f"{url_path(self.path)}?offset={self.offset}&live=long-poll"
-        return await self.hub.ingester.call("GET", qs, {}, None)
+        # the stream's owner now (reader.routing): a changed description moves the next poll
+        return await self.hub.router.call(self.key, "GET", qs, {}, None)
 
 
 class LiveHub:
-    def __init__(self, ingester: IngesterClient, read_page: PageReader, max_seconds: float,
+    def __init__(self, router: Router, read_page: PageReader, max_seconds: float,
                  long_poll_timeout: float, tail_cache: str = "no-store") -> None:
-        self.ingester = ingester
+        self.router = router
         self.tail_cache = tail_cache  # Cache-Control of a 204 (nothing new yet): see P.tail_cache_control
         self.read_page = read_page
         self.max_seconds = max_seconds  # an SSE response ends after this long
@@ -299,13 +305,13 @@ class LiveHub:
             earlier = ch.answer_from(offset)
             if earlier is not None:
                 ch.wanted = True
-                self.ingester.collapsed += 1
+                self.router.collapsed += 1
                 return earlier if earlier is ch.latest else earlier.behind()
             return None
         if ch is None:
             ch = self.channel(path, offset)
         else:
-            self.ingester.collapsed += 1
+            self.router.collapsed += 1
         return ch, ch.park(self.long_poll_timeout)
 
     async def long_poll(self, request: web.Request, path: str, offset: str,

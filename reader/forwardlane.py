@@ -29,8 +29,9 @@ from aiohttp import web
 
 from reader.fanout import Answer as Answer_
 from reader.proxy import DROP_REQUEST, DROP_RESPONSE, Upstream
+from reader.routing import MISDIRECTED, Link, Router
 from reader.state import READER, ReaderState
-from reader.upstream import Answer, Deliver, UpstreamPool
+from reader.upstream import Answer, Deliver
 from shared import protocol as P
 from shared.errors import DS3Error, TooManyRequests, Unavailable
 from shared.http.access import CLIENT_CLOSED
@@ -38,6 +39,7 @@ from shared.http.handlers import stream_path_of
 from shared.http.lane import Lane, LaneHandler, LaneRunner, Message
 from shared.http.limits import LIVE_RETRY_AFTER
 from shared.logs import REQUEST_ID_HEADER
+from shared.placement import GENERATION_HEADER, placement_key
 
 log = logging.getLogger("ds3.reader.lane")
 
@@ -60,16 +62,16 @@ class ForwardLane(Lane):
     def __init__(self, app: web.Application) -> None:
         super().__init__(app)
         self.st: ReaderState | None = None
-        self.upstream: UpstreamPool | None = None
+        self.router: Router | None = None
         self._tail = b""  # the upstream request's own header lines after the client's
 
     def ready(self) -> bool:
-        if self.upstream is None:
+        if self.router is None:
             st = self.app.get(READER)
-            if st is None or st.upstream is None:
+            if st is None:
                 return False
-            self.st, self.upstream = st, st.upstream
-            token = st.ingester.internal_headers
+            self.st, self.router = st, st.router
+            token = st.router.internal_headers
             self._tail = b"".join(f"{k}: {v}\r\n".encode("latin-1") for k, v in token.items())
         return super().ready()
 
@@ -79,6 +81,16 @@ class ForwardLane(Lane):
 
     def accepts(self, handler: LaneHandler, msg: Message) -> bool:
         if msg.method != b"GET":
+            # to the stream's owner (reader.routing), over its pool: an https:// ingester has
+            # none, and an owner not known yet is aiohttp's to answer (503)
+            assert self.router is not None
+            try:
+                link = self.router.for_path(self._path(handler, msg))
+            except DS3Error:
+                return False
+            if link.pool is None:
+                return False
+            msg.note = link
             return True
         # A long-poll at a concrete offset that the stream's live channel answers; any other
         # read (catch-up, sealed history, SSE, a 304 to work out) is aiohttp's (reader/http.py).
@@ -106,8 +118,8 @@ class ForwardLane(Lane):
         return path
 
     def serve(self, handler: LaneHandler, msg: Message, body: bytes, rid: str, started: float) -> None:
-        st, lim, upstream = self.st, self.limits, self.upstream
-        assert st is not None and lim is not None and upstream is not None
+        st, lim, router = self.st, self.limits, self.router
+        assert st is not None and lim is not None and router is not None
         if msg.method == b"GET":
             self._long_poll(handler, msg, rid, started)
             return
@@ -118,25 +130,55 @@ class ForwardLane(Lane):
                 lim.take(lim.writes, client, "writes")
         url = msg.url
         path = self._path(handler, msg)
+        link: Link = msg.note
         st.forwarded += 1
-        st.ingester.requests += 1
-        request = self._upstream_request(msg, body, handler.peer(), rid)
+        peer = handler.peer()
+        retried = False
+
+        def send(to: Link) -> None:
+            assert to.pool is not None
+            to.client.requests += 1
+            to.pool.request(self._upstream_request(msg, body, peer, rid, to.pool.netloc), not post, deliver)
 
         def done(answer: Answer | Unavailable) -> None:
+            nonlocal retried
             if post:
                 st.descriptors.forget(path)
             if isinstance(answer, Unavailable):
                 log.warning("%s %s: %s", msg.method.decode(), url[:200].decode("latin-1"), answer.message)
                 handler.answer_failure(msg, answer, rid, started)
                 return
+            if answer.status == MISDIRECTED and router.watcher is not None:
+                # the ingester judged by another description: re-read it, retry once at the owner
+                if retried:
+                    router.misdirected += 1
+                    handler.answer_failure(msg, router.still_misdirected(link), rid, started)
+                    return
+                retried = True
+                task = asyncio.ensure_future(reroute(_generation(answer)))
+                _pending.add(task)
+                task.add_done_callback(_pending.discard)
+                return
             handler.answer(msg, answer.status, {}, answer.body, rid, started, head=self._answer_head(msg, answer))
 
-        deliver: Deliver = done
-        upstream.request(request, not post, deliver)
+        async def reroute(generation: str | None) -> None:
+            nonlocal link
+            try:
+                again = await router.after_misdirected(placement_key(path), link, generation)
+            except Exception as e:  # (answer exactly once, whatever happens)
+                handler.answer_failure(msg, e, rid, started)
+                return
+            if again is None or again.pool is None:
+                handler.answer_failure(msg, router.still_misdirected(link), rid, started)
+                return
+            link = again
+            send(again)
 
-    def _upstream_request(self, msg: Message, body: bytes, peer: str | None, rid: str) -> bytes:
-        assert self.upstream is not None
-        parts = [msg.method, b" ", msg.url, b" HTTP/1.1\r\nHost: ", self.upstream.netloc, b"\r\n"]
+        deliver: Deliver = done
+        send(link)
+
+    def _upstream_request(self, msg: Message, body: bytes, peer: str | None, rid: str, netloc: bytes) -> bytes:
+        parts = [msg.method, b" ", msg.url, b" HTTP/1.1\r\nHost: ", netloc, b"\r\n"]
         forwarded_for = None
         for name, value in msg.pairs:
             lower = name.lower()
@@ -267,6 +309,19 @@ def _upstream_head(up: Upstream) -> bytes:
     if up.status not in (204, 304):
         lines.append(b"Content-Length: %d\r\n" % len(up.body))
     return b"".join(lines)
+
+
+_pending: set[asyncio.Future[None]] = set()  # re-routes in progress (kept from the garbage collector)
+_GENERATION: Final = GENERATION_HEADER.lower().encode("ascii")
+
+
+def _generation(answer: Answer) -> str | None:
+    """A 421's DS3-Cluster-Generation."""
+    for line in answer.header_lines():
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == _GENERATION:
+            return value.strip().decode("latin-1")
+    return None
 
 
 _OFFSET: Final = re.compile(rb"\d{16}_\d{16}")

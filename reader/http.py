@@ -42,6 +42,7 @@ from shared.http.handlers import (
     stream_path_of,
 )
 from shared.objectstore import MappedRange
+from shared.placement import placement_key
 
 log = logging.getLogger("ds3.reader")
 START_URL_CACHE: Final = "public, max-age=60, stale-while-revalidate=300"
@@ -66,7 +67,7 @@ async def handle_stream(request: web.Request) -> web.StreamResponse:
     body = await read_body(request, st.config.max_body_bytes) if method in ("PUT", "POST") else None
     headers = IngesterClient._request_headers(request)
     st.forwarded += 1
-    up = await st.ingester.call(method, request.path_qs, headers, body)
+    up = await st.router.call(placement_key(path), method, request.path_qs, headers, body)
     if method in ("PUT", "DELETE", "POST"):
         st.descriptors.forget(path)
     if "Location" in up.headers:
@@ -112,10 +113,11 @@ async def handle_get(request: web.Request, st: ReaderState, path: str) -> web.St
             answered = await st.sse.long_poll(request, path, str(given), request.query.get("cursor"))
             if answered is not None:
                 return answered
+        key = placement_key(path)
         if given == offsets.NOW:  # "now" is the tail when this request came: never a shared one
-            up = await st.ingester.call("GET", request.path_qs, IngesterClient._request_headers(request), None)
+            up = await st.router.call(key, "GET", request.path_qs, IngesterClient._request_headers(request), None)
         else:
-            up = await st.ingester.get_collapsed(request.path_qs, IngesterClient._request_headers(request))
+            up = await st.router.get_collapsed(key, request.path_qs, IngesterClient._request_headers(request))
     except Unavailable:
         eof = _eof_from_descriptor(desc, given)
         if eof is not None:
@@ -148,7 +150,9 @@ async def read_page(st: ReaderState, path: str, offset: str) -> Page:
             log.warning("object store read failed for %s (%s); asking the ingester", path, e)
     qs = f"{url_path(path)}?" + urlencode({"offset": offset})
     st.forwarded += 1
-    up = await (st.ingester.call("GET", qs, {}, None) if offset == offsets.NOW else st.ingester.get_collapsed(qs, {}))
+    key = placement_key(path)
+    up = await (st.router.call(key, "GET", qs, {}, None) if offset == offsets.NOW
+                else st.router.get_collapsed(key, qs, {}))
     if up.status != 200:
         raise _upstream_error(up)
     return Page(
@@ -280,7 +284,7 @@ async def renew(st: ReaderState, path: str) -> None:
     ingester down, keep serving the sealed history rather than fail."""
     qs = "/_ds3/touch?" + urlencode({"path": path})
     try:
-        up = await st.ingester.collapsed_call("POST", qs, {}, key="touch\x00" + path)
+        up = await st.router.collapsed_call(placement_key(path), "POST", qs, {}, flight="touch\x00" + path)
     except Unavailable:
         return
     if up.status == 404:

@@ -163,8 +163,12 @@ class ClusterWatcher:
     """The newest cluster description of a source, re-read every `interval` seconds."""
 
     def __init__(self, source: ClusterSource, interval: float = DEFAULT_INTERVAL, *,
-                 sleep: Sleep = asyncio.sleep, timeout: float = DEFAULT_READ_TIMEOUT) -> None:
+                 sleep: Sleep = asyncio.sleep, timeout: float = DEFAULT_READ_TIMEOUT,
+                 optional: bool = False) -> None:
         self.source = source
+        # optional: having no description is a normal state (a reader in front of one ingester),
+        # not an error to log
+        self.optional = optional
         self.interval = interval
         self.timeout = timeout
         self.current: Cluster | None = None
@@ -215,6 +219,9 @@ class ClusterWatcher:
             self._fail(f"cannot read the cluster description from {self.source.description}: {message}")
             return False
         if found is None:
+            if self.optional and self.current is None:
+                self.error = None
+                return False
             self._fail(f"there is no cluster description in {self.source.description} yet "
                        "(write one with `ds3 cluster set`)")
             return False

@@ -227,7 +227,7 @@ class IngesterConfig:
 
 @dataclass(frozen=True, slots=True)
 class ReaderConfig:
-    ingester: str  # base URL of the ingester, e.g. http://127.0.0.1:4438
+    ingester: str | None  # base URL of the ingester, e.g. http://127.0.0.1:4438 (without a cluster description)
     store: str  # s3://bucket/prefix or file:///path
     host: str = "127.0.0.1"
     port: int = 4437
@@ -241,6 +241,10 @@ class ReaderConfig:
     descriptor_ttl: float = 1.0  # seconds a stream descriptor is trusted before re-reading it
     sse_max_seconds: float = 60.0  # SSE client connections are closed after this long
     workers: int = 1  # processes sharing the port (reader/workers.py)
+    # Routing (issue 15; reader/routing.py): the cluster description from this file instead of
+    # the store's _ds3/cluster.json; with neither, every request goes to `ingester`.
+    cluster: Path | None = None
+    cluster_refresh: float = 5.0  # seconds between reads of the description
     auth: AuthConfig = field(default_factory=AuthConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
 
@@ -250,8 +254,20 @@ class ReaderConfig:
                 raise ConfigError(f"{setting}: {why}")
 
         need(1 <= self.workers <= 256, "workers (DS3_WORKERS)", f"{self.workers} is not between 1 and 256")
-        need(self.ingester.startswith(("http://", "https://")), "ingester (DS3_INGESTER)",
+        need(self.ingester is not None or self.cluster is not None, "ingester (DS3_INGESTER)",
+             "give the ingester's URL, or a cluster description file (--cluster) naming the ingesters")
+        need(self.ingester is None or self.ingester.startswith(("http://", "https://")), "ingester (DS3_INGESTER)",
              "must be an http(s):// URL")
+        need(0.1 <= self.cluster_refresh <= 3600, "cluster-refresh (DS3_CLUSTER_REFRESH)",
+             "must be between 0.1 and 3600 seconds")
+        if self.cluster is not None:
+            from shared.cluster import load_cluster_file
+            from shared.placement import PlacementError
+
+            try:
+                load_cluster_file(self.cluster)
+            except PlacementError as e:
+                raise ConfigError(f"cluster (DS3_CLUSTER): {e}") from None
         _check_store_url(self.store)
         need(0 <= self.port <= 65535, "port (DS3_PORT)", f"{self.port} is not a TCP port")
         need(0 <= self.tail_max_age <= 60, "tail-max-age (DS3_TAIL_MAX_AGE)", "must be between 0 and 60 seconds")
