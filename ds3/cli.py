@@ -353,6 +353,9 @@ def reader(**kw: Any) -> None:
 @_opt("--log-level", env="DS3_LOG_LEVEL", default="info", type=click.Choice(["debug", "info", "warning", "error"]))
 @_opt("--workers", env="DS3_WORKERS", type=int, default=None,
       help="Reader processes sharing the public port. Default: the number of CPUs.")
+@_opt("--ingesters", env="DS3_INGESTERS", type=int, default=1,
+      help="Ingesters sharing the store (ids i1..iN, WALs in DIR/iK, the cluster description in "
+           "DIR/cluster.json); the reader routes each stream to its owner. 1: one ingester, no cluster.")
 @_log_options
 def dev(**kw: Any) -> None:
     """Run an ingester and a reader on this machine with a local-directory object store
@@ -364,6 +367,8 @@ def dev(**kw: Any) -> None:
     _setup_logging(kw, "dev")
     from ds3.supervise import DevSettingError, child_environment, run_dev
 
+    if not 1 <= kw["ingesters"] <= 64:
+        raise click.UsageError(f"ingesters (DS3_INGESTERS): {kw['ingesters']} is not between 1 and 64")
     if kw["workers"] is not None and not 1 <= kw["workers"] <= 256:
         raise click.UsageError(f"workers (DS3_WORKERS): {kw['workers']} is not between 1 and 256")
     try:
