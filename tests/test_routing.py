@@ -235,3 +235,48 @@ def test_a_new_description_is_picked_up_without_a_restart(tier: Tier) -> None:
     assert request(c, "GET", f"/v1/stream/{moved}?offset=-1")[2] == b"on c"
     assert request(a, "HEAD", f"/v1/stream/{moved}")[0] == 421
     assert request(tier.reader, "GET", f"/v1/stream/{moved}?offset=-1")[2] == b"on c"
+
+
+def test_dev_runs_several_ingesters_behind_its_reader(tmp_path: Path) -> None:
+    """`ds3 dev --ingesters 2`: two ingesters (i1, i2) with their own WALs, one store, the
+    description in DATA_DIR/cluster.json, and the reader routing over them."""
+    import os
+    import signal
+    import subprocess
+
+    port = procs.free_port()
+    log = tmp_path / "dev.log"
+    data = tmp_path / "d"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DS3_")}
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([procs.DS3, "dev", "--ingesters", "2", "--workers", "1", "--port", str(port),
+                                 "--data-dir", str(data)], stdout=out, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)
+    try:
+        wait_for(lambda: "ds3 dev ready" in log.read_text() or proc.poll() is not None, 40, "ds3 dev to start")
+        assert proc.poll() is None, log.read_text()
+        cluster = Cluster.decode((data / "cluster.json").read_bytes())
+        assert cluster.ids == ("i1", "i2") and (data / "i1" / "wal").is_dir() and (data / "i2" / "wal").is_dir()
+        front = procs.Proc([], port, log)
+        owners = {}
+        for n in range(12):
+            url = f"/v1/stream/dev-{n}"
+            assert request(front, "PUT", url, headers=TEXT)[0] == 201
+            assert request(front, "POST", url, b"x", TEXT)[0] == 204
+            assert request(front, "GET", url + "?offset=-1")[2] == b"x"
+            owners[cluster.owner(f"dev-{n}").id] = owners.get(cluster.owner(f"dev-{n}").id, 0) + 1
+        assert set(owners) == {"i1", "i2"}
+        for ing in cluster.ingesters:  # each holds exactly the streams placed on it
+            with urllib.request.urlopen(f"{ing.url}/metrics", timeout=5) as r:
+                held = metric(r.read().decode(), f'ds3_cluster_streams{{ingester_id="{ing.id}"}}')
+            assert held == owners[ing.id]
+        m = metrics(front)
+        assert metric(m, "ds3_reader_cluster_ingesters") == 2 and metric(m, "ds3_reader_cluster_generation") == 1
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(20)
+    # a restart writes the next generation (the ports change; the ids, and so placement, do not)
+    from ds3.supervise import write_cluster_file
+
+    again = write_cluster_file(data / "cluster.json", [("i1", "http://127.0.0.1:1"), ("i2", "http://127.0.0.1:2")])
+    assert again.generation == 2 and again.ids == cluster.ids
