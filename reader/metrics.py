@@ -124,6 +124,22 @@ def install(app: web.Application, metrics: AppMetrics) -> None:
             return "; ".join(w for w in why if w is not None)[:600]
         return None
 
+    def cluster() -> object:
+        """The "cluster" field of /readyz: the description this reader routes by (None: one --ingester)."""
+        st = app.get(READER)
+        if st is None or st.router.watcher is None:
+            return None
+        router, watcher = st.router, st.router.watcher
+        c = router.cluster
+        return {
+            "generation": c.generation if c is not None else None,
+            "ingesters": [{"id": i.id, "url": i.url} for i in c.ingesters] if c is not None else [],
+            "default_ingester": router.default.url if router.default is not None else None,
+            "source": watcher.source.description,
+            "error": watcher.error,
+        }
+
     ready = app[READINESS]
     ready.add("object_store", store_check(store))
     ready.add("ingester", ingester)
+    ready.describe("cluster", cluster)

@@ -126,6 +126,9 @@ def test_streams_land_on_their_owners_and_work_through_the_reader(tier: Tier) ->
         assert request(tier.ingesters[owner], "HEAD", url)[0] == 404
     m = metrics(tier.reader)
     assert metric(m, "ds3_reader_cluster_generation") == 1
+    with urllib.request.urlopen(f"{tier.reader.url}/readyz", timeout=5) as r:
+        ready = json.loads(r.read())
+    assert ready["cluster"]["generation"] == 1 and [i["id"] for i in ready["cluster"]["ingesters"]] == ["a", "b"]
     for i in "ab":
         url = tier.ingesters[i].url
         assert (metric(m, f'ds3_reader_ingester_requests_per_ingester_total{{ingester_id="{i}",url="{url}"}}') or 0) > 0
