@@ -265,6 +265,9 @@ async def _wait_while_parent_lives() -> None:
     while os.getppid() == me.parent:
         await asyncio.sleep(1.0)
     log.warning("reader worker %d: the parent process is gone; stopping", me.index)
+    import shutil
+
+    shutil.rmtree(me.run_dir, ignore_errors=True)  # its TemporaryDirectory will not be cleaned up
     os.kill(os.getpid(), signal.SIGTERM)
     await asyncio.Event().wait()
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -37,6 +38,8 @@ WORKER_ENV: Final = "DS3_READER_WORKER"  # this process's index, 0..N-1 (set by 
 WORKERS_ENV: Final = "DS3_READER_WORKERS"  # N
 RUN_DIR_ENV: Final = "DS3_READER_RUN_DIR"  # where the workers' metrics sockets live
 PARENT_ENV: Final = "DS3_READER_PARENT"  # the parent's pid: a worker leaves when it changes
+RUN_DIR_PREFIX: Final = "ds3-reader-"  # run dirs in the temp dir; a SIGKILLed parent's are swept later
+PARENT_FILE: Final = "parent.pid"
 
 QUICK_DEATH: Final = 2.0  # a worker that exits sooner than this after starting failed to start
 MAX_QUICK_DEATHS: Final = 5  # in a row, over all workers: give up
@@ -82,7 +85,9 @@ def supervise(argv: list[str], count: int) -> int:
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
-    with tempfile.TemporaryDirectory(prefix="ds3-reader-") as run_dir:
+    sweep_stale_run_dirs()
+    with tempfile.TemporaryDirectory(prefix=RUN_DIR_PREFIX) as run_dir:
+        (Path(run_dir) / PARENT_FILE).write_text(str(os.getpid()))
         base_env = {**os.environ, WORKERS_ENV: str(count), RUN_DIR_ENV: run_dir, PARENT_ENV: str(os.getpid())}
 
         def start(index: int) -> _Worker:
@@ -117,6 +122,32 @@ def supervise(argv: list[str], count: int) -> int:
         finally:
             _stop_all(workers)
     return code
+
+
+def sweep_stale_run_dirs(tmp: Path | None = None) -> int:
+    """Remove run dirs (and their worker sockets) left by parents that were SIGKILLed (their
+    TemporaryDirectory never cleaned up): those whose parent pid is gone. How many went."""
+    removed = 0
+    for d in (tmp or Path(tempfile.gettempdir())).glob(RUN_DIR_PREFIX + "*"):
+        try:
+            pid = int((d / PARENT_FILE).read_text())
+        except (OSError, ValueError):
+            continue  # not ours, or still being made
+        if pid == os.getpid() or _alive(pid):
+            continue
+        shutil.rmtree(d, ignore_errors=True)
+        removed += 1
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _stop_all(workers: list[_Worker], grace: float = 15.0) -> None:

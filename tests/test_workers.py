@@ -8,6 +8,8 @@ import http.client
 import os
 import signal
 import socket
+import subprocess
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -16,6 +18,7 @@ from pathlib import Path
 import psutil  # type: ignore[import-untyped, unused-ignore]
 import pytest
 
+from reader.workers import PARENT_FILE, RUN_DIR_PREFIX, sweep_stale_run_dirs
 from tests.cluster import Cluster, StoreView, parse_metrics, scrape
 from tests.procs import free_port, reader
 
@@ -140,6 +143,9 @@ def test_workers_leave_when_their_parent_is_killed(cluster: Cluster) -> None:
     assert cluster.reader.popen is not None
     parent = cluster.reader.popen.pid
     workers = _workers(parent)
+    run_dirs = [d for d in Path(tempfile.gettempdir()).glob(RUN_DIR_PREFIX + "*")
+                if (d / PARENT_FILE).exists() and (d / PARENT_FILE).read_text() == str(parent)]
+    assert len(run_dirs) == 1 and list(run_dirs[0].glob("*.sock"))
     os.kill(parent, signal.SIGKILL)  # the parent alone: it cannot pass anything on
     cluster.reader.popen.wait(10)
 
@@ -147,6 +153,24 @@ def test_workers_leave_when_their_parent_is_killed(cluster: Cluster) -> None:
         return all(not psutil.pid_exists(p) or psutil.Process(p).status() == psutil.STATUS_ZOMBIE for p in workers)
 
     _wait(gone, 10, "orphaned workers to stop")
+    # their run dir (metrics sockets) goes with them: a SIGKILLed parent cannot remove it
+    _wait(lambda: not run_dirs[0].exists(), 10, "the orphans' run dir to be removed")
+
+
+def test_a_new_parent_sweeps_run_dirs_left_by_killed_ones(tmp_path: Path) -> None:
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    left = tmp_path / f"{RUN_DIR_PREFIX}old"
+    left.mkdir()
+    (left / PARENT_FILE).write_text(str(dead.pid))
+    (left / "worker-0.sock").write_text("")
+    alive = tmp_path / f"{RUN_DIR_PREFIX}live"
+    alive.mkdir()
+    (alive / PARENT_FILE).write_text(str(os.getpid()))
+    foreign = tmp_path / f"{RUN_DIR_PREFIX}foreign"  # not a run dir of ours: no parent file
+    foreign.mkdir()
+    assert sweep_stale_run_dirs(tmp_path) == 1
+    assert not left.exists() and alive.exists() and foreign.exists()
 
 
 def test_workers_that_cannot_start_make_the_parent_give_up(tmp_path: Path) -> None:
