@@ -173,22 +173,55 @@ def test_a_new_parent_sweeps_run_dirs_left_by_killed_ones(tmp_path: Path) -> Non
     assert not left.exists() and alive.exists() and foreign.exists()
 
 
-def test_workers_that_cannot_start_make_the_parent_give_up(tmp_path: Path) -> None:
+def test_a_taken_port_stops_the_parent_at_once(tmp_path: Path) -> None:
+    """The parent makes the listening socket: a port another program holds is a clear error and
+    exit 1 before any worker starts."""
     port = free_port()
-    with socket.socket() as taken:  # an ordinary listener (no SO_REUSEPORT) holds the port
+    with socket.socket() as taken:  # an ordinary listener holds the port
         taken.bind(("127.0.0.1", port))
         taken.listen()
         proc = reader(tmp_path / "r", "http://127.0.0.1:1", (tmp_path / "o").as_uri(), "--workers", "2", port=port)
         (tmp_path / "o").mkdir()
         with open(proc.log_path, "wb") as log:
-            import subprocess
-
             from tests.procs import DS3
 
             p = subprocess.Popen([DS3, *proc.args], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
-            assert p.wait(60) == 1
+            assert p.wait(30) == 1
         finally:
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
-    assert "giving up" in proc.log_path.read_text()
+    text = proc.log_path.read_text()
+    assert f"cannot listen on 127.0.0.1 port {port}" in text and "workers (pids" not in text
+
+
+def test_connections_queued_behind_a_killed_worker_are_served_by_the_others(cluster: Cluster) -> None:
+    """Workers share one accept queue: with every worker frozen, 30 clients connect and send a
+    request; one worker is SIGKILLed, the rest resume, and every client gets its answer. (With a
+    queue per worker, SO_REUSEPORT's, the killed worker's share of them was reset.)"""
+    assert cluster.reader.popen is not None
+    parent = cluster.reader.popen.pid
+    workers = _workers(parent)
+    port = cluster.reader.port
+    assert _request(port, "PUT", "/v1/stream/q", headers={"Content-Type": "text/plain"})[0] == 201
+    for pid in workers:
+        os.kill(pid, signal.SIGSTOP)
+    clients = []
+    try:
+        for _ in range(30):
+            c = socket.create_connection(("127.0.0.1", port), timeout=20)
+            c.sendall(b"HEAD /v1/stream/q HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n")
+            clients.append(c)
+        os.kill(workers[0], signal.SIGKILL)
+    finally:
+        for pid in workers[1:]:
+            os.kill(pid, signal.SIGCONT)
+        os.kill(workers[0], signal.SIGCONT)
+    answers = []
+    for c in clients:
+        with c:
+            data = b""
+            while chunk := c.recv(65536):
+                data += chunk
+            answers.append(data.split(b"\r\n", 1)[0])
+    assert answers == [b"HTTP/1.1 200 OK"] * 30
