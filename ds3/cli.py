@@ -219,8 +219,9 @@ def _run(app: web.Application, host: str, port: int, banner: str, config: Ingest
          runner_class: type[web.AppRunner] = web.AppRunner, *, unix_path: str | None = None,
          reuse_port: bool = False) -> None:
     """Serve `app` until SIGINT/SIGTERM (web.run_app's behaviour, with a runner of our choice:
-    the ingester's adds the fast lane for appends). A reader worker shares its port with its
-    siblings (`reuse_port`) and also listens on a private unix socket (`unix_path`)."""
+    the ingester's adds the fast lane for appends). A reader worker (`reuse_port`) serves the
+    listening sockets its parent made for every worker (reader/workers.py; SO_REUSEPORT if it
+    has none) and also listens on a private unix socket (`unix_path`)."""
     _install_uvloop()
     _raise_fd_limit()
     from shared.http.auth import describe
@@ -234,7 +235,14 @@ def _run(app: web.Application, host: str, port: int, banner: str, config: Ingest
                               handler_cancellation=True, keepalive_timeout=config.limits.keepalive_timeout)
         await runner.setup()
         try:
-            await web.TCPSite(runner, host, port, reuse_port=reuse_port or None).start()
+            from reader.workers import inherited_sockets
+
+            shared = inherited_sockets() if reuse_port else None
+            if shared is not None:  # a reader worker: its parent's listening sockets
+                for sock in shared:
+                    await web.SockSite(runner, sock).start()
+            else:
+                await web.TCPSite(runner, host, port, reuse_port=reuse_port or None).start()
             if unix_path is not None:
                 await web.UnixSite(runner, unix_path).start()
             log.info("%s listening on http://%s", banner, _host_port(host, port))
@@ -265,6 +273,9 @@ async def _wait_while_parent_lives() -> None:
     while os.getppid() == me.parent:
         await asyncio.sleep(1.0)
     log.warning("reader worker %d: the parent process is gone; stopping", me.index)
+    import shutil
+
+    shutil.rmtree(me.run_dir, ignore_errors=True)  # its TemporaryDirectory will not be cleaned up
     os.kill(os.getpid(), signal.SIGTERM)
     await asyncio.Event().wait()
 
@@ -322,7 +333,7 @@ def reader(**kw: Any) -> None:
         raise click.UsageError(str(e)) from e
     if me is None and config.workers > 1:
         _raise_fd_limit()
-        sys.exit(supervise(sys.argv[sys.argv.index("reader") + 1:], config.workers))
+        sys.exit(supervise(sys.argv[sys.argv.index("reader") + 1:], config.workers, config.host, config.port))
     from reader.app import create_app
     from reader.forwardlane import ForwardLaneRunner
 
