@@ -7,19 +7,23 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import os
+import secrets
 import time
 from collections.abc import Callable
-from typing import Final, TypeVar
+from typing import Final, TypeVar, cast
 
 import lmdb
 from aiohttp import web
 
 from ingester import retention
 from ingester.live import Notifier
+from ingester.logstore import StartRefused, list_log, restore, wal_is_empty
 from ingester.reads import ReadResult, Reads
 from ingester.reaper import ObjectReaper
 from ingester.records import FLAG_END_OF_APPEND, StreamMeta
 from ingester.sealing import Sealer
+from ingester.shipper import Durability, Shipper
 from ingester.snapshots import Snapshots
 from ingester.store import (
     AppendRequest,
@@ -35,9 +39,10 @@ from ingester.wal import GroupCommitter, WalEnv
 from shared import offsets
 from shared.chunkstore import ChunkReader
 from shared.config import IngesterConfig
-from shared.errors import BadRequest
+from shared.errors import BadRequest, OwnedElsewhere, Superseded
 from shared.http.metrics import LoopHistogram
 from shared.objectstore import LocalStore, ObjectStore, open_store
+from shared.ownership import LeaseKeeper, Ownership
 from shared.protocol import is_json
 
 log = logging.getLogger("ds3.ingester")
@@ -46,28 +51,79 @@ APPEND_SECONDS_BUCKETS: Final = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 
 
 
 class IngesterService:
+    wal: WalEnv
+    store: Store
+    reads: Reads
+
     def __init__(self, config: IngesterConfig) -> None:
         self.config = config
-        self.wal = WalEnv(config.wal_dir, config.wal_map_size)
-        seal = None
-        if config.store is not None:
-            seal = SealPolicy(config.seal_bytes, config.seal_age, config.wal_max_bytes)
-        self.store = Store(self.wal, seal=seal)
         self.objects: ObjectStore | None = None
         self.sealer: Sealer | None = None
         self.chunk_reader: ChunkReader | None = None
+        self.shipper: Shipper | None = None
+        self.ownership: Ownership | None = None
         self.notifier = Notifier()
-        self.reads = Reads(self.wal, self.store.touches, threads=config.read_threads)
         self._committer: GroupCommitter | None = None
         self._snapshots: Snapshots | None = None
         self._reaper: ObjectReaper | None = None
         self._blobs: ObjectStore | None = None
         self._tasks: list[asyncio.Task[None]] = []
+        self._lease_task: asyncio.Task[None] | None = None
         # Collected by ingester.metrics at scrape time; observed on the event loop only.
         self.append_seconds = LoopHistogram(
             "ds3_ingester_append_seconds", "Time from an append's submission to the writer until it is durable "
             "(acknowledged appends).", APPEND_SECONDS_BUCKETS,
         )
+        if config.store is None:  # nothing to restore from: open the WAL now
+            self._open_wal()
+
+    def _open_wal(self) -> None:
+        config = self.config
+        self.wal = WalEnv(config.wal_dir, config.wal_map_size)
+        seal = None
+        if config.store is not None:
+            seal = SealPolicy(config.seal_bytes, config.seal_age, config.wal_max_bytes)
+        self.store = Store(self.wal, seal=seal)
+        self.reads = Reads(self.wal, self.store.touches, threads=config.read_threads)
+
+    def _owner_id(self) -> str:
+        """--owner-id, else an id kept in the data dir: a restart on the same disk (a crash
+        included) takes its own record back at once; a new disk waits for the lease."""
+        if self.config.owner_id is not None:
+            return self.config.owner_id
+        path = self.config.data_dir / "owner-id"
+        try:
+            found = path.read_text().strip()
+            if found:
+                return found
+        except FileNotFoundError:
+            pass
+        self.config.data_dir.mkdir(parents=True, exist_ok=True)
+        oid = f"ingester-{secrets.token_hex(8)}"
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(oid + "\n")
+        os.replace(tmp, path)
+        return oid
+
+    async def _own_and_restore(self) -> None:
+        """With a store: own its prefix, and restore an empty data dir from the store's log,
+        before the WAL is opened."""
+        config = self.config
+        assert config.store is not None
+        self.objects = open_store(config.store, s3_endpoint=config.s3_endpoint)
+        self.ownership = Ownership(self.objects, self._owner_id(), config.advertised,
+                                   lease_seconds=config.lease_seconds)
+        try:
+            await self.ownership.acquire()
+        except OwnedElsewhere as e:
+            raise StartRefused(f"not starting: {e} (its lease is renewed while it runs; start this one once "
+                               "it stopped, or give it the same --owner-id to take it over)") from None
+        if wal_is_empty(config.wal_dir):
+            listing = await list_log(self.objects)
+            if not listing.empty:
+                log.info("empty data dir: restoring the WAL from %s (%d checkpoints, %d segments)",
+                         config.store, len(listing.checkpoints), len(listing.segments))
+                await restore(self.objects, config.wal_dir, config.wal_map_size, listing)
 
     @property
     def committer(self) -> GroupCommitter:
@@ -91,14 +147,30 @@ class IngesterService:
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
+        if self.config.store is not None:
+            await self._own_and_restore()
+            self._open_wal()
+            assert self.objects is not None
+            self.shipper = Shipper(self.wal, self.objects, loop, durability=cast(Durability, self.config.durability),
+                                   interval=self.config.ship_interval,
+                                   checkpoint_interval=self.config.checkpoint_interval, ownership=self.ownership)
         self._committer = GroupCommitter(
-            self.wal, loop, on_abort=self.store.reset, on_commit=self.store.flush, on_durable=self._on_durable
+            self.wal, loop, on_abort=self.store.reset, on_commit=self.store.flush, on_durable=self._on_durable,
+            on_logged=self.shipper.on_logged if self.shipper is not None else None,
         )
         self._committer.start()
+        if self.shipper is not None:
+            await self.shipper.prepare(self.committer.seq)
+            self.shipper.start()
+            assert self.ownership is not None
+            self._lease_task = asyncio.create_task(self._keep_lease(LeaseKeeper(self.ownership)),
+                                                   name="ds3-lease")
+            log.info("logging commits to %s (durability %s, epoch %d, from commit %d)", self.config.store,
+                     self.config.durability, self.ownership.epoch, self.committer.seq)
         n = await self.committer.submit(self.store.load_expiry_index)
         log.info("write-ahead log open at %s (%d streams with an expiry)", self.config.wal_dir, n)
         if self.config.store is not None:
-            self.objects = open_store(self.config.store, s3_endpoint=self.config.s3_endpoint)
+            assert self.objects is not None
             self.chunk_reader = ChunkReader(self.objects)
             self.sealer = Sealer(self.store, self.committer, self.objects, self.reads.run, self.config.uploads)
             refs = await self.committer.submit(self.store.load_sealing_index)
@@ -120,7 +192,33 @@ class IngesterService:
         )
         self._tasks.append(asyncio.create_task(self._housekeeping(), name="ds3-housekeeping"))
 
+    async def _keep_lease(self, keeper: LeaseKeeper) -> None:
+        try:
+            await keeper.run()
+        except Superseded as e:
+            self.fence(str(e))
+        except Exception as e:  # never renewing again: the lease runs out; stop acknowledging now
+            log.exception("renewing the ownership lease failed")
+            self.fence(f"renewing the lease failed: {e!r}")
+
+    def fence(self, why: str) -> None:
+        """Another ingester owns the store prefix now (or our lease ran out): acknowledge
+        nothing more (every write: 503), upload no more log segments or chunks."""
+        log.error("fenced: %s; every write answers 503 from now on", why)
+        refusal = Superseded(f"this ingester no longer owns its store prefix: {why}", self.ownership.epoch
+                             if self.ownership is not None else 0)
+        if self._committer is not None:
+            self._committer.refusal = refusal
+        if self.shipper is not None:
+            self.shipper.fence(why)
+        if self.sealer is not None:
+            asyncio.get_running_loop().create_task(self.sealer.stop())
+
     async def stop(self) -> None:
+        if self._lease_task is not None:
+            self._lease_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._lease_task
         for t in self._tasks:
             t.cancel()
         for t in self._tasks:
@@ -133,15 +231,28 @@ class IngesterService:
             await self.sealer.stop()
         if self._blobs is not None and self._blobs is not self.objects:
             await self._blobs.close()
+        if self._committer is not None:
+            folds: list[asyncio.Future[int]] = []
+            with contextlib.suppress(Exception):
+                folds.append(self.committer.submit(self.store.fold_touches))
+                folds.append(self.committer.submit(self.store.fold_last_writes))
+            if self.shipper is None:
+                await asyncio.gather(*folds, return_exceptions=True)
+            await asyncio.get_running_loop().run_in_executor(None, self.committer.stop)
+            if self.shipper is not None:
+                # The folds' outcomes may wait for their segment (store durability), and the
+                # shipping task may be cancelled already (a signal): ship from here.
+                await self.shipper.stop()
+                await asyncio.gather(*folds, return_exceptions=True)
+        if self.ownership is not None:
+            with contextlib.suppress(Exception):
+                await self.ownership.release()
         if self.objects is not None:
             await self.objects.close()
-        if self._committer is not None:
-            with contextlib.suppress(Exception):
-                await self.committer.submit(self.store.fold_touches)
-                await self.committer.submit(self.store.fold_last_writes)
-            await asyncio.get_running_loop().run_in_executor(None, self.committer.stop)
-        self.reads.close()
-        self.wal.close()
+        if hasattr(self, "reads"):
+            self.reads.close()
+        if hasattr(self, "wal"):
+            self.wal.close()
 
     def _on_durable(self, news: Committed) -> None:
         self.notifier.bump(news.changed)
