@@ -25,7 +25,7 @@ from typing import Final
 
 from ingester.replay import ReplayGap, replay
 from ingester.wal import WalEnv
-from shared.logsegment import LOG_DIR, decode, parse_segment_key
+from shared.logsegment import LOG_DIR, PRELUDE_SIZE, decode, parse_prelude, parse_segment_key
 from shared.objectstore import ObjectStore
 
 log = logging.getLogger("ds3.logstore")
@@ -129,23 +129,18 @@ async def restore(objects: ObjectStore, wal_dir: Path, map_size: int, listing: L
             applied = 0
             while True:
                 nxt = seq + 1
-                holding = [s for s in listing.segments if s.first <= nxt <= s.last]
-                if not holding:
-                    later = [s for s in listing.segments if s.first > nxt]
-                    if later:
-                        raise RestoreError(f"the store's log has a gap: no segment holds commit {nxt} "
-                                           f"(next segment: {later[0].key}); restored up to commit {seq}")
-                    break
-                chosen = None
-                # Highest epoch first (a superseded owner's late segment loses), then the one
-                # reaching furthest.
                 candidates = []
-                for ref in holding:
+                for ref in (s for s in listing.segments if s.first <= nxt <= s.last):
                     segment = decode(await objects.get(ref.key))
-                    if segment.epoch >= epoch:
+                    if segment.epoch >= epoch:  # an older epoch's: a superseded owner's late write
                         candidates.append((segment.epoch, ref.last, ref, segment))
                 if not candidates:
-                    raise RestoreError(f"commit {nxt} is only in segments of an epoch older than {epoch}")
+                    for ref in (s for s in listing.segments if s.first > nxt):
+                        if parse_prelude(await objects.get(ref.key, 0, PRELUDE_SIZE))[2] >= epoch:
+                            raise RestoreError(f"the store's log has a gap: no segment holds commit {nxt} "
+                                               f"(next segment: {ref.key}); restored up to commit {seq}")
+                    break
+                # Highest epoch first, then the one reaching furthest.
                 candidates.sort(key=lambda c: (c[0], c[1]))
                 chosen = candidates[-1]
                 epoch = chosen[0]
