@@ -32,7 +32,7 @@ import pytest
 from shared.objectstore import open_store
 from shared.ownership import OwnerRecord
 from tests.cluster import StoreView
-from tests.procs import DS3, Proc, free_port, ingester
+from tests.procs import DS3, Proc, free_port, ingester, reader
 
 pytestmark = pytest.mark.slow
 
@@ -208,29 +208,44 @@ def _retry_producers(base: str, writers: list[Writer]) -> None:
 
 def test_store_mode_recovers_every_acknowledged_append(tmp_path: Path, store: StoreView) -> None:
     a = _ingester(tmp_path / "a", store, "--durability", "store").start()
+    # A reader in front (sealed chunks from the store, the rest from the ingester at a.url): it
+    # serves the same bytes at the same offsets before and after the replacement.
+    rd = reader(tmp_path / "reader", a.url, store.url, *(["--s3-endpoint", store.endpoint] if store.endpoint
+                                                         else [])).start()
     try:
-        _setup_metadata(a.url)
-        meta = _metadata(a.url)
-        writers, _ = _load_then_kill(a, 1.5)
+        try:
+            _setup_metadata(a.url)
+            for i in range(30):
+                for s in STREAMS:
+                    _req("POST", f"{a.url}/v1/stream/{s}", b"pre-%03d\n" % i, {"Content-Type": "text/plain"})
+            meta = _metadata(rd.url)
+            before = {s: _read_all(rd.url, s) for s in STREAMS}
+            writers, _ = _load_then_kill(a, 1.5)
+        finally:
+            a.kill()
+        shutil.rmtree(tmp_path / "a")
+        assert sum(len(w.acked) for w in writers) > 50
+        assert store.keys("log/"), "no log segment in the store"
+        started = time.monotonic()
+        b = _ingester(tmp_path / "b", store, "--durability", "store", port=a.port).start()
+        try:
+            print(f"\nrestart on an empty disk ({len(store.keys('log/'))} segments): {time.monotonic() - started:.2f}s")
+            assert "restored the WAL from the store" in b.log_path.read_text()
+            assert _metadata(b.url) == meta
+            assert _metadata(rd.url) == meta
+            for s in STREAMS:
+                assert _read_all(rd.url, s).startswith(before[s])
+                assert _read_all(rd.url, s) == _read_all(b.url, s)
+            acked, lost = _check_acked(rd.url, writers)
+            assert lost == 0 and acked > 50
+            _retry_producers(rd.url, writers)
+            # it carries on: new appends follow
+            assert _req("POST", f"{rd.url}/v1/stream/s0", b"after\n", {"Content-Type": "text/plain"})[0] == 204
+            assert _read_all(rd.url, "s0").endswith(b"after\n")
+        finally:
+            b.stop()
     finally:
-        a.kill()
-    shutil.rmtree(tmp_path / "a")
-    assert sum(len(w.acked) for w in writers) > 50
-    assert store.keys("log/"), "no log segment in the store"
-    started = time.monotonic()
-    b = _ingester(tmp_path / "b", store, "--durability", "store").start()
-    try:
-        print(f"\nrestart on an empty disk ({len(store.keys('log/'))} segments): {time.monotonic() - started:.2f}s")
-        assert "restored the WAL from the store" in b.log_path.read_text()
-        assert _metadata(b.url) == meta
-        acked, lost = _check_acked(b.url, writers)
-        assert lost == 0 and acked > 50
-        _retry_producers(b.url, writers)
-        # it carries on: new appends follow, and chunks are sealed
-        assert _req("POST", f"{b.url}/v1/stream/s0", b"after\n", {"Content-Type": "text/plain"})[0] == 204
-        assert _read_all(b.url, "s0").endswith(b"after\n")
-    finally:
-        b.stop()
+        rd.stop()
 
 
 def test_local_mode_loses_at_most_the_ship_interval(tmp_path: Path, file_store: StoreView) -> None:
