@@ -15,6 +15,7 @@ a takeover is never replayed over the new owner's log.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import re
@@ -31,6 +32,7 @@ from shared.objectstore import ObjectStore
 log = logging.getLogger("ds3.logstore")
 
 CHECKPOINT_DIR: Final = "checkpoint/"
+FETCH_CONCURRENCY: Final = 16  # segment GETs in flight while restoring
 _CHECKPOINT_RE: Final = re.compile(r"(\d{20})-(\d{20})\.mdb")
 
 
@@ -119,6 +121,14 @@ async def restore(objects: ObjectStore, wal_dir: Path, map_size: int, listing: L
                 os.fsync(f.fileno())
             os.replace(tmp, wal_dir / "data.mdb")
             del data
+        # Fetch the segments after the checkpoint ahead, a few at a time (S3 round trips add up).
+        gate = asyncio.Semaphore(FETCH_CONCURRENCY)
+
+        async def fetch(key: str) -> bytes:
+            async with gate:
+                return await objects.get(key)
+
+        fetched = {ref.key: asyncio.ensure_future(fetch(ref.key)) for ref in listing.segments if ref.last > base_seq}
         wal = WalEnv(wal_dir, map_size)
         try:
             with wal.env.begin() as txn:
@@ -131,7 +141,7 @@ async def restore(objects: ObjectStore, wal_dir: Path, map_size: int, listing: L
                 nxt = seq + 1
                 candidates = []
                 for ref in (s for s in listing.segments if s.first <= nxt <= s.last):
-                    segment = decode(await objects.get(ref.key))
+                    segment = decode(await fetched[ref.key])
                     if segment.epoch >= epoch:  # an older epoch's: a superseded owner's late write
                         candidates.append((segment.epoch, ref.last, ref, segment))
                 if not candidates:
@@ -157,6 +167,8 @@ async def restore(objects: ObjectStore, wal_dir: Path, map_size: int, listing: L
             return seq
         finally:
             wal.close()
+            for task in fetched.values():
+                task.cancel()
     except BaseException:
         shutil.rmtree(wal_dir, ignore_errors=True)  # never leave a half-restored WAL behind
         raise

@@ -39,7 +39,7 @@ from ingester.wal import GroupCommitter, WalEnv
 from shared import offsets
 from shared.chunkstore import ChunkReader
 from shared.config import IngesterConfig
-from shared.errors import BadRequest, OwnedElsewhere, Superseded
+from shared.errors import BadRequest, ObjectStoreError, OwnedElsewhere, Superseded
 from shared.http.metrics import LoopHistogram
 from shared.objectstore import LocalStore, ObjectStore, open_store
 from shared.ownership import LeaseKeeper, Ownership
@@ -118,6 +118,8 @@ class IngesterService:
         except OwnedElsewhere as e:
             raise StartRefused(f"not starting: {e} (its lease is renewed while it runs; start this one once "
                                "it stopped, or give it the same --owner-id to take it over)") from None
+        except ObjectStoreError as e:
+            raise StartRefused(f"not starting: cannot take ownership of {config.store}: {e}") from None
         if wal_is_empty(config.wal_dir):
             listing = await list_log(self.objects)
             if not listing.empty:

@@ -64,6 +64,8 @@ GATE_ATTEMPTS: Final = 3  # store mode: failed uploads in a row before waiting w
 GATE_SECONDS: Final = 5.0  # ... or this long since the first failure
 BACKOFF_FIRST: Final = 0.05
 BACKOFF_CAP: Final = 5.0
+CHECKPOINT_SEGMENTS: Final = 5000  # segments since the last checkpoint that call for one early ...
+CHECKPOINT_MIN_SECONDS: Final = 30.0  # ... but no more often than this
 ENCODE_INLINE_BYTES: Final = 256 * 1024  # larger segments are encoded on a worker thread
 NOT_SHIPPED: Final = ("the write is in the write-ahead log but its log segment did not reach the object store; "
                       "retry (an idempotent producer's retry is deduplicated)")
@@ -111,6 +113,7 @@ class Shipper:
         self._checkpoint_lock = asyncio.Lock()
         self._last_checkpoint_at = time.monotonic()
         self._shipped_since_checkpoint = 0
+        self._segments_since_checkpoint = 0
         self.shipped_seq = shipped_seq  # the highest commit seq known to be in the store
         self.shipped_at = time.time()  # when the commit at shipped_seq ... was shipped (wall)
         # metrics
@@ -252,8 +255,14 @@ class Shipper:
                 delay = min(BACKOFF_CAP, delay * 2)
 
     def checkpoint_due(self) -> bool:
-        return (self._shipped_since_checkpoint > 0
-                and time.monotonic() - self._last_checkpoint_at >= self.checkpoint_interval)
+        """Every checkpoint_interval if anything was shipped since; sooner (but at most every
+        CHECKPOINT_MIN_SECONDS) once CHECKPOINT_SEGMENTS segments accumulated: they bound what
+        a recovery fetches."""
+        if self._shipped_since_checkpoint == 0:
+            return False
+        since = time.monotonic() - self._last_checkpoint_at
+        return since >= self.checkpoint_interval or (
+            self._segments_since_checkpoint >= CHECKPOINT_SEGMENTS and since >= CHECKPOINT_MIN_SECONDS)
 
     # --- one step ----------------------------------------------------------------------------
 
@@ -315,6 +324,7 @@ class Shipper:
         self.segments_uploaded += 1
         self.segment_bytes += len(body)
         self._shipped_since_checkpoint += len(body)
+        self._segments_since_checkpoint += 1
         self._advance(last)
         return len(commits)
 
@@ -391,6 +401,7 @@ class Shipper:
             self._need_checkpoint = False
             self._last_checkpoint_at = time.monotonic()
             self._shipped_since_checkpoint = 0
+            self._segments_since_checkpoint = 0
             self.checkpoints_uploaded += 1
             self.checkpoint_bytes += len(body)
             self.last_checkpoint_seq = seq

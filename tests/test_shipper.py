@@ -222,3 +222,28 @@ async def test_a_full_queue_is_dropped_for_a_checkpoint(
         await s.ship_once()
     assert await s.checkpoint() == 0  # this WAL never saw commit 1: the copy says 0
     assert s.queued == 0 and gate is not None and isinstance(gate.exception(), Unavailable)
+
+
+async def test_the_loop_checkpoints_periodically(tmp_path: Path, objects: FlakyStore) -> None:
+    wal = WalEnv(tmp_path / "wal", 64 * 1024 * 1024)
+    loop = asyncio.get_running_loop()
+    s = Shipper(wal, objects, loop, durability="local", interval=0.05, checkpoint_interval=0.3)
+    committer = GroupCommitter(wal, loop, on_abort=lambda: None, on_commit=lambda txn: None,
+                               on_durable=lambda news: None, on_logged=s.on_logged)
+    committer.start()
+    try:
+        await s.prepare(committer.seq)
+        s.start()
+        for i in range(3):
+            await committer.submit(lambda txn, i=i: txn.put(b"s%d" % i, b"x", db=wal.streams))
+        for _ in range(100):
+            if s.last_checkpoint_seq == 3:
+                break
+            await asyncio.sleep(0.05)
+        listing = await list_log(objects)
+        assert [c[0] for c in listing.checkpoints] == [3] and listing.segments == []
+        assert s.checkpoints_uploaded == 2 and s.objects_deleted >= 2  # the one at start, then this
+    finally:
+        await s.stop()
+        await loop.run_in_executor(None, committer.stop)
+        wal.close()
