@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -39,7 +40,8 @@ pytestmark = pytest.mark.slow
 WRITERS = 16
 STREAMS = ["s0", "s1", "s2", "s3"]
 POSITION = re.compile(r"\d+_(\d+)")
-OWNER = "node-a"  # the replacement takes the dead one's record over at once (same owner id)
+OWNER = "node-a"
+LOCAL_INTERVAL = float(os.environ.get("DS3_TEST_SHIP_INTERVAL", "0.5"))  # local mode's --ship-interval  # the replacement takes the dead one's record over at once (same owner id)
 
 
 @pytest.fixture(params=["file", "s3"])
@@ -249,7 +251,7 @@ def test_store_mode_recovers_every_acknowledged_append(tmp_path: Path, store: St
 
 
 def test_local_mode_loses_at_most_the_ship_interval(tmp_path: Path, file_store: StoreView) -> None:
-    interval = 0.5
+    interval = LOCAL_INTERVAL
     a = _ingester(tmp_path / "a", file_store, "--durability", "local", "--ship-interval", str(interval)).start()
     try:
         for s in STREAMS:
