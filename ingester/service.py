@@ -23,7 +23,7 @@ from ingester.reads import ReadResult, Reads
 from ingester.reaper import ObjectReaper
 from ingester.records import FLAG_END_OF_APPEND, StreamMeta
 from ingester.sealing import Sealer
-from ingester.shipper import Durability, Shipper
+from ingester.shipper import Durability, Shipper, StoreAhead
 from ingester.snapshots import Snapshots
 from ingester.store import (
     AppendRequest,
@@ -165,8 +165,7 @@ class IngesterService:
             await self.shipper.prepare(self.committer.seq)
             self.shipper.start()
             assert self.ownership is not None
-            self._lease_task = asyncio.create_task(self._keep_lease(LeaseKeeper(self.ownership)),
-                                                   name="ds3-lease")
+            self._lease_task = asyncio.create_task(self._keep_lease(), name="ds3-lease")
             log.info("logging commits to %s (durability %s, epoch %d, from commit %d)", self.config.store,
                      self.config.durability, self.ownership.epoch, self.committer.seq)
         n = await self.committer.submit(self.store.load_expiry_index)
@@ -194,26 +193,65 @@ class IngesterService:
         )
         self._tasks.append(asyncio.create_task(self._housekeeping(), name="ds3-housekeeping"))
 
-    async def _keep_lease(self, keeper: LeaseKeeper) -> None:
-        try:
-            await keeper.run()
-        except Superseded as e:
-            self.fence(str(e))
-        except Exception as e:  # never renewing again: the lease runs out; stop acknowledging now
-            log.exception("renewing the ownership lease failed")
-            self.fence(f"renewing the lease failed: {e!r}")
+    async def _keep_lease(self) -> None:
+        """Renew the lease. When it is lost: stop acknowledging at once; if nobody took the
+        prefix over (the record is still ours, same epoch: a store outage outlasted the lease),
+        take it back once the store answers and carry on; otherwise stay fenced for good."""
+        own = self.ownership
+        assert own is not None
+        while True:
+            epoch = own.epoch
+            try:
+                await LeaseKeeper(own).run()
+            except Superseded as e:
+                self.fence(str(e), for_good=False)
+            except Exception as e:  # the keeper broke: the lease runs out; stop acknowledging now
+                log.exception("renewing the ownership lease failed")
+                self.fence(f"renewing the lease failed: {e!r}", for_good=False)
+            if not await self._regain(epoch):
+                self.fence("another ingester owns the store prefix now", for_good=True)
+                return
 
-    def fence(self, why: str) -> None:
-        """Another ingester owns the store prefix now (or our lease ran out): acknowledge
-        nothing more (every write: 503), upload no more log segments or chunks."""
-        log.error("fenced: %s; every write answers 503 from now on", why)
-        refusal = Superseded(f"this ingester no longer owns its store prefix: {why}", self.ownership.epoch
+    async def _regain(self, epoch: int) -> bool:
+        """Take the prefix back after our lease lapsed, if the record is still ours at `epoch`
+        (so no one else owned it meanwhile, and no one else wrote its log). False if it was
+        taken over, or the store's log is ahead of our WAL."""
+        own, shipper = self.ownership, self.shipper
+        assert own is not None and shipper is not None
+        delay = 0.2
+        while True:
+            try:
+                rec = await own.current()
+                if rec is None or rec.owner_id != own.owner_id or rec.epoch != epoch:
+                    return False
+                await own.acquire()  # our own record: taken back with epoch + 1 (If-Match)
+                await shipper.resume(self.committer.seq)  # checkpoints what the log missed meanwhile
+            except (OwnedElsewhere, StoreAhead) as e:
+                log.error("cannot take the store prefix back: %s", e)
+                return False
+            except (ObjectStoreError, TimeoutError) as e:
+                log.warning("taking the store prefix back failed (%s); again in %.1f s", e, delay)
+                await asyncio.sleep(delay)
+                delay = min(5.0, delay * 2)
+                continue
+            self.committer.refusal = None
+            log.warning("ownership of %s taken back (epoch %d): acknowledging writes again", self.config.store,
+                        own.epoch)
+            return True
+
+    def fence(self, why: str, *, for_good: bool = True) -> None:
+        """We may not own the store prefix (taken over, or our lease ran out): acknowledge
+        nothing more (every write: 503), upload no more log segments; for good, no more chunks
+        either."""
+        log.error("fenced: %s; every write answers 503 %s", why,
+                  "from now on" if for_good else "until the store prefix is ours again")
+        refusal = Superseded(f"this ingester does not own its store prefix now: {why}", self.ownership.epoch
                              if self.ownership is not None else 0)
         if self._committer is not None:
             self._committer.refusal = refusal
         if self.shipper is not None:
             self.shipper.fence(why)
-        if self.sealer is not None:
+        if for_good and self.sealer is not None:
             asyncio.get_running_loop().create_task(self.sealer.stop())
 
     async def stop(self) -> None:
@@ -391,6 +429,8 @@ class IngesterService:
                     await self._submit(self.store.fold_touches)
                     last_fold = time.monotonic()
                 delay = tick
+            except Superseded:  # not our prefix now (said once, by fence()): wait quietly
+                delay = min(delay * 2, 60.0)
             except Exception:
                 log.exception("housekeeping failed")
                 delay = min(delay * 2, 60.0)

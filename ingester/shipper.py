@@ -189,6 +189,20 @@ class Shipper:
             _fail(g, Superseded(why, self._epoch()))  # type: ignore[arg-type]
         self._wake.set()
 
+    async def resume(self, local_seq: int) -> None:
+        """After fence(): ownership was taken back (a new epoch, nobody else owned the prefix
+        meanwhile). What the log missed (commits dropped while fenced) is covered by a
+        checkpoint first (prepare); then the loop runs again."""
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        self._fenced = None
+        self._failures = 0
+        self._failing_since = None
+        await self.prepare(local_seq)
+        self.start()
+
     # --- the loop ----------------------------------------------------------------------------
 
     def start(self) -> None:

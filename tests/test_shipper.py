@@ -247,3 +247,35 @@ async def test_the_loop_checkpoints_periodically(tmp_path: Path, objects: FlakyS
         await s.stop()
         await loop.run_in_executor(None, committer.stop)
         wal.close()
+
+
+async def test_resume_after_a_fence_checkpoints_what_the_log_missed(tmp_path: Path, objects: FlakyStore) -> None:
+    wal = WalEnv(tmp_path / "wal", 64 * 1024 * 1024)
+    loop = asyncio.get_running_loop()
+    s = Shipper(wal, objects, loop, durability="store")
+    committer = GroupCommitter(wal, loop, on_abort=lambda: None, on_commit=lambda txn: None,
+                               on_durable=lambda news: None, on_logged=s.on_logged)
+    committer.start()
+    try:
+        await s.prepare(committer.seq)
+        s.start()
+        await committer.submit(lambda txn: txn.put(b"a", b"1", db=wal.streams))
+        s.fence("lease lapsed (test)")
+        with pytest.raises(Unavailable):  # its gate failed: answered 503, but committed locally
+            await committer.submit(lambda txn: txn.put(b"b", b"2", db=wal.streams))
+        assert s.shipped_seq == 1 and committer.seq == 2
+        await s.resume(committer.seq)
+        assert s.last_checkpoint_seq == 2 and s.shipped_seq == 2  # commit 2 is in the store now
+        await committer.submit(lambda txn: txn.put(b"c", b"3", db=wal.streams))
+        assert s.shipped_seq == 3
+        before = dump(wal)
+    finally:
+        await s.stop()
+        await loop.run_in_executor(None, committer.stop)
+        wal.close()
+    assert await restore(objects, tmp_path / "restored", 64 * 1024 * 1024) == 3
+    again = WalEnv(tmp_path / "restored", 64 * 1024 * 1024)
+    try:
+        assert dump(again) == before
+    finally:
+        again.close()
