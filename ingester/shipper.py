@@ -140,7 +140,12 @@ class Shipper:
             self._queued_bytes += _size(commit)
             if first:
                 self._oldest_at = time.monotonic()
-            if self.durability == "store":
+            if self.durability == "store" and self._failures >= GATE_ATTEMPTS:
+                # The store is failing: answer 503 now rather than after the next attempt (the
+                # commit is queued all the same, and shipped once the store answers).
+                gate = ConcurrentFuture()
+                gate.set_exception(Unavailable(NOT_SHIPPED, 5))
+            elif self.durability == "store":
                 entry = self._open_gate
                 if entry is None:
                     entry = self._open_gate = [commit.seq, ConcurrentFuture()]

@@ -97,10 +97,13 @@ async def test_store_errors_fail_the_gate_after_bounded_retries_and_ship_later(
         assert gate.done() == (i == GATE_ATTEMPTS - 1)
     assert isinstance(gate.exception(), Unavailable)  # -> 503: nothing promised
     assert s.queued == 1  # still to ship: the commit is in the local WAL
-    gate2 = s.on_logged(commit(2))
+    gate2 = s.on_logged(commit(2))  # while the store keeps failing: 503 at once, queued all the same
+    assert gate2 is not None and isinstance(gate2.exception(), Unavailable) and s.queued == 2
     assert await s.ship_once() == 2  # the store is back: one segment with both
-    assert gate2 is not None and gate2.done() and gate2.exception() is None
-    assert s.upload_failures == GATE_ATTEMPTS and objects.put_keys == [segment_key(1, 2)]
+    gate3 = s.on_logged(commit(3))
+    assert gate3 is not None and not gate3.done()  # and gates wait for uploads again
+    assert await s.ship_once() == 1 and gate3.exception() is None
+    assert s.upload_failures == GATE_ATTEMPTS and objects.put_keys == [segment_key(1, 2), segment_key(3, 3)]
 
 
 async def test_the_loop_backs_off_and_retries(wal: WalEnv, objects: FlakyStore) -> None:
