@@ -259,6 +259,7 @@ class LaneHandler(RequestHandler):
         self._watched = False
         self._lane_off = False  # the follower lost the thread (a parse error): aiohttp's from now on
         self._client: str | object | None = _UNKNOWN  # the limits' identity of this connection's peer
+        self._peer: str | object | None = _UNKNOWN
         self._plain_url = b""  # the last URL judged plain (see _judge)
         self.path_of: tuple[bytes, str] = (b"", "")  # a Lane's cache: the last URL path served and its stream path
         # a pending answer's way out when the client leaves or the server stops first (a long-poll's)
@@ -443,13 +444,17 @@ class LaneHandler(RequestHandler):
         if forwarded is None and self._client is not _UNKNOWN:
             return cast(str | None, self._client)  # the same peer all along: judged once
         assert self._lane.limits is not None
-        client = client_identity(None, client_address(_peer_of(self.transport), forwarded, self._lane.limits.proxies))
+        client = client_identity(None, client_address(self.peer(), forwarded, self._lane.limits.proxies))
         if forwarded is None:
             self._client = client
         return client
 
     def peer(self) -> str | None:
-        return _peer_of(self.transport)
+        """The connection's peer address (looked up once: a connection keeps its peer)."""
+        peer = self._peer
+        if peer is _UNKNOWN:
+            peer = self._peer = _peer_of(self.transport)
+        return cast(str | None, peer)
 
     def answer_failure(self, msg: Message, e: BaseException, rid: str, started: float) -> None:
         """A refusal (DS3Error) as shared.http.handlers.error_response has it; anything else is a
