@@ -110,6 +110,32 @@ def _ingester_options(f: FC) -> FC:
         _opt("--wal-max-bytes", env="DS3_WAL_MAX_BYTES", type=int, default=4 * GiB,
              help="Unsealed data the WAL may hold while the store is down; past it appends get 503."),
         _opt("--uploads", env="DS3_UPLOADS", type=int, default=4, help="Concurrent chunk uploads."),
+        _opt("--ingester-id", env="DS3_INGESTER_ID", default=None,
+             help="This ingester's id in the cluster description (several ingesters sharing one store; "
+                  "docs/architecture.md \"Placement\"): it serves only the streams placed on it and answers "
+                  "421 naming the owner for the others. Without it: no cluster, it owns every stream."),
+        _opt("--cluster", env="DS3_CLUSTER", type=click.Path(path_type=Path), default=None,
+             help="Read the cluster description from this JSON file instead of the store's _ds3/cluster.json "
+                  "(ds3 dev, tests). Needs --ingester-id."),
+        _opt("--cluster-refresh", env="DS3_CLUSTER_REFRESH", type=float, default=5.0,
+             help="Seconds between reads of the cluster description."),
+        _opt("--durability", env="DS3_DURABILITY", default="local", type=click.Choice(["local", "store"]),
+             help="With --store, every commit is also logged to the store. local: an append is "
+                  "acknowledged after the local fsync and the log follows within --ship-interval; "
+                  "store: only once its log segment is in the object store (nothing acknowledged is "
+                  "lost with the machine)."),
+        _opt("--ship-interval", env="DS3_SHIP_INTERVAL", type=float, default=1.0,
+             help="local durability: seconds the log in the store may lag behind the WAL."),
+        _opt("--checkpoint-interval", env="DS3_CHECKPOINT_INTERVAL", type=float, default=300.0,
+             help="Seconds between checkpoints of the WAL into the store (they bound recovery)."),
+        _opt("--advertise-url", env="DS3_ADVERTISE_URL", default=None,
+             help="URL of this ingester named in the store's ownership record. Default: http://HOST:PORT."),
+        _opt("--owner-id", env="DS3_OWNER_ID", default=None,
+             help="This ingester's name in the ownership record. Default: a random id kept in the data dir "
+                  "(a restart on the same disk takes its prefix back at once)."),
+        _opt("--lease-seconds", env="DS3_LEASE_SECONDS", type=float, default=10.0,
+             help="Lease on the store prefix; renewed every third of it. Another ingester may take the "
+                  "prefix over once it lapses."),
         _opt("--sse-max-seconds", env="DS3_SSE_MAX_SECONDS", type=float, default=60.0,
              help="SSE connections are closed after this long so CDNs can collapse them."),
         _opt("--max-read-bytes", env="DS3_MAX_READ_BYTES", type=int, default=1 * MiB,
@@ -210,8 +236,9 @@ def _run(app: web.Application, host: str, port: int, banner: str, config: Ingest
          runner_class: type[web.AppRunner] = web.AppRunner, *, unix_path: str | None = None,
          reuse_port: bool = False) -> None:
     """Serve `app` until SIGINT/SIGTERM (web.run_app's behaviour, with a runner of our choice:
-    the ingester's adds the fast lane for appends). A reader worker shares its port with its
-    siblings (`reuse_port`) and also listens on a private unix socket (`unix_path`)."""
+    the ingester's adds the fast lane for appends). A reader worker (`reuse_port`) serves the
+    listening sockets its parent made for every worker (reader/workers.py; SO_REUSEPORT if it
+    has none) and also listens on a private unix socket (`unix_path`)."""
     _install_uvloop()
     _raise_fd_limit()
     from shared.http.auth import describe
@@ -225,7 +252,14 @@ def _run(app: web.Application, host: str, port: int, banner: str, config: Ingest
                               handler_cancellation=True, keepalive_timeout=config.limits.keepalive_timeout)
         await runner.setup()
         try:
-            await web.TCPSite(runner, host, port, reuse_port=reuse_port or None).start()
+            from reader.workers import inherited_sockets
+
+            shared = inherited_sockets() if reuse_port else None
+            if shared is not None:  # a reader worker: its parent's listening sockets
+                for sock in shared:
+                    await web.SockSite(runner, sock).start()
+            else:
+                await web.TCPSite(runner, host, port, reuse_port=reuse_port or None).start()
             if unix_path is not None:
                 await web.UnixSite(runner, unix_path).start()
             log.info("%s listening on http://%s", banner, _host_port(host, port))
@@ -256,6 +290,9 @@ async def _wait_while_parent_lives() -> None:
     while os.getppid() == me.parent:
         await asyncio.sleep(1.0)
     log.warning("reader worker %d: the parent process is gone; stopping", me.index)
+    import shutil
+
+    shutil.rmtree(me.run_dir, ignore_errors=True)  # its TemporaryDirectory will not be cleaned up
     os.kill(os.getpid(), signal.SIGTERM)
     await asyncio.Event().wait()
 
@@ -277,14 +314,26 @@ def ingester(**kw: Any) -> None:
     config = _ingester_config(kw)
     from ingester.app import create_app
     from ingester.fastlane import FastLaneRunner
+    from ingester.logstore import StartRefused
 
-    _run(_build(create_app, config), config.host, config.port,
-         f"ds3 ingester (data in {config.data_dir.resolve()})", config, FastLaneRunner)
+    try:
+        _run(_build(create_app, config), config.host, config.port,
+             f"ds3 ingester (data in {config.data_dir.resolve()})", config, FastLaneRunner)
+    except StartRefused as e:
+        log.error("%s", e)
+        raise click.ClickException(str(e)) from None
 
 
 @main.command()
 @_server_options
-@_opt("--ingester", env="DS3_INGESTER", required=True, help="Base URL of the ingester.")
+@_opt("--ingester", env="DS3_INGESTER", default=None,
+      help="Base URL of the ingester: where every request goes while there is no cluster description "
+           "(none in the store's _ds3/cluster.json and no --cluster). Required without --cluster.")
+@_opt("--cluster", env="DS3_CLUSTER", type=click.Path(path_type=Path), default=None,
+      help="Route by the cluster description in this JSON file instead of the store's _ds3/cluster.json "
+           "(ds3 dev, tests): every request goes to its stream's owner (docs/architecture.md \"Routing\").")
+@_opt("--cluster-refresh", env="DS3_CLUSTER_REFRESH", type=float, default=5.0,
+      help="Seconds between reads of the cluster description.")
 @_opt("--store", env="DS3_STORE", required=True, help="Object store: s3://bucket/prefix or file:///path.")
 @_opt("--max-read-bytes", env="DS3_MAX_READ_BYTES", type=int, default=16 * MiB,
       help="Most bytes of a sealed chunk one response carries.")
@@ -313,7 +362,7 @@ def reader(**kw: Any) -> None:
         raise click.UsageError(str(e)) from e
     if me is None and config.workers > 1:
         _raise_fd_limit()
-        sys.exit(supervise(sys.argv[sys.argv.index("reader") + 1:], config.workers))
+        sys.exit(supervise(sys.argv[sys.argv.index("reader") + 1:], config.workers, config.host, config.port))
     from reader.app import create_app
     from reader.forwardlane import ForwardLaneRunner
 
@@ -337,6 +386,9 @@ def reader(**kw: Any) -> None:
 @_opt("--log-level", env="DS3_LOG_LEVEL", default="info", type=click.Choice(["debug", "info", "warning", "error"]))
 @_opt("--workers", env="DS3_WORKERS", type=int, default=None,
       help="Reader processes sharing the public port. Default: the number of CPUs.")
+@_opt("--ingesters", env="DS3_INGESTERS", type=int, default=1,
+      help="Ingesters sharing the store (ids i1..iN, WALs in DIR/iK, the cluster description in "
+           "DIR/cluster.json); the reader routes each stream to its owner. 1: one ingester, no cluster.")
 @_log_options
 def dev(**kw: Any) -> None:
     """Run an ingester and a reader on this machine with a local-directory object store
@@ -348,6 +400,8 @@ def dev(**kw: Any) -> None:
     _setup_logging(kw, "dev")
     from ds3.supervise import DevSettingError, child_environment, run_dev
 
+    if not 1 <= kw["ingesters"] <= 64:
+        raise click.UsageError(f"ingesters (DS3_INGESTERS): {kw['ingesters']} is not between 1 and 64")
     if kw["workers"] is not None and not 1 <= kw["workers"] <= 256:
         raise click.UsageError(f"workers (DS3_WORKERS): {kw['workers']} is not between 1 and 256")
     try:
@@ -355,6 +409,111 @@ def dev(**kw: Any) -> None:
     except DevSettingError as e:
         raise click.UsageError(str(e)) from e
     sys.exit(run_dev(**kw))
+
+
+@main.group()
+def cluster() -> None:
+    """The cluster description: which ingesters share the store and own which streams
+    (docs/architecture.md "Placement"). Kept in the store at _ds3/cluster.json; every ingester
+    started with --ingester-id re-reads it every --cluster-refresh seconds."""
+
+
+def _cluster_store_options(f: FC) -> FC:
+    return _apply(f, [
+        _opt("--store", env="DS3_STORE", required=True, help="Object store: s3://bucket/prefix or file:///path."),
+        _opt("--s3-endpoint", env="DS3_S3_ENDPOINT", default=None,
+             help="S3 endpoint URL (MinIO, moto). Default: AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL, else AWS."),
+    ])
+
+
+def _cluster_run(store_url: str, s3_endpoint: str | None, action: Callable[[Any], Any]) -> Any:
+    from shared.config import _check_store_url
+    from shared.errors import DS3Error
+    from shared.objectstore import open_store
+
+    try:
+        _check_store_url(store_url)
+    except ConfigError as e:
+        raise click.UsageError(str(e)) from e
+
+    async def run() -> Any:
+        async with open_store(store_url, s3_endpoint=s3_endpoint) as store:
+            return await action(store)
+
+    try:
+        return asyncio.run(run())
+    except DS3Error as e:
+        raise click.ClickException(e.message) from e
+
+
+@cluster.command("show")
+@_cluster_store_options
+def cluster_show(store: str, s3_endpoint: str | None) -> None:
+    """Print the description (JSON, with its ETag); exit 1 when there is none."""
+    import json
+
+    from shared.cluster import read_cluster
+
+    found = _cluster_run(store, s3_endpoint, read_cluster)
+    if found is None:
+        raise click.ClickException(f"no cluster description in {store} yet: write one with `ds3 cluster set`")
+    click.echo(json.dumps({**found.cluster.to_json(), "etag": found.etag}, indent=2))
+
+
+@cluster.command("set")
+@_cluster_store_options
+@click.option("--ingester", "ingesters", multiple=True, required=True, metavar="ID=URL",
+              help="An ingester: its id (what placement hashes; keep it when the machine changes) and the URL "
+                   "readers reach it at. Repeat it for each; the list replaces the current one.")
+@click.option("--if-generation", type=int, default=None,
+              help="Write only if the description is at this generation now (0: none yet).")
+def cluster_set(store: str, s3_endpoint: str | None, ingesters: tuple[str, ...], if_generation: int | None) -> None:
+    """Replace the ingester list: writes the next generation with If-Match on the version read,
+    so two admins cannot overwrite each other (the loser changes nothing and is told).
+
+    Placement moves about 1/N of the streams when an ingester is added; moving their data is not
+    done yet (issue 15, item 4): change a cluster that holds streams only when that is acceptable."""
+    import json
+
+    from shared.cluster import set_cluster
+    from shared.placement import Cluster, PlacementError, parse_ingester_spec
+
+    try:
+        pairs = [parse_ingester_spec(spec) for spec in ingesters]
+        Cluster.of(pairs)  # duplicates and the like, before the store is asked
+    except PlacementError as e:
+        raise click.UsageError(str(e)) from e
+    new = _cluster_run(store, s3_endpoint,
+                       lambda objects: set_cluster(objects, pairs, expected_generation=if_generation))
+    click.echo(json.dumps(new.to_json(), indent=2))
+
+
+@cluster.command("owner")
+@_cluster_store_options
+@click.argument("urls", nargs=-1, required=True, metavar="URL_PATH...")
+def cluster_owner(store: str, s3_endpoint: str | None, urls: tuple[str, ...]) -> None:
+    """Which ingester owns each stream or bucket, by URL path (/v1/stream/{path},
+    /v1/buckets/{bucket}[/{stream}]; percent-encoded as in a request), under the description
+    in the store: one line each, `<url path> <id> <url>`."""
+    from shared import buckets
+    from shared.cluster import read_cluster
+    from shared.config import LMDB_MAX_KEY
+    from shared.errors import DS3Error
+    from shared.http.handlers import stream_path_of
+
+    found = _cluster_run(store, s3_endpoint, read_cluster)
+    if found is None:
+        raise click.ClickException(f"no cluster description in {store} yet: write one with `ds3 cluster set`")
+    for url in urls:
+        try:
+            raw = url.split("?", 1)[0]
+            if raw.startswith(buckets.BUCKETS_PREFIX) and buckets.parse_url(raw)[1] is None:
+                owner = found.cluster.bucket_owner(buckets.parse_url(raw)[0])
+            else:
+                owner = found.cluster.owner(stream_path_of(raw, LMDB_MAX_KEY))
+        except DS3Error as e:
+            raise click.UsageError(f"{url}: {e.message}") from e
+        click.echo(f"{url} {owner.id} {owner.url}")
 
 
 from pipeline.cli import pipeline_group  # noqa: E402 - the Spark jobs (docs/pipeline.md)

@@ -1,4 +1,12 @@
-"""`ds3 dev`: one ingester and one reader as two supervised child processes, stopped together."""
+"""`ds3 dev`: one ingester (or N, `--ingesters N`) and one reader as supervised child processes,
+stopped together.
+
+With N > 1 ingesters (issue 15): ids i1..iN, each with its own WAL in DATA_DIR/iK and a private
+port, all sealing into the one local store DATA_DIR/objects; dev writes the cluster description
+naming them to DATA_DIR/cluster.json (a generation above the last one written there, so a
+restart never goes back), and the ingesters (--ingester-id iK --cluster FILE) and the reader
+(--cluster FILE: it routes each request to its stream's owner) read it. Ids are kept across
+restarts, so every stream finds the same ingester again as long as N is the same."""
 
 from __future__ import annotations
 
@@ -14,6 +22,9 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Final
+
+from shared.cluster import load_cluster_file
+from shared.placement import Cluster, PlacementError
 
 log = logging.getLogger("ds3.dev")
 
@@ -41,7 +52,7 @@ def _wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float = 30.0) 
 # Settings `ds3 dev` takes itself and hands on as flags (its own options).
 DEV_OWN: Final = frozenset({
     "DS3_HOST", "DS3_PORT", "DS3_DATA_DIR", "DS3_LONG_POLL_TIMEOUT", "DS3_SEAL_BYTES", "DS3_SEAL_AGE",
-    "DS3_LOG_LEVEL", "DS3_LOG_FORMAT", "DS3_ACCESS_LOG", "DS3_WORKERS",
+    "DS3_LOG_LEVEL", "DS3_LOG_FORMAT", "DS3_ACCESS_LOG", "DS3_WORKERS", "DS3_INGESTERS",
 })
 # Settings that cannot apply: `ds3 dev` decides them.
 NOT_FOR_DEV: Final = {
@@ -49,6 +60,8 @@ NOT_FOR_DEV: Final = {
                  "for another store",
     "DS3_S3_ENDPOINT": "ds3 dev uses a local-directory store, not S3",
     "DS3_INGESTER": "ds3 dev starts its own ingester",
+    "DS3_INGESTER_ID": "ds3 dev names its ingesters itself (i1..iN with --ingesters N)",
+    "DS3_CLUSTER": "ds3 dev writes its own cluster description (DATA_DIR/cluster.json with --ingesters N)",
 }
 
 
@@ -74,35 +87,64 @@ def _supervise(children: list[subprocess.Popen[bytes]], stopping: Callable[[], b
     while not stopping():
         for child in children:
             if child.poll() is not None:
-                log.error("a ds3 process exited (code %s); stopping the other", child.returncode)
+                log.error("a ds3 process exited (code %s); stopping the others", child.returncode)
                 return 1
         time.sleep(0.2)
     return 0
 
 
+def write_cluster_file(path: Path, ingesters: list[tuple[str, str]]) -> Cluster:
+    """The description naming `ingesters`, at a generation above the one in `path` (if any)."""
+    generation = 1
+    if path.exists():
+        try:
+            generation = load_cluster_file(path).generation + 1
+        except PlacementError as e:
+            log.warning("%s; writing a new one", e)
+    cluster = Cluster.of(ingesters, generation)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(cluster.encode())
+    os.replace(tmp, path)  # readers of the file never see half of it
+    return cluster
+
+
 def run_dev(
     *, host: str, port: int, data_dir: Path, long_poll_timeout: float, seal_bytes: int, seal_age: float,
     log_level: str, log_format: str = "text", access_log: bool | None = None, workers: int | None = None,
+    ingesters: int = 1,
 ) -> int:
     data_dir = data_dir.resolve()
     objects = data_dir / "objects"
     objects.mkdir(parents=True, exist_ok=True)
-    ingester_port = _free_port("127.0.0.1")
-    ingester_url = f"http://127.0.0.1:{ingester_port}"
     ds3 = [sys.executable, "-m", "ds3.cli"]
     common = ["--long-poll-timeout", str(long_poll_timeout), "--log-level", log_level, "--log-format", log_format]
     if access_log is not None:  # else each process's own default
         common.append("--access-log" if access_log else "--no-access-log")
     env = child_environment(dict(os.environ))
-    # The pair shares an internal token (in the environment: not visible in `ps`), so the
-    # ingester knows its reader and leaves per-client limits to it: the user's, or a fresh one.
+    # The processes share an internal token (in the environment: not visible in `ps`), so the
+    # ingesters know their reader and leave per-client limits to it: the user's, or a fresh one.
     env.setdefault("DS3_INTERNAL_TOKEN", secrets.token_urlsafe(32))
-    ingester = subprocess.Popen(
-        [*ds3, "ingester", "--host", "127.0.0.1", "--port", str(ingester_port), "--data-dir", str(data_dir),
-         "--store", objects.as_uri(), "--seal-bytes", str(seal_bytes), "--seal-age", str(seal_age), *common],
-        env=env,
-    )
-    children = [ingester]
+    store = ["--store", objects.as_uri(), "--seal-bytes", str(seal_bytes), "--seal-age", str(seal_age)]
+    ingester_urls = [f"http://127.0.0.1:{_free_port('127.0.0.1')}" for _ in range(ingesters)]
+    commands: list[list[str]] = []
+    routing: list[str]
+    if ingesters == 1:
+        commands.append([*ds3, "ingester", "--host", "127.0.0.1", "--port", ingester_urls[0].rsplit(":", 1)[1],
+                         "--data-dir", str(data_dir), *store, *common])
+        routing = ["--ingester", ingester_urls[0]]
+    else:
+        cluster_file = data_dir / "cluster.json"
+        cluster = write_cluster_file(cluster_file, [(f"i{n + 1}", url) for n, url in enumerate(ingester_urls)])
+        log.info("cluster description generation %d in %s: %s", cluster.generation, cluster_file,
+                 ", ".join(i.describe() for i in cluster.ingesters))
+        for n, url in enumerate(ingester_urls):
+            own = data_dir / f"i{n + 1}"
+            own.mkdir(parents=True, exist_ok=True)
+            commands.append([*ds3, "ingester", "--host", "127.0.0.1", "--port", url.rsplit(":", 1)[1],
+                             "--data-dir", str(own), *store, "--ingester-id", f"i{n + 1}",
+                             "--cluster", str(cluster_file), *common])
+        routing = ["--cluster", str(cluster_file)]
+    children: list[subprocess.Popen[bytes]] = []
     stopping = False
 
     def stop(signum: int, _frame: Any) -> None:
@@ -112,11 +154,14 @@ def run_dev(
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     try:
-        if not _wait_ready(ingester_url, ingester):
-            log.error("the ingester did not start")
-            return 1
+        for command in commands:
+            children.append(subprocess.Popen(command, env=env))
+        for url, child in zip(ingester_urls, children, strict=True):
+            if not _wait_ready(url, child):
+                log.error("the ingester at %s did not start", url)
+                return 1
         reader = subprocess.Popen(
-            [*ds3, "reader", "--host", host, "--port", str(port), "--ingester", ingester_url,
+            [*ds3, "reader", "--host", host, "--port", str(port), *routing,
              "--store", objects.as_uri(), *(["--workers", str(workers)] if workers else []), *common],
             env=env,
         )

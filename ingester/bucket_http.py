@@ -25,6 +25,7 @@ from shared import buckets as B
 from shared import extensions
 from shared.errors import BadRequest, NotFound
 from shared.http.handlers import method_not_allowed, preflight
+from shared.placement import bucket_placement_key
 
 DEFAULT_LIMIT = 1000
 MAX_LIMIT = 1000
@@ -43,6 +44,8 @@ async def handle(request: web.Request) -> web.StreamResponse:
         return preflight()
     raw, _endpoint = extensions.split(request.raw_path.split("?", 1)[0])  # {stream}/snapshot...
     bucket_id, stream_id = B.parse_url(raw)
+    if svc.membership is not None:  # a bucket and all its streams live on one ingester
+        svc.membership.check_key(bucket_placement_key(bucket_id))
     if stream_id is None:
         return await handle_bucket(request, svc, bucket_id)
     if stream_id == B.RESERVED_STREAM_ID and request.method == "GET":

@@ -65,6 +65,8 @@ class AppendLane(Lane):
         else:
             path = stream_path_of(url.decode("utf-8", "surrogateescape"), svc.config.max_path_bytes)
             handler.path_of = (url, path)
+        if svc.membership is not None:  # another ingester's stream: 421 naming it, like aiohttp's
+            svc.membership.check(path)
         req = append_request(msg.header_str, body, path)
 
         def done(result: Any, ok: bool) -> None:

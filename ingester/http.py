@@ -42,6 +42,8 @@ async def handle_stream(request: web.Request) -> web.StreamResponse:
         return preflight()
     raw, endpoint = extensions.split(request.raw_path.split("?", 1)[0])
     path = stream_path_of(raw, svc.config.max_path_bytes)
+    if svc.membership is not None:  # another ingester's stream: 421 naming it
+        svc.membership.check(path)
     if endpoint is not None:
         return await extension_http.handle(request, svc, path, endpoint)
     if method == "GET":
@@ -326,6 +328,8 @@ async def touch(request: web.Request) -> web.Response:
     path = request.query.get("path")
     if path is None:
         raise BadRequest("touch: the path parameter is required")
+    if svc.membership is not None:
+        svc.membership.check(path)
     meta = await svc.head(path)  # NotFound / Gone map to 404 / 410
     svc.touch(meta)
     return web.Response(status=204)

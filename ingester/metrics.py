@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import lmdb
 from aiohttp import web
-from prometheus_client.metrics_core import CounterMetricFamily, Metric
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from ingester.fastlane import served
 from ingester.service import SERVICE, IngesterService
@@ -32,6 +32,57 @@ def _wal(svc: IngesterService) -> Iterator[Metric]:
                 (int(info["last_pgno"]) + 1) * page)
 
 
+def _streams(svc: IngesterService) -> int | None:
+    try:
+        return svc.wal.stats()["streams"]
+    except lmdb.Error:  # closed during shutdown
+        return None
+
+
+def _cluster(svc: IngesterService) -> Iterator[Metric]:
+    m = svc.membership
+    if m is None:
+        return
+    cluster = m.cluster
+    me = m.me
+    member = GaugeMetricFamily("ds3_cluster_member", "1 while the cluster description names this ingester "
+                               "(labels: its id and URL there), else 0.", labels=["ingester_id", "url"])
+    member.add_metric([m.ingester_id, me.url if me is not None else ""], 1 if me is not None else 0)
+    yield member
+    yield gauge("ds3_cluster_generation", "Generation of the cluster description this ingester places streams "
+                "by (0: none read yet).", cluster.generation if cluster is not None else 0)
+    yield gauge("ds3_cluster_ingesters", "Ingesters the cluster description names.",
+                len(cluster.ingesters) if cluster is not None else 0)
+    streams = _streams(svc)
+    if streams is not None:
+        held = GaugeMetricFamily("ds3_cluster_streams", "Streams this ingester holds (its WAL's: open, closed, "
+                                 "soft-deleted), by ingester id: sum over ingesters for the cluster.",
+                                 labels=["ingester_id"])
+        held.add_metric([m.ingester_id], streams)
+        yield held
+    yield counter("ds3_cluster_misdirected", "Stream requests refused with 421 Misdirected Request: another "
+                  "ingester owns the stream.", m.misdirected)
+    yield counter("ds3_cluster_description_read_failures", "Reads of the cluster description that failed or "
+                  "were refused (the last good one stays in use).", m.watcher.failures)
+
+
+def cluster_status(svc: IngesterService | None) -> dict[str, object] | None:
+    """The "cluster" field of /readyz: who this ingester is, by which description, holding how many streams."""
+    if svc is None or svc.membership is None:
+        return None
+    m = svc.membership
+    cluster, me = m.cluster, m.me
+    return {
+        "ingester_id": m.ingester_id,
+        "url": me.url if me is not None else None,
+        "generation": cluster.generation if cluster is not None else None,
+        "ingesters": [{"id": i.id, "url": i.url} for i in cluster.ingesters] if cluster is not None else [],
+        "streams": _streams(svc),
+        "source": m.watcher.source.description,
+        "error": m.watcher.error,
+    }
+
+
 def collect(app: web.Application) -> Iterator[Metric]:
     svc = app.get(SERVICE)
     if svc is None:  # not started yet, or stopped
@@ -47,6 +98,7 @@ def collect(app: web.Application) -> Iterator[Metric]:
     yield from committer.batch_sizes.collect()
     yield from committer.commit_seconds.collect()
     yield from _wal(svc)
+    yield from _cluster(svc)
     yield gauge("ds3_ingester_live_waiters", "Long-polls and SSE streams waiting for appends now.",
                 svc.notifier.waiting)
     sealer = svc.sealer
@@ -56,10 +108,30 @@ def collect(app: web.Application) -> Iterator[Metric]:
                       "backoff).", sealer.upload_failures)
         yield gauge("ds3_seal_backlog", "Chunks waiting to be uploaded, or uploading now.", sealer.backlog)
         yield from sealer.upload_seconds.collect()
+    shipper = svc.shipper
+    if shipper is not None:
+        yield counter("ds3_log_segments_uploaded", "Log segments (group commits' write-sets) uploaded to the "
+                      "object store.", shipper.segments_uploaded)
+        yield counter("ds3_log_segment_bytes", "Bytes of log segments uploaded.", shipper.segment_bytes)
+        yield counter("ds3_log_upload_failures", "Log segment uploads that failed (retried with backoff).",
+                      shipper.upload_failures)
+        yield counter("ds3_log_checkpoints_uploaded", "Checkpoints of the WAL uploaded.", shipper.checkpoints_uploaded)
+        yield counter("ds3_log_checkpoint_bytes", "Bytes of checkpoints uploaded.", shipper.checkpoint_bytes)
+        yield gauge("ds3_log_shipped_seq", "The last commit seq known to be in the object store.", shipper.shipped_seq)
+        yield gauge("ds3_log_committed_seq", "The last logged commit seq of the local WAL.", committer.seq)
+        yield gauge("ds3_log_queued_commits", "Logged commits not yet in the object store.", shipper.queued)
+        yield gauge("ds3_log_lag_seconds", "How long the oldest commit not yet in the object store has waited "
+                    "(0: none waits).", shipper.lag_seconds())
+    ownership = svc.ownership
+    if ownership is not None:
+        yield gauge("ds3_owner_epoch", "The epoch of this ingester's ownership of its store prefix.", ownership.epoch)
+        yield gauge("ds3_owner_lease_remaining_seconds", "Seconds left on the ownership lease (0: fenced or lapsed).",
+                    ownership.remaining())
     deleted = CounterMetricFamily("ds3_objects_deleted", "Objects deleted from the object store, by reason.",
                                   labels=["reason"])
     deleted.add_metric(["retention"], svc.reaper.deleted if svc.reaper is not None else 0)
     deleted.add_metric(["removed_stream"], sealer.gc_deleted if sealer is not None else 0)
+    deleted.add_metric(["log_covered"], shipper.objects_deleted if shipper is not None else 0)
     yield deleted
     lim = app.get(LIMITS)
     if lim is not None:
@@ -85,6 +157,23 @@ def install(app: web.Application, metrics: AppMetrics, config: IngesterConfig) -
     ready.add("wal", wal, cached=False)
     if config.store is not None:
         ready.add("object_store", store_check(lambda: _chunk_store(app)))
+    if config.ingester_id is not None:
+        async def cluster() -> str | None:
+            svc = app.get(SERVICE)
+            if svc is None or svc.membership is None:
+                return "starting"
+            return svc.membership.readiness()
+
+        ready.add("cluster", cluster, cached=False)
+        ready.describe("cluster", lambda: cluster_status(app.get(SERVICE)))
+
+        async def owner() -> str | None:
+            svc = app.get(SERVICE)
+            if svc is None or svc.ownership is None:
+                return "starting"
+            return None if svc.ownership.valid() else "this ingester does not own its store prefix (fenced)"
+
+        ready.add("ownership", owner, cached=False)
 
 
 def _service_stores(app: web.Application) -> list[ObjectStore]:

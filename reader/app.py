@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator
 
@@ -14,17 +16,20 @@ from reader.descriptors import DescriptorCache
 from reader.fanout import LiveHub, Page
 from reader.http import add_routes, read_page
 from reader.proxy import IngesterClient
+from reader.routing import Router
 from reader.sealed import SealedLocator
 from reader.state import READER, ReaderState
 from reader.upstream import UpstreamPool
 from shared import protocol as P
 from shared.chunkstore import ChunkReader
-from shared.config import ReaderConfig
+from shared.cluster import ClusterWatcher, FileSource, StoreSource
+from shared.config import ConfigError, ReaderConfig
 from shared.http import access, auth, limits
 from shared.http.handlers import common_headers, errors_middleware
 from shared.objectstore import open_store
 
 log = logging.getLogger("ds3.reader")
+STARTUP_READ_TIMEOUT = 3.0  # seconds the reader waits for its first read of the cluster description
 
 
 def create_app(config: ReaderConfig) -> web.Application:
@@ -43,8 +48,29 @@ def create_app(config: ReaderConfig) -> web.Application:
         )
         chunks = ChunkReader(objects)
         descriptors = DescriptorCache(objects, config.descriptor_ttl)
-        ingester = IngesterClient(config.ingester, session, config.long_poll_timeout,
-                                  internal_token=config.auth.internal_token)
+        def make_client(url: str) -> IngesterClient:
+            return IngesterClient(url, session, config.long_poll_timeout, internal_token=config.auth.internal_token)
+
+        def make_pool(url: str) -> UpstreamPool | None:
+            try:
+                return UpstreamPool(url, read_timeout=config.long_poll_timeout + 30)
+            except ValueError as e:
+                log.info("%s; forwarding to it goes through aiohttp's client", e)
+                return None
+
+        source: FileSource | StoreSource = (FileSource(config.cluster) if config.cluster is not None
+                                            else StoreSource(objects))
+        watcher = ClusterWatcher(source, config.cluster_refresh, optional=config.cluster is None)
+        # the first read, briefly waited for (a store that is slow now: it goes on in the background,
+        # and requests go to --ingester meanwhile, whose 421s would trigger a re-read anyway)
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(STARTUP_READ_TIMEOUT):
+                await watcher.refresh()
+        if config.cluster is not None and watcher.current is None:
+            raise ConfigError(f"cluster (DS3_CLUSTER): {watcher.error}")
+        router = Router(config.ingester, make_client, make_pool, watcher,
+                        internal_headers=make_client(config.ingester or "http://127.0.0.1").internal_headers)
+        watcher.start()
         state: ReaderState | None = None
 
         async def page(path: str, offset: str) -> Page:
@@ -53,19 +79,17 @@ def create_app(config: ReaderConfig) -> web.Application:
 
         state = app[READER] = ReaderState(
             config=config, objects=objects, chunks=chunks, descriptors=descriptors,
-            locator=SealedLocator(descriptors, chunks, config.max_read_bytes), ingester=ingester,
-            sse=LiveHub(ingester, page, config.sse_max_seconds, config.long_poll_timeout,
+            locator=SealedLocator(descriptors, chunks, config.max_read_bytes), router=router,
+            sse=LiveHub(router, page, config.sse_max_seconds, config.long_poll_timeout,
                        P.tail_cache_control(config.tail_max_age)),
         )
-        try:
-            state.upstream = UpstreamPool(config.ingester, read_timeout=config.long_poll_timeout + 30)
-        except ValueError as e:
-            log.info("%s; forwarding goes through aiohttp's client", e)
+        if watcher.current is not None:
+            log.info("routing by the cluster description from %s (generation %d: %s)", source.description,
+                     watcher.current.generation, ", ".join(i.describe() for i in watcher.current.ingesters))
         yield
         state.sse.stop()
         await state.next_pages.close()
-        if state.upstream is not None:
-            await state.upstream.close()
+        await router.close()
         await session.close()
         await objects.close()
 

@@ -13,6 +13,7 @@ from reader.state import READER
 from shared import buckets as B
 from shared import extensions
 from shared.http.handlers import method_not_allowed, preflight, read_body
+from shared.placement import bucket_placement_key
 
 
 async def handle(request: web.Request) -> web.StreamResponse:
@@ -21,7 +22,7 @@ async def handle(request: web.Request) -> web.StreamResponse:
     if method == "OPTIONS":
         return preflight()
     raw, _endpoint = extensions.split(request.raw_path.split("?", 1)[0])  # {stream}/snapshot...
-    _bucket_id, stream_id = B.parse_url(raw)  # 400 when invalid
+    bucket_id, stream_id = B.parse_url(raw)  # 400 when invalid
     listing = stream_id == B.RESERVED_STREAM_ID and method == "GET"
     if stream_id is not None and not listing:
         return await handle_stream(request)
@@ -29,7 +30,7 @@ async def handle(request: web.Request) -> web.StreamResponse:
         return method_not_allowed(method)
     body = await read_body(request, st.config.max_body_bytes) if method == "PUT" else None
     st.forwarded += 1
-    up = await st.ingester.call(method, request.path_qs, IngesterClient._request_headers(request), body)
+    up = await st.router.call(bucket_placement_key(bucket_id), method, request.path_qs, IngesterClient._request_headers(request), body)
     if "Location" in up.headers:
         up.headers["Location"] = str(request.url.with_query(None))
     return to_response(up)

@@ -23,6 +23,7 @@ from shared.descriptor import Descriptor
 from shared.errors import BadRequest, Gone, NotFound, ObjectNotFound, Unavailable
 from shared.extensions import BOOTSTRAP, Endpoint
 from shared.http.handlers import PREPARED, read_body
+from shared.placement import placement_key
 
 log = logging.getLogger("ds3.reader")
 
@@ -37,17 +38,18 @@ async def handle(request: web.Request, st: ReaderState, path: str, ep: Endpoint)
     if method in ("PUT", "DELETE") and ep.kind != BOOTSTRAP:
         body = await read_body(request, st.config.max_snapshot_bytes) if method == "PUT" else None
         st.forwarded += 1
-        written = await st.ingester.call(method, request.path_qs, headers, body)
+        written = await st.router.call(placement_key(path), method, request.path_qs, headers, body)
         st.descriptors.forget(path)
         return to_response(written)
     st.forwarded += 1
-    async with st.ingester.open(method, request.path_qs, headers) as up:
+    async with st.router.open(placement_key(path), method, request.path_qs, headers) as up:
         return await relay(request, up)
 
 
 async def bootstrap(request: web.Request, st: ReaderState, path: str) -> web.StreamResponse:
     st.forwarded += 1
-    head = await st.ingester.call("HEAD", url_path(path), IngesterClient._request_headers(request), None)
+    key = placement_key(path)
+    head = await st.router.call(key, "HEAD", url_path(path), IngesterClient._request_headers(request), None)
     if head.status == 404:
         raise NotFound("stream not found")
     if head.status == 410:
@@ -58,13 +60,13 @@ async def bootstrap(request: web.Request, st: ReaderState, path: str) -> web.Str
     tail = head.headers[P.NEXT_OFFSET]
     desc = await st.descriptors.get(path, max_age=0)
     if desc is None or not servable(desc) or desc.snapshot_offset != snapshot:
-        return await _forward(request, st)  # a newer change than the store shows: the ingester knows
+        return await _forward(request, st, key)  # a newer change than the store shows: the ingester knows
     size = None
     if desc.snapshot_key is not None:
         try:
             size = (await st.objects.head(desc.snapshot_key)).size
         except ObjectNotFound:
-            return await _forward(request, st)  # superseded just now
+            return await _forward(request, st, key)  # superseded just now
     boundary = extensions.new_boundary()
     headers = {
         "Content-Type": extensions.content_type(boundary),
@@ -87,7 +89,7 @@ async def bootstrap(request: web.Request, st: ReaderState, path: str) -> web.Str
     here = await _sealed_parts(resp, st, desc, here, until, boundary)
     if here.position < until:
         query = urlencode({"path": path, "from": str(here), "until": tail, "boundary": boundary})
-        async with st.ingester.open("GET", "/_ds3/parts?" + query, {}) as up:
+        async with st.router.open(key, "GET", "/_ds3/parts?" + query, {}) as up:
             if up.status != 200:
                 raise Unavailable(f"the ingester answered {up.status} for the unsealed messages", 1)
             async for piece in up.content.iter_chunked(256 * 1024):
@@ -118,7 +120,7 @@ async def _sealed_parts(
     return here
 
 
-async def _forward(request: web.Request, st: ReaderState) -> web.StreamResponse:
+async def _forward(request: web.Request, st: ReaderState, key: str) -> web.StreamResponse:
     st.forwarded += 1
-    async with st.ingester.open("GET", request.path_qs, IngesterClient._request_headers(request)) as up:
+    async with st.router.open(key, "GET", request.path_qs, IngesterClient._request_headers(request)) as up:
         return await relay(request, up)

@@ -5,9 +5,10 @@ A channel follows a stream with one long-poll at a time, each from where the las
 ended (`Channel.offset`). Every upstream 200 becomes an `Answer`: the ingester's body and
 headers, encoded once and handed as they are to every client it answers. Long-poll waiters
 at the channel's offset park on the channel and get the next answer (their own cursor is
-the one header added per waiter); one that arrives just after an answer, at the offset the
-answer started from, gets that same answer. Any other waiter is forwarded like a plain read
-(reader.http). SSE clients (reader.sse_fanout) catch up with ordinary reads, attach when a
+the one header added per waiter); one that comes back late, at the offset one of the last
+answers started from (the channel keeps HISTORY_ANSWERS of them), gets that answer at once
+(without Stream-Up-To-Date when newer ones followed it). Any other waiter is forwarded like a
+plain read (reader.http). SSE clients (reader.sse_fanout) catch up with ordinary reads, attach when a
 read says they are up to date, and then get each answer that continues exactly where they
 are, written by the channel straight to their connections.
 
@@ -25,18 +26,23 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import copy
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from aiohttp import web
 
-from reader.proxy import IngesterClient, Upstream, to_response
+from reader.proxy import Upstream, to_response
 from shared import offsets, sse
 from shared import protocol as P
 from shared.buckets import url_path
 from shared.errors import DS3Error, Unavailable
+from shared.placement import placement_key
+
+if TYPE_CHECKING:
+    from reader.routing import Router
 
 log = logging.getLogger("ds3.reader.live")
 
@@ -63,6 +69,7 @@ class Answer:
     """An upstream long-poll 200 from `start`: what every client it answers gets."""
 
     __slots__ = (
+        "_behind",
         "_sse_data",
         "body",
         "closed",
@@ -70,6 +77,7 @@ class Answer:
         "etag",
         "headers",
         "next_offset",
+        "raw_head",
         "start",
         "up_to_date",
     )
@@ -86,6 +94,21 @@ class Answer:
         self.body = up.body
         self.etag = up.headers.get("ETag")
         self._sse_data: bytes | None = None
+        self.raw_head: bytes | None = None  # the fast lane's serialised headers (reader/forwardlane.py)
+        self._behind: Answer | None = None
+
+    def behind(self) -> Answer:
+        """This answer once newer ones followed it: the same bytes, not up to date any more."""
+        if not self.up_to_date:
+            return self
+        if self._behind is None:
+            other = copy.copy(self)
+            other.headers = self.headers.copy()
+            other.headers.popall(P.UP_TO_DATE, None)
+            other.up_to_date = False
+            other.raw_head = None
+            self._behind = other
+        return self._behind
 
     def response(self, cursor: str | None, if_none_match: str | None) -> web.Response:
         """This answer to one long-poll client (with its cursor), or 304 when it has it."""
@@ -127,12 +150,21 @@ class Listener(Protocol):
         """An answer, a tick, or None when the channel ends; called on the channel's loop."""
 
 
+HISTORY_ANSWERS = 64  # answers a channel keeps for long-polls that come back late ...
+HISTORY_BYTES = 4 * 1024 * 1024  # ... within this many body bytes (the newest is always kept)
+
+
 class Channel:
     def __init__(self, hub: LiveHub, path: str, offset: str) -> None:
         self.hub = hub
         self.path = path
+        self.key = placement_key(path)  # what its owner is found by
         self.offset = offset  # where the running (or next) upstream long-poll starts
         self.latest: Answer | None = None  # the last answer, from its start to `offset`
+        # the last answers by where they start, oldest first: a long-poll a few answers behind
+        # (it took a while to come back) is answered from here, not forwarded as a read
+        self.history: dict[str, Answer] = {}
+        self._history_bytes = 0
         # long-polls parked at `offset`, in arrival order with their deadlines: one timer per
         # channel answers the expired ones (cheaper than a timeout per waiter)
         self.waiters: dict[asyncio.Future[Answer | Upstream | None], float] = {}
@@ -189,6 +221,7 @@ class Channel:
                 if up.status == 200:
                     ans = Answer(self.offset, up)
                     self.latest, self.offset, self.content_type = ans, ans.next_offset, ans.content_type
+                    self._remember(ans)
                     self._answer_waiters(ans)
                     self._publish(ans)
                 elif up.status == 204 and up.headers.get(P.CLOSED) != "true":
@@ -211,15 +244,28 @@ class Channel:
             self._publish(None)
             self.subscribers.clear()
 
+    def _remember(self, ans: Answer) -> None:
+        history = self.history
+        history[ans.start] = ans
+        self._history_bytes += len(ans.body)
+        while len(history) > HISTORY_ANSWERS or (self._history_bytes > HISTORY_BYTES and len(history) > 1):
+            oldest = next(iter(history))
+            self._history_bytes -= len(history.pop(oldest).body)
+
+    def answer_from(self, offset: str) -> Answer | None:
+        """The answer that began at `offset`, if the channel still has it."""
+        return self.history.get(offset)
+
     async def _poll(self) -> Upstream:
         qs = f"{url_path(self.path)}?offset={self.offset}&live=long-poll"
-        return await self.hub.ingester.call("GET", qs, {}, None)
+        # the stream's owner now (reader.routing): a changed description moves the next poll
+        return await self.hub.router.call(self.key, "GET", qs, {}, None)
 
 
 class LiveHub:
-    def __init__(self, ingester: IngesterClient, read_page: PageReader, max_seconds: float,
+    def __init__(self, router: Router, read_page: PageReader, max_seconds: float,
                  long_poll_timeout: float, tail_cache: str = "no-store") -> None:
-        self.ingester = ingester
+        self.router = router
         self.tail_cache = tail_cache  # Cache-Control of a 204 (nothing new yet): see P.tail_cache_control
         self.read_page = read_page
         self.max_seconds = max_seconds  # an SSE response ends after this long
@@ -245,26 +291,38 @@ class LiveHub:
     # ------------------------------------------------------------------------ long-poll
     def follows(self, path: str, offset: str) -> bool:
         """A long-poll at `offset` is answered by the stream's live channel: it is where the
-        channel polls (the tail, as far as this reader knows) or where its last answer began."""
+        channel polls (the tail, as far as this reader knows) or where one of its recent answers began."""
         ch = self.channels.get(path)
-        return ch is not None and (ch.offset == offset or (ch.latest is not None and ch.latest.start == offset))
+        return ch is not None and (ch.offset == offset or offset in ch.history)
 
-    async def long_poll(self, request: web.Request, path: str, offset: str,
-                        cursor: str | None) -> web.StreamResponse | None:
-        """The answer to a long-poll at a concrete offset, or None: forward it as a read."""
+    def join(self, path: str, offset: str) -> Answer | tuple[Channel, asyncio.Future[Answer | Upstream | None]] | None:
+        """A long-poll at a concrete offset on the stream's channel: the answer it gets at once
+        (one of the channel's recent answers began there), or the channel and a parked future for its
+        next answer (None: the timeout passed first; the caller removes it from ch.waiters when
+        done), or None: not the channel's, forward it as a read."""
         ch = self.channels.get(path)
         if ch is not None and ch.offset != offset:
-            latest = ch.latest
-            if latest is not None and latest.start == offset:
+            earlier = ch.answer_from(offset)
+            if earlier is not None:
                 ch.wanted = True
-                self.ingester.collapsed += 1
-                return latest.response(cursor, request.headers.get("If-None-Match"))
+                self.router.collapsed += 1
+                return earlier if earlier is ch.latest else earlier.behind()
             return None
         if ch is None:
             ch = self.channel(path, offset)
         else:
-            self.ingester.collapsed += 1
-        fut = ch.park(self.long_poll_timeout)
+            self.router.collapsed += 1
+        return ch, ch.park(self.long_poll_timeout)
+
+    async def long_poll(self, request: web.Request, path: str, offset: str,
+                        cursor: str | None) -> web.StreamResponse | None:
+        """The answer to a long-poll at a concrete offset, or None: forward it as a read."""
+        joined = self.join(path, offset)
+        if joined is None:
+            return None
+        if isinstance(joined, Answer):
+            return joined.response(cursor, request.headers.get("If-None-Match"))
+        ch, fut = joined
         try:
             result = await fut
         finally:
@@ -275,9 +333,10 @@ class LiveHub:
             return result.response(cursor, request.headers.get("If-None-Match"))
         return to_response(result)
 
+    def no_content_headers(self, offset: str, cursor: str | None) -> dict[str, str]:
+        return {P.NEXT_OFFSET: offset, P.UP_TO_DATE: "true", "Cache-Control": self.tail_cache,
+                P.CURSOR: P.response_cursor(cursor)}
+
     def _no_content(self, offset: str, cursor: str | None) -> web.Response:
         """Nothing new within the timeout: the ingester's own 204."""
-        return web.Response(status=204, headers={
-            P.NEXT_OFFSET: offset, P.UP_TO_DATE: "true", "Cache-Control": self.tail_cache,
-            P.CURSOR: P.response_cursor(cursor),
-        })
+        return web.Response(status=204, headers=self.no_content_headers(offset, cursor))

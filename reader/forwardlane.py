@@ -19,18 +19,27 @@ tests/test_forward_lane.py compares the answers with the aiohttp path's (DS3_FAS
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import re
+import time
 from typing import Final
 
 from aiohttp import web
 
-from reader.proxy import DROP_REQUEST, DROP_RESPONSE
+from reader.fanout import Answer as Answer_
+from reader.proxy import DROP_REQUEST, DROP_RESPONSE, Upstream
+from reader.routing import MISDIRECTED, Link, Router
 from reader.state import READER, ReaderState
-from reader.upstream import Answer, Deliver, UpstreamPool
-from shared.errors import Unavailable
+from reader.upstream import Answer, Deliver
+from shared import protocol as P
+from shared.errors import DS3Error, TooManyRequests, Unavailable
+from shared.http.access import CLIENT_CLOSED
 from shared.http.handlers import stream_path_of
 from shared.http.lane import Lane, LaneHandler, LaneRunner, Message
+from shared.http.limits import LIVE_RETRY_AFTER
 from shared.logs import REQUEST_ID_HEADER
+from shared.placement import GENERATION_HEADER, placement_key
 
 log = logging.getLogger("ds3.reader.lane")
 
@@ -44,23 +53,25 @@ _DROP_RESPONSE: Final = frozenset(n.encode("ascii") for n in DROP_RESPONSE) | {
 
 
 class ForwardLane(Lane):
-    """Plain appends and HEADs, forwarded to the ingester over reader.upstream's pool."""
+    """Plain appends and HEADs, forwarded to the ingester over reader.upstream's pool, and
+    long-polls the stream's live channel answers (reader.fanout)."""
 
-    methods = frozenset({b"POST", b"HEAD"})
+    methods = frozenset({b"POST", b"HEAD", b"GET"})
+    query_methods = frozenset({b"GET"})
 
     def __init__(self, app: web.Application) -> None:
         super().__init__(app)
         self.st: ReaderState | None = None
-        self.upstream: UpstreamPool | None = None
+        self.router: Router | None = None
         self._tail = b""  # the upstream request's own header lines after the client's
 
     def ready(self) -> bool:
-        if self.upstream is None:
+        if self.router is None:
             st = self.app.get(READER)
-            if st is None or st.upstream is None:
+            if st is None:
                 return False
-            self.st, self.upstream = st, st.upstream
-            token = st.ingester.internal_headers
+            self.st, self.router = st, st.router
+            token = st.router.internal_headers
             self._tail = b"".join(f"{k}: {v}\r\n".encode("latin-1") for k, v in token.items())
         return super().ready()
 
@@ -68,39 +79,106 @@ class ForwardLane(Lane):
         assert self.st is not None
         return min(super().max_body(), self.st.config.max_body_bytes)
 
+    def accepts(self, handler: LaneHandler, msg: Message) -> bool:
+        if msg.method != b"GET":
+            # to the stream's owner (reader.routing), over its pool: an https:// ingester has
+            # none, and an owner not known yet is aiohttp's to answer (503)
+            assert self.router is not None
+            try:
+                link = self.router.for_path(self._path(handler, msg))
+            except DS3Error:
+                return False
+            if link.pool is None:
+                return False
+            msg.note = link
+            return True
+        # A long-poll at a concrete offset that the stream's live channel answers; any other
+        # read (catch-up, sealed history, SSE, a 304 to work out) is aiohttp's (reader/http.py).
+        assert self.st is not None
+        q = _long_poll_query(msg.query)
+        if q is None or b"if-none-match" in msg.headers or msg.total != msg.head_len:
+            return False
+        try:
+            path = self._path(handler, msg)
+        except DS3Error:
+            return False  # aiohttp answers the 400/404
+        if not self.st.sse.follows(path, q[0]):
+            return False
+        msg.route = "stream_long_poll"
+        msg.note = q
+        return True
+
+    def _path(self, handler: LaneHandler, msg: Message) -> str:
+        assert self.st is not None
+        raw = msg.path
+        if raw == handler.path_of[0]:
+            return handler.path_of[1]
+        path = stream_path_of(raw.decode("utf-8", "surrogateescape"), self.st.config.max_path_bytes)
+        handler.path_of = (raw, path)
+        return path
+
     def serve(self, handler: LaneHandler, msg: Message, body: bytes, rid: str, started: float) -> None:
-        st, lim, upstream = self.st, self.limits, self.upstream
-        assert st is not None and lim is not None and upstream is not None
+        st, lim, router = self.st, self.limits, self.router
+        assert st is not None and lim is not None and router is not None
+        if msg.method == b"GET":
+            self._long_poll(handler, msg, rid, started)
+            return
         post = msg.method == b"POST"
         if post:
             client = handler.client(msg)
             if client is not None:
                 lim.take(lim.writes, client, "writes")
         url = msg.url
-        if url == handler.path_of[0]:
-            path = handler.path_of[1]
-        else:
-            path = stream_path_of(url.decode("utf-8", "surrogateescape"), st.config.max_path_bytes)
-            handler.path_of = (url, path)
+        path = self._path(handler, msg)
+        link: Link = msg.note
         st.forwarded += 1
-        st.ingester.requests += 1
-        request = self._upstream_request(msg, body, handler.peer(), rid)
+        peer = handler.peer()
+        retried = False
+
+        def send(to: Link) -> None:
+            assert to.pool is not None
+            to.client.requests += 1
+            to.pool.request(self._upstream_request(msg, body, peer, rid, to.pool.netloc), not post, deliver)
 
         def done(answer: Answer | Unavailable) -> None:
+            nonlocal retried
             if post:
                 st.descriptors.forget(path)
             if isinstance(answer, Unavailable):
                 log.warning("%s %s: %s", msg.method.decode(), url[:200].decode("latin-1"), answer.message)
                 handler.answer_failure(msg, answer, rid, started)
                 return
+            if answer.status == MISDIRECTED and router.watcher is not None:
+                # the ingester judged by another description: re-read it, retry once at the owner
+                if retried:
+                    router.misdirected += 1
+                    handler.answer_failure(msg, router.still_misdirected(link), rid, started)
+                    return
+                retried = True
+                task = asyncio.ensure_future(reroute(_generation(answer)))
+                _pending.add(task)
+                task.add_done_callback(_pending.discard)
+                return
             handler.answer(msg, answer.status, {}, answer.body, rid, started, head=self._answer_head(msg, answer))
 
-        deliver: Deliver = done
-        upstream.request(request, not post, deliver)
+        async def reroute(generation: str | None) -> None:
+            nonlocal link
+            try:
+                again = await router.after_misdirected(placement_key(path), link, generation)
+            except Exception as e:  # (answer exactly once, whatever happens)
+                handler.answer_failure(msg, e, rid, started)
+                return
+            if again is None or again.pool is None:
+                handler.answer_failure(msg, router.still_misdirected(link), rid, started)
+                return
+            link = again
+            send(again)
 
-    def _upstream_request(self, msg: Message, body: bytes, peer: str | None, rid: str) -> bytes:
-        assert self.upstream is not None
-        parts = [msg.method, b" ", msg.url, b" HTTP/1.1\r\nHost: ", self.upstream.netloc, b"\r\n"]
+        deliver: Deliver = done
+        send(link)
+
+    def _upstream_request(self, msg: Message, body: bytes, peer: str | None, rid: str, netloc: bytes) -> bytes:
+        parts = [msg.method, b" ", msg.url, b" HTTP/1.1\r\nHost: ", netloc, b"\r\n"]
         forwarded_for = None
         for name, value in msg.pairs:
             lower = name.lower()
@@ -136,6 +214,136 @@ class ForwardLane(Lane):
         if answer.status != 204 and answer.status != 304 and msg.method != b"HEAD":  # (aiohttp's path sends none to a HEAD)
             keep.append(b"Content-Length: %d\r\n" % len(answer.body))
         return b"".join(keep)
+
+
+    # --- long-polls ------------------------------------------------------------------------
+
+    def _long_poll(self, handler: LaneHandler, msg: Message, rid: str, started: float) -> None:
+        """Answered from the stream's live channel (reader.fanout.LiveHub.join), as
+        reader.http.handle_get's first branch answers it, with the limits' live cap and the
+        live gauge of the access middleware."""
+        st, lim, http = self.st, self.limits, self.http
+        assert st is not None and lim is not None and http is not None
+        offset, cursor = msg.note
+        path = self._path(handler, msg)
+        client = handler.client(msg)
+        if client is not None and not lim.live.acquire(client):
+            raise TooManyRequests(
+                f"too many live connections: at most {lim.live.cap} long-polls and SSE streams at once per client",
+                LIVE_RETRY_AFTER,
+            )
+        http.live["long-poll"] += 1
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                http.live["long-poll"] -= 1
+                if client is not None:
+                    lim.live.release(client)
+
+        try:
+            joined = st.sse.join(path, offset)
+        except BaseException:
+            release()
+            raise
+        if joined is None:  # (the channel moved on between accepts() and now: cannot happen)
+            release()
+            raise Unavailable("the live channel moved on; retry", 1)
+        if isinstance(joined, Answer_):
+            release()
+            self._answer_page(handler, msg, joined, cursor, rid, started)
+            return
+        ch, fut = joined
+
+        gone = False
+
+        def done(f: asyncio.Future[Answer_ | Upstream | None]) -> None:
+            ch.waiters.pop(f, None)
+            if gone or f.cancelled():
+                return
+            release()
+            handler.pending_cancel = None
+            e = f.exception()
+            if e is not None:
+                handler.answer_failure(msg, e, rid, started)
+                return
+            result = f.result()
+            if result is None:
+                headers = st.sse.no_content_headers(offset, cursor)
+                handler.answer(msg, 204, headers, b"", rid, started)
+            elif isinstance(result, Answer_):
+                self._answer_page(handler, msg, result, cursor, rid, started)
+            else:
+                handler.answer(msg, result.status, {}, result.body, rid, started, head=_upstream_head(result))
+
+        def cancel() -> None:  # the client left (or the server stops) while it waited
+            nonlocal gone
+            gone = True
+            ch.waiters.pop(fut, None)
+            fut.cancel()
+            release()
+            http.in_flight -= 1
+            http.observe(msg.route, CLIENT_CLOSED, time.perf_counter() - started)
+
+        fut.add_done_callback(done)
+        handler.pending_cancel = cancel
+
+    def _answer_page(self, handler: LaneHandler, msg: Message, ans: Answer_, cursor: str | None, rid: str,
+                     started: float) -> None:
+        head = ans.raw_head
+        if head is None:
+            head = ans.raw_head = b"".join(
+                f"{k}: {v}\r\n".encode("latin-1", "replace") for k, v in ans.headers.items()
+                if k.lower().encode("latin-1", "replace") not in _DROP_RESPONSE
+            ) + b"Content-Length: %d\r\n" % len(ans.body)
+        cursor_line = b"Stream-Cursor: " + P.response_cursor(cursor).encode() + b"\r\n"
+        handler.answer(msg, 200, {}, ans.body, rid, started, head=head + cursor_line)
+
+
+def _upstream_head(up: Upstream) -> bytes:
+    """An upstream answer's headers as reader.proxy.to_response passes them on."""
+    lines = [f"{k}: {v}\r\n".encode("latin-1", "replace") for k, v in up.headers.items()
+             if k.lower().encode("latin-1", "replace") not in _DROP_RESPONSE]
+    if up.status not in (204, 304):
+        lines.append(b"Content-Length: %d\r\n" % len(up.body))
+    return b"".join(lines)
+
+
+_pending: set[asyncio.Future[None]] = set()  # re-routes in progress (kept from the garbage collector)
+_GENERATION: Final = GENERATION_HEADER.lower().encode("ascii")
+
+
+def _generation(answer: Answer) -> str | None:
+    """A 421's DS3-Cluster-Generation."""
+    for line in answer.header_lines():
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == _GENERATION:
+            return value.strip().decode("latin-1")
+    return None
+
+
+_OFFSET: Final = re.compile(rb"\d{16}_\d{16}")
+_CURSOR: Final = re.compile(rb"\d{1,18}")
+
+
+def _long_poll_query(query: bytes) -> tuple[str, str | None] | None:
+    """(offset, cursor) of a plain long-poll query (offset=<concrete offset>&live=long-poll
+    [&cursor=<digits>], any order, each once), else None."""
+    offset = cursor = None
+    live = False
+    for part in query.split(b"&"):
+        key, _, value = part.partition(b"=")
+        if key == b"offset" and offset is None and _OFFSET.fullmatch(value):
+            offset = value.decode()
+        elif key == b"live" and not live and value == b"long-poll":
+            live = True
+        elif key == b"cursor" and cursor is None and _CURSOR.fullmatch(value):
+            cursor = value.decode()
+        else:
+            return None
+    return (offset, cursor) if offset is not None and live else None
 
 
 class ForwardLaneRunner(LaneRunner):

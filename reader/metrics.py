@@ -4,12 +4,14 @@ their names predate prometheus-client here and tests rely on them."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 
 import aiohttp
 from aiohttp import web
-from prometheus_client.metrics_core import Metric
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from reader.proxy import IngesterClient
 from reader.state import READER
 from shared.http.health import READINESS, store_check
 from shared.http.lane import LANE
@@ -33,16 +35,42 @@ def collect(app: web.Application) -> Iterator[Metric]:
     yield counter("ds3_reader_forwarded", "Client requests forwarded to the ingester (before collapsing).",
                   st.forwarded)
     yield counter("ds3_reader_ingester_requests", "Requests sent to the ingester (after collapsing; SSE "
-                  "subscriptions and TTL renewals included).", st.ingester.requests)
+                  "subscriptions and TTL renewals included; all ingesters).", st.router.requests)
+    router = st.router
+    links = list(router.links.values())
     lane = app.get(LANE)
     if lane is not None:
         yield counter("ds3_http_fast_lane_requests", "Appends and HEADs forwarded by the fast lane "
                       "(reader/forwardlane.py), not by aiohttp's handlers.", lane.served)
-        if st.upstream is not None:
-            yield gauge("ds3_reader_lane_upstream_connections", "The fast lane's open connections to the ingester.",
-                        st.upstream.connections)
+        pools = [link for link in links if link.pool is not None]
+        if pools:
+            yield gauge("ds3_reader_lane_upstream_connections", "The fast lane's open connections to the "
+                        "ingesters (all of them).", sum(link.pool.connections for link in pools if link.pool))
+            per = GaugeMetricFamily("ds3_reader_upstream_connections", "The fast lane's open connections, by "
+                                    "ingester (its id in the cluster description, empty without one).",
+                                    labels=["ingester_id", "url"])
+            for link in pools:
+                assert link.pool is not None
+                per.add_metric([link.ingester_id or "", link.url], link.pool.connections)
+            yield per
+    per_requests = CounterMetricFamily("ds3_reader_ingester_requests_per_ingester", "Requests sent to each ingester "
+                                       "(ds3_reader_ingester_requests is their sum).", labels=["ingester_id", "url"])
+    for link in links:
+        per_requests.add_metric([link.ingester_id or "", link.url], link.client.requests)
+    yield per_requests
+    yield gauge("ds3_reader_cluster_generation", "Generation of the cluster description this reader routes by "
+                "(0: none; every request goes to --ingester).", router.generation)
+    cluster = router.cluster
+    yield gauge("ds3_reader_cluster_ingesters", "Ingesters this reader routes to.",
+                len(cluster.ingesters) if cluster is not None else (1 if router.default is not None else 0))
+    yield counter("ds3_reader_misdirected", "421 Misdirected Request answers from ingesters (a description "
+                  "changed under this reader).", router.misdirected)
+    yield counter("ds3_reader_rerouted", "Requests sent again to another ingester after a 421.", router.rerouted)
+    if router.watcher is not None:
+        yield counter("ds3_reader_cluster_description_read_failures", "Reads of the cluster description that "
+                      "failed or were refused.", router.watcher.failures)
     yield counter("ds3_reader_collapsed", "Requests that shared another client's upstream request.",
-                  st.ingester.collapsed)
+                  router.collapsed_total)
     yield counter("ds3_reader_sse_shared", "SSE clients that joined an existing upstream subscription.",
                   st.sse.shared)
     yield gauge("ds3_reader_sse_upstreams", "Live channels (one upstream subscription per stream, for "
@@ -73,21 +101,49 @@ def install(app: web.Application, metrics: AppMetrics) -> None:
         st = app.get(READER)
         return None if st is None else st.objects
 
+    async def probe(client: IngesterClient) -> str | None:
+        url = client.base + "/healthz"
+        try:
+            async with client.session.get(url, headers=client.upstream_headers({}),
+                                          timeout=INGESTER_PROBE_TIMEOUT) as r:
+                if r.status != 200:
+                    return f"the ingester at {client.base} answered {r.status} to /healthz"
+        except (aiohttp.ClientError, TimeoutError) as e:
+            return f"the ingester at {client.base} is unreachable ({type(e).__name__}: {e})"[:300]
+        return None
+
     async def ingester() -> str | None:
-        """The ingester answers its /healthz: without it only sealed history can be served."""
+        """The ingester answers its /healthz: without it only sealed history can be served. With
+        a cluster: at least one ingester answers (one that is down takes only its own streams;
+        every reader would be just as unready, so none is taken out of service for it)."""
         st = app.get(READER)
         if st is None:
             return "starting"
-        url = st.ingester.base + "/healthz"
-        try:
-            async with st.ingester.session.get(url, headers=st.ingester.upstream_headers({}),
-                                               timeout=INGESTER_PROBE_TIMEOUT) as r:
-                if r.status != 200:
-                    return f"the ingester at {st.ingester.base} answered {r.status} to /healthz"
-        except (aiohttp.ClientError, TimeoutError) as e:
-            return f"the ingester at {st.ingester.base} is unreachable ({type(e).__name__}: {e})"[:300]
+        links = st.router.all_links()
+        if not links:
+            return st.router.watcher.error if st.router.watcher is not None and st.router.watcher.error else \
+                "no cluster description read yet"
+        why = await asyncio.gather(*(probe(link.client) for link in links))
+        if all(w is not None for w in why):
+            return "; ".join(w for w in why if w is not None)[:600]
         return None
+
+    def cluster() -> object:
+        """The "cluster" field of /readyz: the description this reader routes by (None: one --ingester)."""
+        st = app.get(READER)
+        if st is None or st.router.watcher is None:
+            return None
+        router, watcher = st.router, st.router.watcher
+        c = router.cluster
+        return {
+            "generation": c.generation if c is not None else None,
+            "ingesters": [{"id": i.id, "url": i.url} for i in c.ingesters] if c is not None else [],
+            "default_ingester": router.default.url if router.default is not None else None,
+            "source": watcher.source.description,
+            "error": watcher.error,
+        }
 
     ready = app[READINESS]
     ready.add("object_store", store_check(store))
     ready.add("ingester", ingester)
+    ready.describe("cluster", cluster)

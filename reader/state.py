@@ -10,10 +10,9 @@ from aiohttp import web
 
 from reader.descriptors import DescriptorCache
 from reader.fanout import LiveHub
-from reader.proxy import IngesterClient
 from reader.relay import NextPages
+from reader.routing import Router
 from reader.sealed import SealedLocator
-from reader.upstream import UpstreamPool
 from shared.chunkstore import ChunkReader
 from shared.config import ReaderConfig
 from shared.descriptor import Descriptor
@@ -27,9 +26,8 @@ class ReaderState:
     chunks: ChunkReader
     descriptors: DescriptorCache
     locator: SealedLocator
-    ingester: IngesterClient
+    router: Router  # which ingester owns a stream, and the clients and lane pools to reach each (reader/routing.py)
     sse: LiveHub  # the live channels: long-poll and SSE fan-out
-    upstream: UpstreamPool | None = None  # the forwarding lane's connections (reader/forwardlane.py)
     next_pages: NextPages = field(default_factory=NextPages)  # catch-ups' next pages, already asked for
     sealed_responses: int = 0
     forwarded: int = 0

@@ -2,8 +2,11 @@
 
 A reader is stateless, so it scales over cores by running it N times. The parent starts each
 worker as `ds3 reader` with the same arguments and DS3_READER_WORKER=<index> in its
-environment; every worker listens on the public port with SO_REUSEPORT, so the kernel spreads
-connections over them. The parent serves nothing itself:
+environment. The parent makes the public listening socket(s) once and every worker inherits
+them (pre-fork style): connections wait in one accept queue that whichever worker is free takes
+from, so a worker that dies loses only the connections it had accepted, never ones queued
+behind it (with SO_REUSEPORT each worker had a queue of its own, and a SIGKILLed worker's went
+with it). The parent serves nothing itself:
 
 - a worker that dies is started again (after a short, capped pause); if workers keep dying as
   they start (a port in use, a bad setting the parent could not see), the parent gives up and
@@ -22,7 +25,9 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -37,6 +42,10 @@ WORKER_ENV: Final = "DS3_READER_WORKER"  # this process's index, 0..N-1 (set by 
 WORKERS_ENV: Final = "DS3_READER_WORKERS"  # N
 RUN_DIR_ENV: Final = "DS3_READER_RUN_DIR"  # where the workers' metrics sockets live
 PARENT_ENV: Final = "DS3_READER_PARENT"  # the parent's pid: a worker leaves when it changes
+LISTEN_FDS_ENV: Final = "DS3_READER_LISTEN_FDS"  # the inherited listening sockets' descriptors, comma-separated
+LISTEN_BACKLOG: Final = 1024
+RUN_DIR_PREFIX: Final = "ds3-reader-"  # run dirs in the temp dir; a SIGKILLed parent's are swept later
+PARENT_FILE: Final = "parent.pid"
 
 QUICK_DEATH: Final = 2.0  # a worker that exits sooner than this after starting failed to start
 MAX_QUICK_DEATHS: Final = 5  # in a row, over all workers: give up
@@ -72,9 +81,50 @@ class _Worker:
     started: float
 
 
-def supervise(argv: list[str], count: int) -> int:
-    """Run `count` workers of `ds3 reader` with `argv` until SIGTERM/SIGINT; the exit code."""
+def listen(host: str, port: int) -> list[socket.socket]:
+    """The public listening sockets (one per address `host` resolves to), made by the parent
+    for every worker to inherit. OSError when one cannot be made (the port is taken)."""
+    made: list[socket.socket] = []
+    seen: set[tuple[int, Any]] = set()
+    try:
+        for family, kind, proto, _, addr in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                               flags=socket.AI_PASSIVE):
+            if (family, addr) in seen:
+                continue
+            seen.add((family, addr))
+            sock = socket.socket(family, kind, proto)
+            made.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(addr)
+            sock.listen(LISTEN_BACKLOG)
+            sock.set_inheritable(True)
+    except OSError:
+        for sock in made:
+            sock.close()
+        raise
+    return made
+
+
+def inherited_sockets() -> list[socket.socket] | None:
+    """A worker's listening sockets, made by its parent; None when it has none (a lone reader)."""
+    fds = os.environ.get(LISTEN_FDS_ENV)
+    if not fds:
+        return None
+    return [socket.socket(fileno=int(fd)) for fd in fds.split(",")]
+
+
+def supervise(argv: list[str], count: int, host: str, port: int) -> int:
+    """Run `count` workers of `ds3 reader` with `argv`, sharing listening sockets on `host`:`port`,
+    until SIGTERM/SIGINT; the exit code."""
     stopping = False
+    try:
+        socks = listen(host, port)
+    except OSError as e:
+        log.error("ds3 reader: cannot listen on %s port %d: %s", host, port, e)
+        return 1
+    fds = [s.fileno() for s in socks]
 
     def stop(signum: int, _frame: Any) -> None:
         nonlocal stopping
@@ -82,12 +132,15 @@ def supervise(argv: list[str], count: int) -> int:
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
-    with tempfile.TemporaryDirectory(prefix="ds3-reader-") as run_dir:
-        base_env = {**os.environ, WORKERS_ENV: str(count), RUN_DIR_ENV: run_dir, PARENT_ENV: str(os.getpid())}
+    sweep_stale_run_dirs()
+    with tempfile.TemporaryDirectory(prefix=RUN_DIR_PREFIX) as run_dir:
+        (Path(run_dir) / PARENT_FILE).write_text(str(os.getpid()))
+        base_env = {**os.environ, WORKERS_ENV: str(count), RUN_DIR_ENV: run_dir, PARENT_ENV: str(os.getpid()),
+                    LISTEN_FDS_ENV: ",".join(map(str, fds))}
 
         def start(index: int) -> _Worker:
             popen = subprocess.Popen([sys.executable, "-m", "ds3.cli", "reader", *argv],
-                                     env={**base_env, WORKER_ENV: str(index)})
+                                     env={**base_env, WORKER_ENV: str(index)}, pass_fds=fds)
             return _Worker(index, popen, time.monotonic())
 
         workers = [start(i) for i in range(count)]
@@ -116,7 +169,35 @@ def supervise(argv: list[str], count: int) -> int:
                         workers[i] = start(w.index)
         finally:
             _stop_all(workers)
+            for sock in socks:
+                sock.close()
     return code
+
+
+def sweep_stale_run_dirs(tmp: Path | None = None) -> int:
+    """Remove run dirs (and their worker sockets) left by parents that were SIGKILLed (their
+    TemporaryDirectory never cleaned up): those whose parent pid is gone. How many went."""
+    removed = 0
+    for d in (tmp or Path(tempfile.gettempdir())).glob(RUN_DIR_PREFIX + "*"):
+        try:
+            pid = int((d / PARENT_FILE).read_text())
+        except (OSError, ValueError):
+            continue  # not ours, or still being made
+        if pid == os.getpid() or _alive(pid):
+            continue
+        shutil.rmtree(d, ignore_errors=True)
+        removed += 1
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _stop_all(workers: list[_Worker], grace: float = 15.0) -> None:

@@ -147,6 +147,21 @@ class IngesterConfig:
     seal_age: float = 60.0
     wal_max_bytes: int = 4 * GiB
     uploads: int = 4
+    # Placement (issue 15; shared.placement): this ingester's id in the cluster description,
+    # read from the store (_ds3/cluster.json) or from a file. None: no cluster, it owns every stream.
+    ingester_id: str | None = None
+    cluster: Path | None = None  # a description file instead of the store's (ds3 dev, tests)
+    cluster_refresh: float = 5.0  # seconds between reads of the description
+    # The commit log in the store (issue 14; only with a store): when an append is acknowledged
+    # (after the local fsync, or after its log segment is in the store), how far behind the log
+    # may lag in `local` mode, how often the whole WAL is checkpointed into the store.
+    durability: str = "local"
+    ship_interval: float = 1.0
+    checkpoint_interval: float = 300.0
+    # Ownership of the store prefix (shared/ownership.py; only with a store).
+    advertise_url: str | None = None  # None: http://{host}:{port}
+    owner_id: str | None = None  # None: a random id kept in <data-dir>/owner-id
+    lease_seconds: float = 10.0
     auth: AuthConfig = field(default_factory=AuthConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
 
@@ -156,6 +171,21 @@ class IngesterConfig:
                 raise ConfigError(f"{setting}: {why}")
 
         need(bool(self.host), "host (DS3_HOST)", "must not be empty")
+        self._check_cluster()
+        need(self.durability in ("local", "store"), "durability (DS3_DURABILITY)",
+             f"{self.durability!r} is not one of: local, store")
+        need(self.durability == "local" or self.store is not None, "durability (DS3_DURABILITY)",
+             "store needs an object store (--store / DS3_STORE)")
+        need(0.01 <= self.ship_interval <= 3600, "ship-interval (DS3_SHIP_INTERVAL)",
+             "must be between 0.01 and 3600 seconds")
+        need(1 <= self.checkpoint_interval <= 7 * 86400, "checkpoint-interval (DS3_CHECKPOINT_INTERVAL)",
+             "must be between 1 second and a week")
+        need(self.advertise_url is None or self.advertise_url.startswith(("http://", "https://")),
+             "advertise-url (DS3_ADVERTISE_URL)", "must be an http(s):// URL")
+        need(self.owner_id is None or 0 < len(self.owner_id) <= 200, "owner-id (DS3_OWNER_ID)",
+             "must be 1 to 200 characters")
+        need(1 <= self.lease_seconds <= 3600, "lease-seconds (DS3_LEASE_SECONDS)",
+             "must be between 1 and 3600 seconds")
         need(0 <= self.port <= 65535, "port (DS3_PORT)", f"{self.port} is not a TCP port")
         need(0 <= self.tail_max_age <= 60, "tail-max-age (DS3_TAIL_MAX_AGE)", "must be between 0 and 60 seconds")
         need(0.1 <= self.long_poll_timeout <= 3600, "long-poll-timeout (DS3_LONG_POLL_TIMEOUT)",
@@ -182,9 +212,45 @@ class IngesterConfig:
              "must be at least twice seal-bytes")
         need(1 <= self.uploads <= 64, "uploads (DS3_UPLOADS)", "must be between 1 and 64")
 
+    def _check_cluster(self) -> None:
+        from shared.cluster import load_cluster_file
+        from shared.placement import PlacementError, validate_id
+
+        need = _need
+        need(0.1 <= self.cluster_refresh <= 3600, "cluster-refresh (DS3_CLUSTER_REFRESH)",
+             "must be between 0.1 and 3600 seconds")
+        if self.ingester_id is None:
+            need(self.cluster is None, "cluster (DS3_CLUSTER)",
+                 "needs ingester-id (DS3_INGESTER_ID): this ingester's id in the description")
+            return
+        try:
+            validate_id(self.ingester_id)
+        except PlacementError as e:
+            raise ConfigError(f"ingester-id (DS3_INGESTER_ID): {e}") from None
+        if self.cluster is None:
+            need(self.store is not None, "ingester-id (DS3_INGESTER_ID)",
+                 "the cluster description is read from the store (--store, its _ds3/cluster.json) or from a "
+                 "file (--cluster FILE): give one of them")
+            return
+        try:
+            cluster = load_cluster_file(self.cluster)
+        except PlacementError as e:
+            raise ConfigError(f"cluster (DS3_CLUSTER): {e}") from None
+        need(cluster.get(self.ingester_id) is not None, "ingester-id (DS3_INGESTER_ID)",
+             f"{self.ingester_id!r} is not in the cluster file {self.cluster} (its ingesters: "
+             f"{', '.join(cluster.ids)})")
+
     @property
     def wal_dir(self) -> Path:
         return self.data_dir / "wal"
+
+    @property
+    def advertised(self) -> str:
+        """The URL this ingester names in the ownership record."""
+        if self.advertise_url is not None:
+            return self.advertise_url
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
 
     @classmethod
     def names(cls) -> list[str]:
@@ -193,7 +259,7 @@ class IngesterConfig:
 
 @dataclass(frozen=True, slots=True)
 class ReaderConfig:
-    ingester: str  # base URL of the ingester, e.g. http://127.0.0.1:4438
+    ingester: str | None  # base URL of the ingester, e.g. http://127.0.0.1:4438 (without a cluster description)
     store: str  # s3://bucket/prefix or file:///path
     host: str = "127.0.0.1"
     port: int = 4437
@@ -207,6 +273,10 @@ class ReaderConfig:
     descriptor_ttl: float = 1.0  # seconds a stream descriptor is trusted before re-reading it
     sse_max_seconds: float = 60.0  # SSE client connections are closed after this long
     workers: int = 1  # processes sharing the port (reader/workers.py)
+    # Routing (issue 15; reader/routing.py): the cluster description from this file instead of
+    # the store's _ds3/cluster.json; with neither, every request goes to `ingester`.
+    cluster: Path | None = None
+    cluster_refresh: float = 5.0  # seconds between reads of the description
     auth: AuthConfig = field(default_factory=AuthConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
 
@@ -216,8 +286,20 @@ class ReaderConfig:
                 raise ConfigError(f"{setting}: {why}")
 
         need(1 <= self.workers <= 256, "workers (DS3_WORKERS)", f"{self.workers} is not between 1 and 256")
-        need(self.ingester.startswith(("http://", "https://")), "ingester (DS3_INGESTER)",
+        need(self.ingester is not None or self.cluster is not None, "ingester (DS3_INGESTER)",
+             "give the ingester's URL, or a cluster description file (--cluster) naming the ingesters")
+        need(self.ingester is None or self.ingester.startswith(("http://", "https://")), "ingester (DS3_INGESTER)",
              "must be an http(s):// URL")
+        need(0.1 <= self.cluster_refresh <= 3600, "cluster-refresh (DS3_CLUSTER_REFRESH)",
+             "must be between 0.1 and 3600 seconds")
+        if self.cluster is not None:
+            from shared.cluster import load_cluster_file
+            from shared.placement import PlacementError
+
+            try:
+                load_cluster_file(self.cluster)
+            except PlacementError as e:
+                raise ConfigError(f"cluster (DS3_CLUSTER): {e}") from None
         _check_store_url(self.store)
         need(0 <= self.port <= 65535, "port (DS3_PORT)", f"{self.port} is not a TCP port")
         need(0 <= self.tail_max_age <= 60, "tail-max-age (DS3_TAIL_MAX_AGE)", "must be between 0 and 60 seconds")

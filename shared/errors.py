@@ -137,6 +137,32 @@ class Superseded(Unavailable):
         self.epoch = epoch
 
 
+# ---------------------------------------------------------------- placement (issue 15)
+# shared.placement / shared.cluster: every stream belongs to one ingester of the cluster.
+
+
+class Misdirected(DS3Error):
+    """This ingester does not own the stream (or bucket): 421 Misdirected Request, naming the
+    owner (in the message and in the DS3-Owner / DS3-Owner-Id headers) so a router can follow
+    it. Nothing was read or written."""
+
+    def __init__(self, owner_id: str, owner_url: str, generation: int, me: str) -> None:
+        super().__init__(f"misdirected: this stream belongs to ingester {owner_id} at {owner_url}, not to "
+                         f"{me} (cluster generation {generation}); send the request to {owner_url}")
+        self.owner_id = owner_id
+        self.owner_url = owner_url
+        self.generation = generation
+
+
+class ClusterChanged(Conflict):
+    """A conditional write of the cluster description lost: someone else changed it since it
+    was read (409 for an API; `ds3 cluster set` says so and changes nothing)."""
+
+    def __init__(self, message: str, current_generation: int) -> None:
+        super().__init__(message)
+        self.current_generation = current_generation
+
+
 # ---------------------------------------------------------------- access control and limits
 
 

@@ -6,6 +6,9 @@
                                                    nonce: a re-publish never overwrites a blob
     _ds3/owner.json                                who owns the store prefix: epoch and lease
                                                    (shared.ownership); written conditionally only
+    _ds3/cluster.json                              the cluster description: which ingesters share
+                                                   the store (shared.placement, shared.cluster);
+                                                   written conditionally only (`ds3 cluster set`)
 
 Streams are keyed by `uid` (random, 128 bits) rather than by path, so a path deleted and
 created again never reaches old objects, and several ingesters can share one bucket. The
@@ -20,6 +23,7 @@ from typing import Final
 
 # "_ds3/" holds the store's own bookkeeping, apart from the streams' objects.
 OWNER_KEY: Final = "_ds3/owner.json"
+CLUSTER_KEY: Final = "_ds3/cluster.json"
 
 
 def chunk_prefix(uid: str) -> str:

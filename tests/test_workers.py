@@ -8,6 +8,8 @@ import http.client
 import os
 import signal
 import socket
+import subprocess
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -16,6 +18,7 @@ from pathlib import Path
 import psutil  # type: ignore[import-untyped, unused-ignore]
 import pytest
 
+from reader.workers import PARENT_FILE, RUN_DIR_PREFIX, sweep_stale_run_dirs
 from tests.cluster import Cluster, StoreView, parse_metrics, scrape
 from tests.procs import free_port, reader
 
@@ -140,6 +143,9 @@ def test_workers_leave_when_their_parent_is_killed(cluster: Cluster) -> None:
     assert cluster.reader.popen is not None
     parent = cluster.reader.popen.pid
     workers = _workers(parent)
+    run_dirs = [d for d in Path(tempfile.gettempdir()).glob(RUN_DIR_PREFIX + "*")
+                if (d / PARENT_FILE).exists() and (d / PARENT_FILE).read_text() == str(parent)]
+    assert len(run_dirs) == 1 and list(run_dirs[0].glob("*.sock"))
     os.kill(parent, signal.SIGKILL)  # the parent alone: it cannot pass anything on
     cluster.reader.popen.wait(10)
 
@@ -147,24 +153,75 @@ def test_workers_leave_when_their_parent_is_killed(cluster: Cluster) -> None:
         return all(not psutil.pid_exists(p) or psutil.Process(p).status() == psutil.STATUS_ZOMBIE for p in workers)
 
     _wait(gone, 10, "orphaned workers to stop")
+    # their run dir (metrics sockets) goes with them: a SIGKILLed parent cannot remove it
+    _wait(lambda: not run_dirs[0].exists(), 10, "the orphans' run dir to be removed")
 
 
-def test_workers_that_cannot_start_make_the_parent_give_up(tmp_path: Path) -> None:
+def test_a_new_parent_sweeps_run_dirs_left_by_killed_ones(tmp_path: Path) -> None:
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    left = tmp_path / f"{RUN_DIR_PREFIX}old"
+    left.mkdir()
+    (left / PARENT_FILE).write_text(str(dead.pid))
+    (left / "worker-0.sock").write_text("")
+    alive = tmp_path / f"{RUN_DIR_PREFIX}live"
+    alive.mkdir()
+    (alive / PARENT_FILE).write_text(str(os.getpid()))
+    foreign = tmp_path / f"{RUN_DIR_PREFIX}foreign"  # not a run dir of ours: no parent file
+    foreign.mkdir()
+    assert sweep_stale_run_dirs(tmp_path) == 1
+    assert not left.exists() and alive.exists() and foreign.exists()
+
+
+def test_a_taken_port_stops_the_parent_at_once(tmp_path: Path) -> None:
+    """The parent makes the listening socket: a port another program holds is a clear error and
+    exit 1 before any worker starts."""
     port = free_port()
-    with socket.socket() as taken:  # an ordinary listener (no SO_REUSEPORT) holds the port
+    with socket.socket() as taken:  # an ordinary listener holds the port
         taken.bind(("127.0.0.1", port))
         taken.listen()
         proc = reader(tmp_path / "r", "http://127.0.0.1:1", (tmp_path / "o").as_uri(), "--workers", "2", port=port)
         (tmp_path / "o").mkdir()
         with open(proc.log_path, "wb") as log:
-            import subprocess
-
             from tests.procs import DS3
 
             p = subprocess.Popen([DS3, *proc.args], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
-            assert p.wait(60) == 1
+            assert p.wait(30) == 1
         finally:
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
-    assert "giving up" in proc.log_path.read_text()
+    text = proc.log_path.read_text()
+    assert f"cannot listen on 127.0.0.1 port {port}" in text and "workers (pids" not in text
+
+
+def test_connections_queued_behind_a_killed_worker_are_served_by_the_others(cluster: Cluster) -> None:
+    """Workers share one accept queue: with every worker frozen, 30 clients connect and send a
+    request; one worker is SIGKILLed, the rest resume, and every client gets its answer. (With a
+    queue per worker, SO_REUSEPORT's, the killed worker's share of them was reset.)"""
+    assert cluster.reader.popen is not None
+    parent = cluster.reader.popen.pid
+    workers = _workers(parent)
+    port = cluster.reader.port
+    assert _request(port, "PUT", "/v1/stream/q", headers={"Content-Type": "text/plain"})[0] == 201
+    for pid in workers:
+        os.kill(pid, signal.SIGSTOP)
+    clients = []
+    try:
+        for _ in range(30):
+            c = socket.create_connection(("127.0.0.1", port), timeout=20)
+            c.sendall(b"HEAD /v1/stream/q HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n")
+            clients.append(c)
+        os.kill(workers[0], signal.SIGKILL)
+    finally:
+        for pid in workers[1:]:
+            os.kill(pid, signal.SIGCONT)
+        os.kill(workers[0], signal.SIGCONT)
+    answers = []
+    for c in clients:
+        with c:
+            data = b""
+            while chunk := c.recv(65536):
+                data += chunk
+            answers.append(data.split(b"\r\n", 1)[0])
+    assert answers == [b"HTTP/1.1 200 OK"] * 30

@@ -19,6 +19,7 @@ from shared.errors import (
     DS3Error,
     Forbidden,
     Gone,
+    Misdirected,
     NotFound,
     ObjectStoreError,
     PayloadTooLarge,
@@ -31,6 +32,7 @@ from shared.errors import (
     Unauthorized,
     Unavailable,
 )
+from shared.placement import GENERATION_HEADER, OWNER_HEADER, OWNER_ID_HEADER
 
 log = logging.getLogger("ds3.http")
 IMMUTABLE: Final = "public, max-age=31536000, immutable"
@@ -49,6 +51,12 @@ def error_response(e: DS3Error) -> web.Response:
         return web.Response(status=410, body=orjson.dumps(body), headers=headers, content_type="application/json")
     if isinstance(e, Unauthorized | Forbidden | TooManyRequests | RequestTimeout):
         return _access_error(e)
+    if isinstance(e, Misdirected):  # another ingester owns the stream: a router follows DS3-Owner
+        headers[OWNER_HEADER] = e.owner_url
+        headers[OWNER_ID_HEADER] = e.owner_id
+        headers[GENERATION_HEADER] = str(e.generation)
+        headers["Cache-Control"] = "no-store"
+        return web.Response(status=421, text=e.message + "\n", headers=headers, content_type="text/plain")
     if isinstance(e, BadRequest):
         status = 400
     elif isinstance(e, NotFound):

@@ -4,6 +4,7 @@
                wait on it; load balancers restart on it)
     /readyz    200 {"status": "ready", "checks": {...}} or
                503 {"status": "not ready", "reasons": [...], "checks": {...}}
+               (plus any fields the app describes itself with: the ingester's "cluster")
 
 Each app registers named checks (async callables returning None when fine, else the
 reason). A check's result is kept for CACHE_SECONDS and concurrent probes share one run,
@@ -62,6 +63,11 @@ class Readiness:
         self.cache_seconds = cache_seconds
         self.timeout = timeout
         self.checks: dict[str, CachedCheck] = {}
+        self.fields: dict[str, Callable[[], object]] = {}
+
+    def describe(self, name: str, field: Callable[[], object]) -> None:
+        """Add `name` to /readyz's body, its value `field()` (JSON-serialisable) at each probe."""
+        self.fields[name] = field
 
     def add(self, name: str, check: Check, *, cached: bool = True) -> None:
         """`cached=False` for checks that only look at this process's memory."""
@@ -104,12 +110,14 @@ async def healthz(request: web.Request) -> web.Response:
 
 
 async def readyz(request: web.Request) -> web.Response:
-    results = await request.app[READINESS].evaluate()
+    readiness = request.app[READINESS]
+    results = await readiness.evaluate()
     reasons = [f"{name}: {why}" for name, why in results.items() if why is not None]
     body = {
         "status": "not ready" if reasons else "ready",
         **({"reasons": reasons} if reasons else {}),
         "checks": {name: why or "ok" for name, why in results.items()},
+        **{name: field() for name, field in readiness.fields.items()},
     }
     return web.Response(status=503 if reasons else 200, body=orjson.dumps(body), content_type="application/json",
                         headers={"Cache-Control": "no-store"})

@@ -38,6 +38,7 @@ import logging
 import os
 import re
 import time
+from collections.abc import Callable
 from email.utils import formatdate
 from http import HTTPStatus
 from typing import Any, Final, Literal, cast
@@ -75,7 +76,7 @@ REASONS: Final = {s.value: s.phrase for s in HTTPStatus}
 _MAX_HEAD: Final = 16 * 1024  # a candidate's head must be complete within this many bytes
 _SINGLE_HEADERS: Final = frozenset({b"content-type", b"host", b"content-length"})  # aiohttp: 400 if repeated
 _PAUSE_ABOVE: Final = 256 * 1024  # unprocessed bytes held while an answer is pending
-ROUTES: Final = {b"POST": "stream_append", b"HEAD": "stream_head"}
+ROUTES: Final = {b"POST": "stream_append", b"HEAD": "stream_head", b"GET": "stream_read"}
 _HEADER_KEYS: dict[str, bytes] = {}
 _STATUS_LINES: dict[int, bytes] = {}
 
@@ -83,14 +84,16 @@ _STATUS_LINES: dict[int, bytes] = {}
 class Message:
     """A request the lane took: where it ends in the buffer, its head, and (once in) its body."""
 
-    __slots__ = ("head_len", "headers", "method", "pairs", "route", "total", "url")
+    __slots__ = ("head_len", "headers", "method", "note", "pairs", "path", "query", "route", "total", "url")
 
     def __init__(self, method: bytes, head_len: int, total: int, url: bytes, headers: dict[bytes, bytes],
                  pairs: list[tuple[bytes, bytes]]) -> None:
         self.method, self.head_len, self.total, self.url = method, head_len, total, url
+        self.path, _, self.query = url.partition(b"?")  # the raw path, and the query (b"": none)
         self.headers = headers  # lower-cased names, the first of each
         self.pairs = pairs  # every header as sent, in order (what a forwarder passes on)
         self.route = ROUTES.get(method, "other")
+        self.note: Any = None  # what a Lane's accepts() worked out, for its serve()
 
     def header(self, name: bytes) -> str | None:
         """A header's value decoded like aiohttp's (`name` lower case)."""
@@ -110,7 +113,7 @@ class Lane:
     A service subclasses it (`ready`, `serve`, and `accepts` for checks of its own)."""
 
     methods: frozenset[bytes] = frozenset({b"POST"})
-    counter_name = "ds3_http_fast_lane_requests"
+    query_methods: frozenset[bytes] = frozenset()  # methods whose URLs may have a query (accepts() judges it)
 
     def __init__(self, app: web.Application) -> None:
         self.app = app
@@ -207,13 +210,23 @@ class _Follower:
 class _Head:
     """A candidate's head, parsed on its own (exactly its bytes, never past them)."""
 
-    __slots__ = ("duplicate", "headers", "pairs", "url")
+    __slots__ = ("duplicate", "headers", "keep_alive", "pairs", "parser", "url", "version")
 
     def __init__(self) -> None:
         self.url = b""
         self.headers: dict[bytes, bytes] = {}
         self.pairs: list[tuple[bytes, bytes]] = []
         self.duplicate = False
+        self.parser: httptools.HttpRequestParser | None = None  # set while it parses (see on_headers_complete)
+        self.keep_alive = False
+        self.version = ""
+
+    def on_headers_complete(self) -> None:
+        # Asked here, not after feed_data: a message without a body is complete by then, and
+        # llhttp resets what it knew of the message (`Connection: close` included) at its end.
+        assert self.parser is not None
+        self.keep_alive = self.parser.should_keep_alive()
+        self.version = self.parser.get_http_version()
 
     def on_url(self, url: bytes) -> None:
         self.url += url
@@ -246,8 +259,11 @@ class LaneHandler(RequestHandler):
         self._watched = False
         self._lane_off = False  # the follower lost the thread (a parse error): aiohttp's from now on
         self._client: str | object | None = _UNKNOWN  # the limits' identity of this connection's peer
+        self._peer: str | object | None = _UNKNOWN
         self._plain_url = b""  # the last URL judged plain (see _judge)
-        self.path_of: tuple[bytes, str] = (b"", "")  # a Lane's cache: the last URL served and its stream path
+        self.path_of: tuple[bytes, str] = (b"", "")  # a Lane's cache: the last URL path served and its stream path
+        # a pending answer's way out when the client leaves or the server stops first (a long-poll's)
+        self.pending_cancel: Callable[[], None] | None = None
 
     # --- bytes in ------------------------------------------------------------------------
 
@@ -347,15 +363,17 @@ class LaneHandler(RequestHandler):
         if head.count(b"\n") != head.count(b"\r\n"):
             return False
         h = _Head()
-        parser = httptools.HttpRequestParser(h)
+        parser = h.parser = httptools.HttpRequestParser(h)
         try:
             parser.feed_data(head)
         except httptools.HttpParserError:
             return False  # aiohttp answers the 400
+        finally:
+            h.parser = None  # (no reference cycle left for the collector)
         if h.duplicate:
             return False
         method = parser.get_method()
-        if method not in self._lane.methods or parser.get_http_version() != "1.1" or not parser.should_keep_alive():
+        if method not in self._lane.methods or h.version != "1.1" or not h.keep_alive:
             return False
         if not _REFUSED_HEADERS.isdisjoint(h.headers):
             return False
@@ -368,7 +386,8 @@ class LaneHandler(RequestHandler):
             size = int(length)
             if size > self._lane.max_body():
                 return False  # big bodies stream through aiohttp (and it answers the 413)
-        if not self._judge(h.url):
+        path, sep, _query = h.url.partition(b"?")
+        if (sep and method not in self._lane.query_methods) or not self._judge(path):
             return False
         msg = Message(method, head_len, head_len + size, h.url, h.headers, h.pairs)
         return msg if self._lane.accepts(self, msg) else False
@@ -425,13 +444,17 @@ class LaneHandler(RequestHandler):
         if forwarded is None and self._client is not _UNKNOWN:
             return cast(str | None, self._client)  # the same peer all along: judged once
         assert self._lane.limits is not None
-        client = client_identity(None, client_address(_peer_of(self.transport), forwarded, self._lane.limits.proxies))
+        client = client_identity(None, client_address(self.peer(), forwarded, self._lane.limits.proxies))
         if forwarded is None:
             self._client = client
         return client
 
     def peer(self) -> str | None:
-        return _peer_of(self.transport)
+        """The connection's peer address (looked up once: a connection keeps its peer)."""
+        peer = self._peer
+        if peer is _UNKNOWN:
+            peer = self._peer = _peer_of(self.transport)
+        return cast(str | None, peer)
 
     def answer_failure(self, msg: Message, e: BaseException, rid: str, started: float) -> None:
         """A refusal (DS3Error) as shared.http.handlers.error_response has it; anything else is a
@@ -455,6 +478,7 @@ class LaneHandler(RequestHandler):
         seconds = time.perf_counter() - started
         http.observe(msg.route, status, seconds)
         lane.served += 1
+        self.pending_cancel = None
         if access_log.isEnabledFor(logging.INFO):
             self._log_access(msg, status, seconds, 0 if msg.method == b"HEAD" else len(body), rid)
         self._write(status, headers, body, rid, head=head, send_body=msg.method != b"HEAD")
@@ -497,9 +521,17 @@ class LaneHandler(RequestHandler):
         if self._body_timer is not None:
             self._body_timer.cancel()
             self._body_timer = None
+        self._cancel_pending()
         super().connection_lost(exc)
 
+    def _cancel_pending(self) -> None:
+        cancel, self.pending_cancel = self.pending_cancel, None
+        if cancel is not None:
+            cancel()
+            self._answering = False
+
     async def shutdown(self, timeout: float | None = 15.0) -> None:
+        self._cancel_pending()  # a waiting long-poll is cut, as aiohttp cancels its handlers
         if self._answering:  # let a pending answer go out first
             self._drained = drained = self._loop.create_future()
             try:

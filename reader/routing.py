@@ -1,0 +1,222 @@
+"""Routing (issue 15): every forwarded request goes to the ingester that owns its stream.
+
+A reader holds the current cluster description (shared.cluster.ClusterWatcher over the store's
+`_ds3/cluster.json`, or `--cluster FILE`) and computes a request's owner from its URL alone
+(shared.placement: plain streams by their path, bucketed streams and bucket routes by their
+bucket). With no description (none in the store and no file), every request goes to the one
+`--ingester`, exactly as before clusters existed.
+
+Per ingester URL the router keeps a `Link`: an IngesterClient (reader/proxy.py, sharing the
+process's one aiohttp ClientSession) and an UpstreamPool (reader/upstream.py, the fast lane's raw
+connections; None for an https:// ingester, whose requests then take aiohttp's path). Links are
+made on first use and kept (a removed ingester's pool closes its idle connections by itself).
+Single-flight keys and live channels are per stream, and a stream has one owner at a time, so
+nothing is shared across ingesters by accident.
+
+A 421 Misdirected Request means the ingester judged by another description than ours: the
+router re-reads the description when the 421 names a newer generation
+(ClusterWatcher.refresh_if_older) and retries once at the new owner. A 421 is a refusal before
+anything was read or written, so retrying a POST is as safe as retrying a GET. When the owner
+did not change (the ingester is the one behind), the client gets 503 + Retry-After: 1.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Callable
+from typing import Any, Final
+
+import aiohttp
+
+from reader.proxy import Headers, IngesterClient, Upstream
+from reader.upstream import UpstreamPool
+from shared.cluster import ClusterWatcher
+from shared.errors import Unavailable
+from shared.placement import GENERATION_HEADER, Cluster, bucket_placement_key, placement_key
+
+log = logging.getLogger("ds3.reader.routing")
+
+MISDIRECTED: Final = 421
+_CACHE_MAX: Final = 65_536  # owners remembered per description
+
+
+class Link:
+    """One ingester as this reader reaches it."""
+
+    __slots__ = ("client", "ingester_id", "pool", "url")
+
+    def __init__(self, url: str, client: IngesterClient, pool: UpstreamPool | None) -> None:
+        self.url = url
+        self.client = client
+        self.pool = pool
+        self.ingester_id: str | None = None  # its id in the description, once one named it
+
+
+class Router:
+    def __init__(self, default_url: str | None, make_client: Callable[[str], IngesterClient],
+                 make_pool: Callable[[str], UpstreamPool | None], watcher: ClusterWatcher | None = None,
+                 internal_headers: dict[str, str] | None = None) -> None:
+        # sent with every request (reader.proxy.IngesterClient.internal_headers)
+        self.internal_headers = internal_headers or {}
+        self._make_client = make_client
+        self._make_pool = make_pool
+        self.watcher = watcher
+        self.links: dict[str, Link] = {}
+        self.default = self.link(default_url) if default_url is not None else None
+        self._cached_for: Cluster | None = None
+        self._owners: dict[str, Link] = {}
+        self.misdirected = 0  # 421s received from ingesters
+        self.rerouted = 0  # requests retried at another owner after a 421
+        self.collapsed = 0  # answers shared on a live channel (reader.fanout), besides the clients' own
+
+    def link(self, url: str) -> Link:
+        url = url.rstrip("/")
+        found = self.links.get(url)
+        if found is None:
+            found = self.links[url] = Link(url, self._make_client(url), self._make_pool(url))
+        return found
+
+    @property
+    def cluster(self) -> Cluster | None:
+        return None if self.watcher is None else self.watcher.current
+
+    @property
+    def generation(self) -> int:
+        c = self.cluster
+        return 0 if c is None else c.generation
+
+    # --- owners ---------------------------------------------------------------------------
+
+    def for_key(self, key: str) -> Link:
+        """The link to the owner of placement key `key`."""
+        cluster = self.cluster
+        if cluster is None:
+            if self.default is None:
+                why = self.watcher.error if self.watcher is not None else None
+                raise Unavailable(f"no cluster description read yet: {why or 'starting'}", 2)
+            return self.default
+        if cluster is not self._cached_for or len(self._owners) >= _CACHE_MAX:
+            self._cached_for, self._owners = cluster, {}
+        found = self._owners.get(key)
+        if found is None:
+            owner = cluster.owner_of_key(key)
+            found = self._owners[key] = self.link(owner.url)
+            found.ingester_id = owner.id
+        return found
+
+    def for_path(self, path: str) -> Link:
+        """The owner of the stream with internal path `path` (plain or bucketed)."""
+        return self.for_key(placement_key(path))
+
+    def for_bucket(self, bucket_id: str) -> Link:
+        return self.for_key(bucket_placement_key(bucket_id))
+
+    def all_links(self) -> list[Link]:
+        """Every ingester of the description (or the one --ingester), in id order."""
+        cluster = self.cluster
+        if cluster is None:
+            return [self.default] if self.default is not None else []
+        out = []
+        for ing in cluster.ingesters:
+            link = self.link(ing.url)
+            link.ingester_id = ing.id
+            out.append(link)
+        return out
+
+    async def after_misdirected(self, key: str, was: Link, generation: str | None) -> Link | None:
+        """After a 421 from `was` for placement key `key` (whose DS3-Cluster-Generation was
+        `generation`): the new owner to retry at once, or None (no description to re-read, or
+        the owner did not change)."""
+        self.misdirected += 1
+        if self.watcher is None:
+            return None
+        try:
+            gen = int(generation) if generation is not None else self.generation + 1
+        except ValueError:
+            gen = self.generation + 1
+        await self.watcher.refresh_if_older(gen)
+        try:
+            now = self.for_key(key)
+        except Unavailable:
+            return None
+        if now is was:
+            return None
+        self.rerouted += 1
+        return now
+
+    def still_misdirected(self, was: Link) -> Unavailable:
+        return Unavailable(f"the ingester at {was.url} does not own this stream under its cluster description "
+                           f"and this reader's (generation {self.generation}) names it: the description is "
+                           "changing; retry", 1)
+
+    # --- requests with one retry after a 421 -----------------------------------------------
+
+    async def call(self, key: str, method: str, path_qs: str, headers: Headers, body: bytes | None) -> Upstream:
+        link = self.for_key(key)
+        up = await link.client.call(method, path_qs, headers, body)
+        if up.status == MISDIRECTED:
+            return await self._again(key, link, up, lambda c: c.call(method, path_qs, headers, body))
+        return up
+
+    async def get_collapsed(self, key: str, path_qs: str, headers: Headers) -> Upstream:
+        link = self.for_key(key)
+        up = await link.client.get_collapsed(path_qs, headers)
+        if up.status == MISDIRECTED:
+            return await self._again(key, link, up, lambda c: c.get_collapsed(path_qs, headers))
+        return up
+
+    async def collapsed_call(self, key: str, method: str, path_qs: str, headers: Headers, *, flight: str) -> Upstream:
+        link = self.for_key(key)
+        up = await link.client.collapsed_call(method, path_qs, headers, key=flight)
+        if up.status == MISDIRECTED:
+            return await self._again(key, link, up, lambda c: c.collapsed_call(method, path_qs, headers, key=flight))
+        return up
+
+    async def _again(self, key: str, link: Link, up: Upstream,
+                     send: Callable[[IngesterClient], Any]) -> Upstream:
+        if self.watcher is None:
+            return up  # one ingester and no description: its answer as it is (as before routing)
+        again = await self.after_misdirected(key, link, up.headers.get(GENERATION_HEADER))
+        if again is None:
+            raise self.still_misdirected(link)
+        retried: Upstream = await send(again.client)
+        if retried.status == MISDIRECTED:
+            self.misdirected += 1
+            raise self.still_misdirected(again)
+        return retried
+
+    @contextlib.asynccontextmanager
+    async def open(self, key: str, method: str, path_qs: str, headers: Headers) -> AsyncIterator[aiohttp.ClientResponse]:
+        """A request whose body the caller streams, at the owner (retried once after a 421)."""
+        link = self.for_key(key)
+        async with link.client.open(method, path_qs, headers) as up:
+            if up.status != MISDIRECTED or self.watcher is None:
+                yield up
+                return
+            generation = up.headers.get(GENERATION_HEADER)
+        again = await self.after_misdirected(key, link, generation)
+        if again is None:
+            raise self.still_misdirected(link)
+        async with again.client.open(method, path_qs, headers) as up:
+            if up.status == MISDIRECTED:
+                self.misdirected += 1
+                raise self.still_misdirected(again)
+            yield up
+
+    # --- totals for metrics ------------------------------------------------------------------
+
+    @property
+    def requests(self) -> int:
+        return sum(link.client.requests for link in self.links.values())
+
+    @property
+    def collapsed_total(self) -> int:
+        return self.collapsed + sum(link.client.collapsed for link in self.links.values())
+
+    async def close(self) -> None:
+        if self.watcher is not None:
+            await self.watcher.stop()
+        for link in self.links.values():
+            if link.pool is not None:
+                await link.pool.close()

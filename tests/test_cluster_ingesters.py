@@ -1,0 +1,377 @@
+"""Placement with real processes (issue 15): two ingesters share one local store and a
+cluster description naming both (in the store, written like `ds3 cluster set` does). Each
+serves the streams placed on it and refuses the other's with 421 naming the owner, on every
+method, the extensions, forks, buckets and the fast lane; /readyz and /metrics say who it is.
+Also the settings' validation and the `ds3 cluster` command."""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import re
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from ds3.cli import main
+from shared.cluster import read_cluster, set_cluster
+from shared.config import ConfigError, IngesterConfig
+from shared.objectstore import LocalStore
+from shared.placement import Cluster
+from tests import procs
+from tests.rawhttp import exchange
+
+
+@dataclass
+class Pair:
+    a: procs.Proc
+    b: procs.Proc
+    store_root: Path
+    cluster: Cluster
+
+    def of(self, ingester_id: str) -> procs.Proc:
+        return self.a if ingester_id == "a" else self.b
+
+    def path_on(self, ingester_id: str, prefix: str) -> str:
+        """A fresh plain stream path this cluster places on `ingester_id`."""
+        return next(p for p in (f"{prefix}-{n}" for n in range(1000)) if self.cluster.owner(p).id == ingester_id)
+
+    def bucket_on(self, ingester_id: str, prefix: str) -> str:
+        return next(b for b in (f"{prefix}-{n}" for n in range(1000)) if self.cluster.bucket_owner(b).id == ingester_id)
+
+
+def _write_cluster(root: Path, ingesters: dict[str, str]) -> Cluster:
+    async def run() -> Cluster:
+        store = LocalStore(root)
+        try:
+            return await set_cluster(store, ingesters)
+        finally:
+            await store.close()
+
+    return asyncio.run(run())
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
+    root = tmp_path_factory.mktemp("cluster")
+    store_root = root / "objects"
+    pa, pb = procs.free_port(), procs.free_port()
+    cluster = _write_cluster(store_root, {"a": f"http://127.0.0.1:{pa}", "b": f"http://127.0.0.1:{pb}"})
+    common = ["--store", store_root.as_uri(), "--cluster-refresh", "0.2", "--write-rate", "0"]
+    a = procs.ingester(root / "a", *common, "--ingester-id", "a", port=pa)
+    b = procs.ingester(root / "b", *common, "--ingester-id", "b", port=pb)
+    a.start()
+    try:
+        b.start()
+        try:
+            yield Pair(a, b, store_root, cluster)
+        finally:
+            b.stop()
+    finally:
+        a.stop()
+
+
+def request(p: procs.Proc, method: str, path: str, body: bytes = b"",
+            headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
+    c = http.client.HTTPConnection("127.0.0.1", p.port, timeout=10)
+    try:
+        c.request(method, path, body=body or None, headers=headers or {})
+        r = c.getresponse()
+        return r.status, {k.lower(): v for k, v in r.getheaders()}, r.read()
+    finally:
+        c.close()
+
+
+def metrics(p: procs.Proc) -> str:
+    with urllib.request.urlopen(f"{p.url}/metrics", timeout=5) as r:
+        return str(r.read().decode())
+
+
+def metric(text: str, name: str) -> float | None:
+    m = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
+    return float(m.group(1)) if m else None
+
+
+def readyz(p: procs.Proc) -> tuple[int, dict[str, object]]:
+    try:
+        with urllib.request.urlopen(f"{p.url}/readyz", timeout=5) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def assert_misdirected(status: int, headers: dict[str, str], body: bytes, owner: procs.Proc, owner_id: str,
+                       head: bool = False) -> None:
+    assert status == 421, (status, body)
+    assert headers["ds3-owner"] == owner.url
+    assert headers["ds3-owner-id"] == owner_id
+    assert headers["ds3-cluster-generation"] == "1"
+    assert headers["cache-control"] == "no-store"
+    if not head:
+        assert f"belongs to ingester {owner_id} at {owner.url}".encode() in body, body
+
+
+def test_owner_serves_and_the_other_refuses_every_method(pair: Pair) -> None:
+    path = pair.path_on("a", "plain")
+    url = f"/v1/stream/{path}"
+    a, b = pair.a, pair.b
+    text = {"Content-Type": "text/plain"}
+    # the non-owner refuses before anything happens, whatever the method
+    assert_misdirected(*request(b, "PUT", url, headers=text), owner=a, owner_id="a")
+    assert request(a, "PUT", url, headers=text)[0] == 201
+    assert request(a, "POST", url, b"hello", text)[0] == 204
+    for method, extra in [("POST", b"x"), ("GET", b""), ("DELETE", b"")]:
+        assert_misdirected(*request(b, method, url, extra, text), owner=a, owner_id="a")
+    assert_misdirected(*request(b, "HEAD", url), owner=a, owner_id="a", head=True)
+    for query in ("?offset=-1", "?offset=now&live=long-poll", "?offset=-1&live=sse"):
+        assert_misdirected(*request(b, "GET", url + query), owner=a, owner_id="a")
+    # extensions: snapshot, bootstrap; and the internal endpoints readers use
+    for method, ext in [("GET", "/snapshot"), ("GET", "/bootstrap"), ("PUT", "/snapshot/0000000000000000_0000000000000005")]:
+        assert_misdirected(*request(b, method, url + ext), owner=a, owner_id="a")
+    assert_misdirected(*request(b, "POST", f"/_ds3/touch?path={path}"), owner=a, owner_id="a")
+    assert_misdirected(*request(b, "GET", f"/_ds3/parts?path={path}&from=0_0&until=0_0&boundary=ds3-x"),
+                       owner=a, owner_id="a")
+    # a fork is placed by its own path: B refuses a fork of A's stream that A owns ...
+    fork_on_a = pair.path_on("a", "fork")
+    assert_misdirected(*request(b, "PUT", f"/v1/stream/{fork_on_a}", headers={"Stream-Forked-From": url}),
+                       owner=a, owner_id="a")
+    assert request(a, "PUT", f"/v1/stream/{fork_on_a}", headers={"Stream-Forked-From": url})[0] == 201
+    # the owner still has exactly what it acknowledged, and serves every method
+    status, _, body = request(a, "GET", url + "?offset=-1")
+    assert status == 200 and body == b"hello"
+    assert request(a, "HEAD", url)[0] == 200
+    assert request(a, "GET", f"/v1/stream/{fork_on_a}?offset=-1")[2] == b"hello"
+    assert request(a, "DELETE", f"/v1/stream/{fork_on_a}")[0] == 204
+    assert request(a, "DELETE", url)[0] == 204
+    # and B never created it: it holds no such stream
+    status, _, _ = request(b, "GET", f"/v1/stream/{pair.path_on('b', 'probe')}")
+    assert status == 404
+
+
+def test_fast_lane_appends_are_refused_too(pair: Pair) -> None:
+    a, b = pair.a, pair.b
+    path = pair.path_on("a", "lane")
+    assert request(a, "PUT", f"/v1/stream/{path}", headers={"Content-Type": "text/plain"})[0] == 201
+    served = metric(metrics(b), "ds3_http_fast_lane_appends_total")
+    post = (f"POST /v1/stream/{path} HTTP/1.1\r\nHost: x\r\nContent-Type: text/plain\r\n"
+            "Content-Length: 3\r\n\r\nabc").encode()
+    [answer] = exchange(b.port, post)
+    after = metrics(b)
+    assert metric(after, "ds3_http_fast_lane_appends_total") == (served or 0) + 1  # the lane answered it
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 421 Misdirected Request\r\n"), answer
+    assert f"DS3-Owner: {a.url}\r\n".encode() in head and b"DS3-Owner-Id: a\r\n" in head
+    assert f"belongs to ingester a at {a.url}".encode() in body
+    # the same answer as aiohttp's (a query keeps the request off the lane)
+    status, headers, slow_body = request(b, "POST", f"/v1/stream/{path}?x", b"abc", {"Content-Type": "text/plain"})
+    assert status == 421 and slow_body == body and headers["ds3-owner"] == a.url
+    # nothing was appended anywhere
+    assert request(a, "GET", f"/v1/stream/{path}?offset=-1")[2] == b""
+    # the owner's lane takes it
+    [ok] = exchange(a.port, post)
+    assert ok.startswith(b"HTTP/1.1 204"), ok
+
+
+def test_buckets_live_with_their_streams(pair: Pair) -> None:
+    a, b = pair.a, pair.b
+    bucket = pair.bucket_on("b", "tenant")
+    assert_misdirected(*request(a, "PUT", f"/v1/buckets/{bucket}"), owner=b, owner_id="b")
+    assert request(b, "PUT", f"/v1/buckets/{bucket}")[0] == 201
+    for stream_id in ("s1", "s2", "s3"):  # every stream of the bucket is B's, whatever its id
+        assert_misdirected(*request(a, "PUT", f"/v1/buckets/{bucket}/{stream_id}"), owner=b, owner_id="b")
+        assert request(b, "PUT", f"/v1/buckets/{bucket}/{stream_id}", headers={"Content-Type": "text/plain"})[0] == 201
+    assert_misdirected(*request(a, "GET", f"/v1/buckets/{bucket}/streams"), owner=b, owner_id="b")
+    listing = json.loads(request(b, "GET", f"/v1/buckets/{bucket}/streams")[2])
+    assert [s["stream_id"] for s in listing["streams"]] == ["s1", "s2", "s3"]
+    assert_misdirected(*request(a, "DELETE", f"/v1/buckets/{bucket}"), owner=b, owner_id="b")
+    assert request(b, "DELETE", f"/v1/buckets/{bucket}")[0] == 409  # not empty
+
+
+def test_each_member_keeps_its_log_and_ownership_record_in_its_own_namespace(pair: Pair) -> None:
+    """Members share the store, not their commit logs: each logs (and owns) under
+    _ds3/ingesters/<id>/, so both run (one ownership record at the root would let only one start)
+    and their segments, numbered by their own commits, never collide."""
+    for p, ident in ((pair.a, "a"), (pair.b, "b")):
+        path = next(f"/v1/stream/ns-{ident}-{i}" for i in range(1000)
+                    if pair.cluster.owner(f"ns-{ident}-{i}").id == ident)
+        assert request(p, "PUT", path, headers={"Content-Type": "text/plain"})[0] == 201
+        assert request(p, "POST", path, b"x", headers={"Content-Type": "text/plain"})[0] == 204
+    deadline = time.monotonic() + 10
+    root = pair.store_root
+    while time.monotonic() < deadline and not all(list((root / "_ds3/ingesters" / i / "log").glob("*.seg"))
+                                                  for i in "ab"):
+        time.sleep(0.1)
+    for ident in "ab":
+        assert list((root / "_ds3/ingesters" / ident / "log").glob("*.seg")), f"no segments of {ident}"
+        assert (root / "_ds3/ingesters" / ident / "_ds3/owner.json").exists()
+    assert not (root / "log").exists() and not (root / "_ds3/owner.json").exists()
+
+
+def test_readyz_and_metrics_say_who_holds_what(pair: Pair) -> None:
+    a, b = pair.a, pair.b
+    for n in range(3):
+        path = pair.path_on("b", f"count{n}")
+        assert request(b, "PUT", f"/v1/stream/{path}", headers={"Content-Type": "text/plain"})[0] == 201
+    for p, me in ((a, "a"), (b, "b")):
+        status, body = readyz(p)
+        assert status == 200, body
+        cluster = body["cluster"]
+        assert isinstance(cluster, dict)
+        assert cluster["ingester_id"] == me and cluster["url"] == p.url and cluster["generation"] == 1
+        assert [i["id"] for i in cluster["ingesters"]] == ["a", "b"]
+        assert isinstance(cluster["streams"], int)
+        assert body["checks"]["cluster"] == "ok"  # type: ignore[index]
+        text = metrics(p)
+        assert metric(text, "ds3_cluster_generation") == 1
+        assert metric(text, "ds3_cluster_ingesters") == 2
+        assert metric(text, f'ds3_cluster_member{{ingester_id="{me}",url="{p.url}"}}') == 1
+        assert metric(text, f'ds3_cluster_streams{{ingester_id="{me}"}}') == cluster["streams"]
+        assert (metric(text, "ds3_cluster_misdirected_total") or 0) > 0
+    assert readyz(b)[1]["cluster"]["streams"] >= 3  # type: ignore[index]
+
+
+def test_a_new_description_reaches_running_ingesters(tmp_path: Path) -> None:
+    """Generation 2 drops B: within the refresh interval A owns everything, and B owns
+    nothing (421 naming A, /readyz 503 saying why)."""
+    store_root = tmp_path / "objects"
+    pa, pb = procs.free_port(), procs.free_port()
+    ab = {"a": f"http://127.0.0.1:{pa}", "b": f"http://127.0.0.1:{pb}"}
+    first = _write_cluster(store_root, ab)
+    common = ["--store", store_root.as_uri(), "--cluster-refresh", "0.2"]
+    a = procs.ingester(tmp_path / "a", *common, "--ingester-id", "a", port=pa).start()
+    try:
+        b = procs.ingester(tmp_path / "b", *common, "--ingester-id", "b", port=pb).start()
+        try:
+            pair = Pair(a, b, store_root, first)
+            path = pair.path_on("b", "moving")
+            assert request(b, "PUT", f"/v1/stream/{path}")[0] == 201
+            assert request(a, "PUT", f"/v1/stream/{path}")[0] == 421
+            _write_cluster(store_root, {"a": ab["a"]})
+            deadline = time.monotonic() + 10
+            while request(b, "HEAD", f"/v1/stream/{path}")[0] != 421:
+                assert time.monotonic() < deadline, "B never read generation 2"
+                time.sleep(0.1)
+            status, headers, _ = request(b, "GET", f"/v1/stream/{path}")
+            assert status == 421 and headers["ds3-owner-id"] == "a" and headers["ds3-cluster-generation"] == "2"
+            status, body = readyz(b)
+            assert status == 503 and "not in the cluster description (generation 2: a)" in body["checks"]["cluster"]  # type: ignore[index]
+            while readyz(a)[1]["cluster"]["generation"] != 2:  # type: ignore[index]
+                assert time.monotonic() < deadline, "A never read generation 2"
+                time.sleep(0.1)
+            assert request(a, "PUT", f"/v1/stream/{path}")[0] == 201  # A's now (moving data: not yet)
+        finally:
+            b.stop()
+    finally:
+        a.stop()
+
+
+def test_without_a_description_stream_requests_wait(tmp_path: Path) -> None:
+    """--ingester-id with a store that holds no description yet: 503 (never serve a stream
+    it may not own), not ready; the first description written is picked up."""
+    store_root = tmp_path / "objects"
+    port = procs.free_port()
+    a = procs.ingester(tmp_path / "a", "--store", store_root.as_uri(), "--ingester-id", "a",
+                       "--cluster-refresh", "0.2", port=port).start()
+    try:
+        status, headers, body = request(a, "PUT", "/v1/stream/x")
+        assert status == 503 and "has not read the cluster description yet" in body.decode()
+        assert "retry-after" in headers
+        assert readyz(a)[0] == 503
+        _write_cluster(store_root, {"a": a.url})
+        deadline = time.monotonic() + 10
+        while readyz(a)[0] != 200:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        assert request(a, "PUT", "/v1/stream/x")[0] == 201
+    finally:
+        a.stop()
+
+
+def test_a_cluster_file(tmp_path: Path) -> None:
+    """`--cluster FILE` (ds3 dev, tests): a single-ingester description owns every stream."""
+    port = procs.free_port()
+    f = tmp_path / "cluster.json"
+    f.write_bytes(Cluster.of({"solo": f"http://127.0.0.1:{port}"}).encode())
+    a = procs.ingester(tmp_path / "a", "--cluster", str(f), "--ingester-id", "solo", port=port).start()
+    try:
+        for n in range(20):
+            assert request(a, "PUT", f"/v1/stream/s{n}")[0] == 201
+        assert request(a, "PUT", "/v1/buckets/tenant-1")[0] == 201
+        assert readyz(a)[1]["cluster"]["generation"] == 1  # type: ignore[index]
+    finally:
+        a.stop()
+
+
+def _config(tmp_path: Path, **kw: object) -> IngesterConfig:
+    return IngesterConfig(data_dir=tmp_path, **kw)  # type: ignore[arg-type]
+
+
+def test_settings_are_validated(tmp_path: Path) -> None:
+    f = tmp_path / "cluster.json"
+    f.write_bytes(Cluster.of({"a": "http://127.0.0.1:1", "b": "http://127.0.0.1:2"}).encode())
+    store = (tmp_path / "objects").as_uri()
+    assert _config(tmp_path).ingester_id is None  # no cluster: as before
+    assert _config(tmp_path, ingester_id="a", store=store).ingester_id == "a"
+    assert _config(tmp_path, ingester_id="b", cluster=f).cluster == f
+    cases: list[tuple[dict[str, object], str]] = [
+        (dict(cluster=f), "cluster (DS3_CLUSTER): needs ingester-id (DS3_INGESTER_ID)"),
+        (dict(ingester_id="a"), "ingester-id (DS3_INGESTER_ID): the cluster description is read from the store"),
+        (dict(ingester_id="a b", store=store), "ingester-id (DS3_INGESTER_ID): ingester id 'a b' is invalid"),
+        (dict(ingester_id="c", cluster=f), "ingester-id (DS3_INGESTER_ID): 'c' is not in the cluster file"),
+        (dict(ingester_id="a", cluster=tmp_path / "missing.json"), "cluster (DS3_CLUSTER): cluster file"),
+        (dict(ingester_id="a", store=store, cluster_refresh=0), "cluster-refresh (DS3_CLUSTER_REFRESH)"),
+    ]
+    for kw, message in cases:
+        with pytest.raises(ConfigError) as e:
+            _config(tmp_path, **kw)
+        assert message in str(e.value), (kw, e.value)
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"generation": 1, "ingesters": [{"id": "a", "url": "ftp://x"}]}')
+    with pytest.raises(ConfigError, match="must start with http:// or https://"):
+        _config(tmp_path, ingester_id="a", cluster=bad)
+
+
+def test_cluster_command(tmp_path: Path) -> None:
+    store = (tmp_path / "objects").as_uri()
+    run = CliRunner().invoke
+    r = run(main, ["cluster", "show", "--store", store])
+    assert r.exit_code == 1 and "no cluster description" in r.output
+    r = run(main, ["cluster", "set", "--store", store, "--ingester", "a=http://127.0.0.1:1",
+                   "--ingester", "b=http://127.0.0.1:2/"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.output)["generation"] == 1
+    r = run(main, ["cluster", "show", "--store", store])
+    shown = json.loads(r.output)
+    assert shown["ingesters"] == [{"id": "a", "url": "http://127.0.0.1:1"}, {"id": "b", "url": "http://127.0.0.1:2"}]
+    assert shown["etag"]
+    r = run(main, ["cluster", "set", "--store", store, "--ingester", "a=http://127.0.0.1:1", "--if-generation", "0"])
+    assert r.exit_code == 1 and "at generation 1, not 0" in r.output
+    r = run(main, ["cluster", "set", "--store", store, "--ingester", "a=http://127.0.0.1:1", "--if-generation", "1"])
+    assert r.exit_code == 0 and json.loads(r.output)["generation"] == 2
+    r = run(main, ["cluster", "owner", "--store", store, "/v1/stream/x", "/v1/buckets/tenant-1",
+                   "/v1/buckets/tenant-1/s%20s"])
+    assert r.exit_code == 0, r.output
+    assert r.output.splitlines() == ["/v1/stream/x a http://127.0.0.1:1", "/v1/buckets/tenant-1 a http://127.0.0.1:1",
+                                     "/v1/buckets/tenant-1/s%20s a http://127.0.0.1:1"]
+    r = run(main, ["cluster", "owner", "--store", store, "/v1/nope"])
+    assert r.exit_code == 2 and "not a stream URL" in r.output
+    for bad, message in [(["--ingester", "a"], "write it as id=url"),
+                         (["--ingester", "a=http://h:1", "--ingester", "a=http://h:2"], "appears more than once")]:
+        r = run(main, ["cluster", "set", "--store", store, *bad])
+        assert r.exit_code == 2 and message in r.output, r.output
+
+    async def stored() -> Cluster | None:
+        s = LocalStore(tmp_path / "objects")
+        try:
+            found = await read_cluster(s)
+            return None if found is None else found.cluster
+        finally:
+            await s.close()
+
+    assert asyncio.run(stored()) == Cluster.of({"a": "http://127.0.0.1:1"}, 2)

@@ -1,0 +1,305 @@
+"""Routing with real processes (issue 15, item 2): a reader in front of two ingesters that share
+one local store and a cluster description naming both (in the store, as `ds3 cluster set`
+writes it). Every forwarded request reaches the stream's owner: streams created through the
+reader land on their owners (the other ingester answers 421), appends, reads, HEAD, long-poll
+and SSE work for streams on both, a bucket's streams all live on the bucket's owner, the
+listings span both ingesters, and a new description (a third ingester) is picked up without a
+restart: the reader learns it from an ingester's 421 and re-routes."""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import re
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import quote
+
+import aiohttp
+import pytest
+
+from shared.cluster import set_cluster
+from shared.objectstore import LocalStore
+from shared.placement import Cluster
+from tests import procs
+
+TEXT = {"Content-Type": "text/plain"}
+
+
+@dataclass
+class Tier:
+    ingesters: dict[str, procs.Proc]  # a, b (in the description), c (started, named later)
+    reader: procs.Proc
+    store_root: Path
+    cluster: Cluster
+
+    def path_on(self, ingester_id: str, prefix: str, cluster: Cluster | None = None) -> str:
+        c = cluster or self.cluster
+        return next(p for p in (f"{prefix}-{n}" for n in range(1000)) if c.owner(p).id == ingester_id)
+
+    def bucket_on(self, ingester_id: str, prefix: str) -> str:
+        return next(b for b in (f"{prefix}-{n}" for n in range(1000)) if self.cluster.bucket_owner(b).id == ingester_id)
+
+
+def _set(root: Path, ingesters: dict[str, str]) -> Cluster:
+    async def run() -> Cluster:
+        store = LocalStore(root)
+        try:
+            return await set_cluster(store, ingesters)
+        finally:
+            await store.close()
+
+    return asyncio.run(run())
+
+
+@pytest.fixture(scope="module")
+def tier(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Tier]:
+    root = tmp_path_factory.mktemp("routing")
+    store_root = root / "objects"
+    ports = {i: procs.free_port() for i in "abc"}
+    cluster = _set(store_root, {i: f"http://127.0.0.1:{ports[i]}" for i in "ab"})
+    common = ["--store", store_root.as_uri(), "--cluster-refresh", "0.2", "--write-rate", "0",
+              "--long-poll-timeout", "2", "--seal-bytes", "4096", "--seal-age", "0.5"]
+    ingesters = {i: procs.ingester(root / i, *common, "--ingester-id", i, port=ports[i]) for i in "abc"}
+    # The reader re-reads the description only once a minute: it must learn of changes from 421s.
+    rdr = procs.reader(root / "reader", ingesters["a"].url, store_root.as_uri(), "--cluster-refresh", "60",
+                       "--long-poll-timeout", "2", "--write-rate", "0")
+    started: list[procs.Proc] = []
+    try:
+        for p in (*ingesters.values(), rdr):
+            p.start()
+            started.append(p)
+        yield Tier(ingesters, rdr, store_root, cluster)
+    finally:
+        for p in reversed(started):
+            p.stop()
+
+
+def request(p: procs.Proc, method: str, path: str, body: bytes = b"",
+            headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
+    c = http.client.HTTPConnection("127.0.0.1", p.port, timeout=15)
+    try:
+        c.request(method, path, body=body or None, headers=headers or {})
+        r = c.getresponse()
+        return r.status, {k.lower(): v for k, v in r.getheaders()}, r.read()
+    finally:
+        c.close()
+
+
+def metrics(p: procs.Proc) -> str:
+    with urllib.request.urlopen(f"{p.url}/metrics", timeout=5) as r:
+        return str(r.read().decode())
+
+
+def metric(text: str, name: str) -> float | None:
+    m = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
+    return float(m.group(1)) if m else None
+
+
+def wait_for(check, timeout: float = 10.0, what: str = "") -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def test_streams_land_on_their_owners_and_work_through_the_reader(tier: Tier) -> None:
+    for owner, other in (("a", "b"), ("b", "a")):
+        path = tier.path_on(owner, "plain")
+        url = f"/v1/stream/{path}"
+        assert request(tier.reader, "PUT", url, headers=TEXT)[0] == 201
+        for word in (b"one ", b"two ", b"three"):
+            assert request(tier.reader, "POST", url, word, TEXT)[0] == 204  # the fast lane
+        status, headers, body = request(tier.reader, "GET", url + "?offset=-1")
+        assert (status, body) == (200, b"one two three")
+        head = request(tier.reader, "HEAD", url)
+        assert head[0] == 200 and head[1]["stream-next-offset"] == headers["stream-next-offset"]
+        # it lives on its owner, and only there
+        assert request(tier.ingesters[owner], "GET", url + "?offset=-1")[2] == b"one two three"
+        status, refused, _ = request(tier.ingesters[other], "GET", url + "?offset=-1")
+        assert status == 421 and refused["ds3-owner-id"] == owner
+        assert request(tier.reader, "DELETE", url)[0] == 204
+        assert request(tier.ingesters[owner], "HEAD", url)[0] == 404
+    m = metrics(tier.reader)
+    assert metric(m, "ds3_reader_cluster_generation") == 1
+    with urllib.request.urlopen(f"{tier.reader.url}/readyz", timeout=5) as r:
+        ready = json.loads(r.read())
+    assert ready["cluster"]["generation"] == 1 and [i["id"] for i in ready["cluster"]["ingesters"]] == ["a", "b"]
+    for i in "ab":
+        url = tier.ingesters[i].url
+        assert (metric(m, f'ds3_reader_ingester_requests_per_ingester_total{{ingester_id="{i}",url="{url}"}}') or 0) > 0
+
+
+def test_long_poll_and_sse_follow_streams_on_both_ingesters(tier: Tier) -> None:
+    async def run(owner: str) -> None:
+        path = tier.path_on(owner, "live")
+        url = f"{tier.reader.url}/v1/stream/{path}"
+        async with aiohttp.ClientSession() as s:
+            async with s.put(url, headers=TEXT) as r:
+                assert r.status == 201
+                tail = r.headers["Stream-Next-Offset"]
+
+            async def long_poll() -> bytes:
+                async with s.get(url, params={"offset": tail, "live": "long-poll"}) as r:
+                    assert r.status == 200, await r.text()
+                    return await r.read()
+
+            async def sse() -> str:
+                got = ""
+                async with s.get(url, params={"offset": tail, "live": "sse"}) as r:
+                    assert r.status == 200
+                    async for line in r.content:
+                        text = line.decode()
+                        if text.startswith("data:"):
+                            got += text[5:].strip()
+                            if "hello" in got:
+                                return got
+                return got
+
+            lp, ev = asyncio.create_task(long_poll()), asyncio.create_task(sse())
+            await asyncio.sleep(0.3)
+            async with s.post(url, data=b"hello", headers=TEXT) as r:
+                assert r.status == 204
+            assert await asyncio.wait_for(lp, 10) == b"hello"
+            assert "hello" in await asyncio.wait_for(ev, 10)
+
+    for owner in "ab":
+        asyncio.run(run(owner))
+
+
+def test_a_buckets_streams_all_live_on_the_bucket_owner(tier: Tier) -> None:
+    for owner, other in (("a", "b"), ("b", "a")):
+        bucket = tier.bucket_on(owner, "bkt")
+        assert request(tier.reader, "PUT", f"/v1/buckets/{bucket}")[0] == 201
+        names = ["s1", "s2", "s3", "s4", "s5"]
+        for n in names:
+            url = f"/v1/buckets/{bucket}/{n}"
+            assert request(tier.reader, "PUT", url, headers=TEXT)[0] == 201
+            assert request(tier.reader, "POST", url, n.encode(), TEXT)[0] == 204
+            assert request(tier.reader, "GET", url + "?offset=-1")[2] == n.encode()
+            assert request(tier.ingesters[owner], "HEAD", url)[0] == 200
+            assert request(tier.ingesters[other], "HEAD", url)[0] == 421
+        status, _, body = request(tier.reader, "GET", f"/v1/buckets/{bucket}/streams")
+        assert status == 200 and [s["stream_id"] for s in json.loads(body)["streams"]] == names
+        assert json.loads(request(tier.reader, "GET", f"/v1/buckets/{bucket}")[2])["streams"] == 5
+        assert request(tier.reader, "DELETE", f"/v1/buckets/{bucket}")[0] == 409  # it holds streams
+
+
+def test_listings_span_every_ingester(tier: Tier) -> None:
+    paths = sorted([tier.path_on("a", f"list-{n}") for n in range(3)] + [tier.path_on("b", f"list-{n}") for n in range(3)])
+    paths = sorted(set(paths))
+    for p in paths:
+        assert request(tier.reader, "PUT", f"/v1/stream/{quote(p)}", headers=TEXT)[0] == 201
+    status, _, body = request(tier.reader, "GET", "/ds3/streams?prefix=list-")
+    page = json.loads(body)
+    assert status == 200 and [s["path"] for s in page["streams"]] == paths and page["has_more"] is False
+    # paged one at a time, with the cursor each page gives
+    seen: list[str] = []
+    after = None
+    for _ in range(len(paths) + 2):
+        q = "/ds3/streams?prefix=list-&limit=2" + (f"&after={quote(after)}" if after else "")
+        page = json.loads(request(tier.reader, "GET", q)[2])
+        seen += [s["path"] for s in page["streams"]]
+        if not page["has_more"]:
+            break
+        after = page["next_cursor"]
+    assert seen == paths
+    # buckets too
+    buckets = sorted({tier.bucket_on("a", "lb"), tier.bucket_on("b", "lb")})
+    for b in buckets:
+        assert request(tier.reader, "PUT", f"/v1/buckets/{b}")[0] == 201
+    page = json.loads(request(tier.reader, "GET", "/ds3/buckets?prefix=lb-")[2])
+    assert [b["bucket_id"] for b in page["buckets"]] == buckets
+
+
+def test_forks_on_one_ingester_work_and_across_ingesters_are_refused_clearly(tier: Tier) -> None:
+    """A fork and its source on one ingester: as ever. Across ingesters (not supported yet,
+    issue 15 item 3): 501 naming both ingesters, not the fork owner's misleading 404; a source
+    that does not exist is still 404."""
+    source = tier.path_on("a", "fsrc")
+    assert request(tier.reader, "PUT", f"/v1/stream/{source}", b"abc", TEXT)[0] == 201
+    near, far = tier.path_on("a", "fork"), tier.path_on("b", "fork")
+    fork = {**TEXT, "Stream-Forked-From": f"/v1/stream/{source}"}
+    assert request(tier.reader, "PUT", f"/v1/stream/{near}", headers=fork)[0] == 201
+    assert request(tier.reader, "POST", f"/v1/stream/{near}", b"d", TEXT)[0] == 204
+    assert request(tier.reader, "GET", f"/v1/stream/{near}?offset=-1")[2] == b"abcd"
+    status, _, body = request(tier.reader, "PUT", f"/v1/stream/{far}", headers=fork)
+    assert status == 501 and b"ingester a into one placed on ingester b" in body, body
+    assert request(tier.ingesters["b"], "HEAD", f"/v1/stream/{far}")[0] == 404  # nothing was created
+    missing = tier.path_on("a", "nosuch")
+    status, _, body = request(tier.reader, "PUT", f"/v1/stream/{far}",
+                              headers={**TEXT, "Stream-Forked-From": f"/v1/stream/{missing}"})
+    assert status == 404, body
+
+
+def test_a_new_description_is_picked_up_without_a_restart(tier: Tier) -> None:
+    """The last test of the module: it changes the description (a, b, c)."""
+    a, b, c = (tier.ingesters[i] for i in "abc")
+    new = _set(tier.store_root, {i: tier.ingesters[i].url for i in "abc"})
+    assert new.generation == 2
+    for p in (a, b, c):
+        wait_for(lambda p=p: metric(metrics(p), "ds3_cluster_generation") == 2, 10, f"{p.url} to read generation 2")
+    assert metric(metrics(tier.reader), "ds3_reader_cluster_generation") == 1  # it reads only once a minute
+    # an append through the fast lane to a stream c owns now: the old owner answers 421 naming
+    # generation 2, the reader re-reads the description and sends it to c (which has no such stream)
+    moved = tier.path_on("c", "moved", new)
+    status, _, body = request(tier.reader, "POST", f"/v1/stream/{moved}", b"x", TEXT)
+    assert status == 404, body
+    m = metrics(tier.reader)
+    assert metric(m, "ds3_reader_cluster_generation") == 2
+    assert (metric(m, "ds3_reader_misdirected_total") or 0) >= 1
+    assert (metric(m, "ds3_reader_rerouted_total") or 0) >= 1
+    assert request(tier.reader, "PUT", f"/v1/stream/{moved}", headers=TEXT)[0] == 201
+    assert request(tier.reader, "POST", f"/v1/stream/{moved}", b"on c", TEXT)[0] == 204
+    assert request(c, "GET", f"/v1/stream/{moved}?offset=-1")[2] == b"on c"
+    assert request(a, "HEAD", f"/v1/stream/{moved}")[0] == 421
+    assert request(tier.reader, "GET", f"/v1/stream/{moved}?offset=-1")[2] == b"on c"
+
+
+def test_dev_runs_several_ingesters_behind_its_reader(tmp_path: Path) -> None:
+    """`ds3 dev --ingesters 2`: two ingesters (i1, i2) with their own WALs, one store, the
+    description in DATA_DIR/cluster.json, and the reader routing over them."""
+    import os
+    import signal
+    import subprocess
+
+    port = procs.free_port()
+    log = tmp_path / "dev.log"
+    data = tmp_path / "d"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DS3_")}
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([procs.DS3, "dev", "--ingesters", "2", "--workers", "1", "--port", str(port),
+                                 "--data-dir", str(data)], stdout=out, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)
+    try:
+        wait_for(lambda: "ds3 dev ready" in log.read_text() or proc.poll() is not None, 40, "ds3 dev to start")
+        assert proc.poll() is None, log.read_text()
+        cluster = Cluster.decode((data / "cluster.json").read_bytes())
+        assert cluster.ids == ("i1", "i2") and (data / "i1" / "wal").is_dir() and (data / "i2" / "wal").is_dir()
+        front = procs.Proc([], port, log)
+        owners = {}
+        for n in range(12):
+            url = f"/v1/stream/dev-{n}"
+            assert request(front, "PUT", url, headers=TEXT)[0] == 201
+            assert request(front, "POST", url, b"x", TEXT)[0] == 204
+            assert request(front, "GET", url + "?offset=-1")[2] == b"x"
+            owners[cluster.owner(f"dev-{n}").id] = owners.get(cluster.owner(f"dev-{n}").id, 0) + 1
+        assert set(owners) == {"i1", "i2"}
+        for ing in cluster.ingesters:  # each holds exactly the streams placed on it
+            with urllib.request.urlopen(f"{ing.url}/metrics", timeout=5) as r:
+                held = metric(r.read().decode(), f'ds3_cluster_streams{{ingester_id="{ing.id}"}}')
+            assert held == owners[ing.id]
+        m = metrics(front)
+        assert metric(m, "ds3_reader_cluster_ingesters") == 2 and metric(m, "ds3_reader_cluster_generation") == 1
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(20)
+    # a restart writes the next generation (the ports change; the ids, and so placement, do not)
+    from ds3.supervise import write_cluster_file
+
+    again = write_cluster_file(data / "cluster.json", [("i1", "http://127.0.0.1:1"), ("i2", "http://127.0.0.1:2")])
+    assert again.generation == 2 and again.ids == cluster.ids

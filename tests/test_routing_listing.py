@@ -1,0 +1,101 @@
+"""Listings through a reader in front of two ingesters (issue 15): /ds3/streams merges both
+ingesters' pages in name order, and never names what the caller may not see, not even when an
+ingester's page ends after passing over MAX_SKIPPED private streams (its cursor is sealed: the
+reader's cursor is then a merged one, `~~...`, holding each ingester's own)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import pytest
+
+from ingester.listing import MAX_SKIPPED
+from ingester.store import CreateRequest
+from shared.placement import Cluster
+from tests import procs
+from tests.wal_harness import Clock, Harness
+
+HIDDEN = MAX_SKIPPED + 50
+ADMIN = "routing-listing-admin-0123456789"
+INTERNAL = "routing-listing-internal-0123456789"
+# public names on both ingesters, around a's 10,050 private ones ("secret/...")
+ON_A = ["a-public", "m-public", "zz-a"]
+ON_B = ["b-public", "s-public", "secret0-b", "zz-b"]
+
+
+@dataclass
+class Front:
+    reader: procs.Proc
+
+
+@pytest.fixture(scope="module")
+def front(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Front]:
+    root = tmp_path_factory.mktemp("routing-listing")
+    fills = {"a": ON_A + [f"secret/user-{i:05d}" for i in range(HIDDEN)], "b": ON_B}
+    for name, paths in fills.items():
+        h = Harness(root / name / "wal", Clock())
+        try:
+            h.run(lambda txn, paths=paths, h=h: [h.store.create(txn, CreateRequest(path=p, content_type="text/plain"))
+                                            for p in paths])
+        finally:
+            h.close()
+    ports = {i: procs.free_port() for i in "ab"}
+    cluster_file = root / "cluster.json"
+    cluster_file.write_bytes(Cluster.of({i: f"http://127.0.0.1:{p}" for i, p in ports.items()}).encode())
+    (root / "objects").mkdir()
+    store = (root / "objects").as_uri()
+    env = {"DS3_TOKENS": json.dumps([{"token": ADMIN, "sub": "admin", "read": ["*"], "write": ["*"]}]),
+           "DS3_INTERNAL_TOKEN": INTERNAL}
+    access = ["--private", "stream:secret/", "--write-rate", "0"]
+    started: list[procs.Proc] = []
+    ings = [procs.ingester(root / i, *access, "--store", store, "--ingester-id", i, "--cluster", str(cluster_file),
+                           port=ports[i]) for i in "ab"]
+    rdr = procs.reader(root / "reader", ings[0].url, store, *access, "--cluster", str(cluster_file))
+    try:
+        for p in (*ings, rdr):
+            p.env.update(env)
+            p.start()
+            started.append(p)
+        yield Front(rdr)
+    finally:
+        for p in reversed(started):
+            p.stop()
+
+
+async def _pages(url: str, headers: dict[str, str] | None = None, **params: str) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60), headers=headers) as s:
+        while True:
+            async with s.get(url, params=params) as r:
+                assert r.status == 200, await r.text()
+                page = await r.json()
+            out.append(page)
+            if not page["has_more"]:
+                return out
+            assert len(out) < 100
+            params["after"] = page["next_cursor"]
+
+
+async def test_an_anonymous_merged_listing_shows_every_public_stream_and_names_no_private_one(front: Front) -> None:
+    pages = await _pages(front.reader.url + "/ds3/streams")
+    shown = [s["path"] for page in pages for s in page["streams"]]
+    assert shown == sorted(ON_A + ON_B)
+    assert any(page["next_cursor"] and page["next_cursor"].startswith("~~") for page in pages)  # merged cursors
+    assert not any("user-" in json.dumps(page) for page in pages)
+    # small pages: the same names, in order
+    small = await _pages(front.reader.url + "/ds3/streams", limit="2")
+    assert [s["path"] for page in small for s in page["streams"]] == sorted(ON_A + ON_B)
+
+
+async def test_a_caller_who_may_read_them_pages_by_name(front: Front) -> None:
+    pages = await _pages(front.reader.url + "/ds3/streams", {"Authorization": f"Bearer {ADMIN}"})
+    shown = [s["path"] for page in pages for s in page["streams"]]
+    assert len(shown) == HIDDEN + len(ON_A) + len(ON_B) and shown == sorted(shown, key=lambda n: n.encode())
+    for page in pages[:-1]:
+        assert page["next_cursor"] == page["streams"][-1]["path"]  # the documented cursor: the last name shown
+    after = await _pages(front.reader.url + "/ds3/streams", after="secret/user-09999")
+    assert [s["path"] for page in after for s in page["streams"]] == ["secret0-b", "zz-a", "zz-b"]
