@@ -119,6 +119,23 @@ def _ingester_options(f: FC) -> FC:
                   "(ds3 dev, tests). Needs --ingester-id."),
         _opt("--cluster-refresh", env="DS3_CLUSTER_REFRESH", type=float, default=5.0,
              help="Seconds between reads of the cluster description."),
+        _opt("--durability", env="DS3_DURABILITY", default="local", type=click.Choice(["local", "store"]),
+             help="With --store, every commit is also logged to the store. local: an append is "
+                  "acknowledged after the local fsync and the log follows within --ship-interval; "
+                  "store: only once its log segment is in the object store (nothing acknowledged is "
+                  "lost with the machine)."),
+        _opt("--ship-interval", env="DS3_SHIP_INTERVAL", type=float, default=1.0,
+             help="local durability: seconds the log in the store may lag behind the WAL."),
+        _opt("--checkpoint-interval", env="DS3_CHECKPOINT_INTERVAL", type=float, default=300.0,
+             help="Seconds between checkpoints of the WAL into the store (they bound recovery)."),
+        _opt("--advertise-url", env="DS3_ADVERTISE_URL", default=None,
+             help="URL of this ingester named in the store's ownership record. Default: http://HOST:PORT."),
+        _opt("--owner-id", env="DS3_OWNER_ID", default=None,
+             help="This ingester's name in the ownership record. Default: a random id kept in the data dir "
+                  "(a restart on the same disk takes its prefix back at once)."),
+        _opt("--lease-seconds", env="DS3_LEASE_SECONDS", type=float, default=10.0,
+             help="Lease on the store prefix; renewed every third of it. Another ingester may take the "
+                  "prefix over once it lapses."),
         _opt("--sse-max-seconds", env="DS3_SSE_MAX_SECONDS", type=float, default=60.0,
              help="SSE connections are closed after this long so CDNs can collapse them."),
         _opt("--max-read-bytes", env="DS3_MAX_READ_BYTES", type=int, default=1 * MiB,
@@ -297,9 +314,14 @@ def ingester(**kw: Any) -> None:
     config = _ingester_config(kw)
     from ingester.app import create_app
     from ingester.fastlane import FastLaneRunner
+    from ingester.logstore import StartRefused
 
-    _run(_build(create_app, config), config.host, config.port,
-         f"ds3 ingester (data in {config.data_dir.resolve()})", config, FastLaneRunner)
+    try:
+        _run(_build(create_app, config), config.host, config.port,
+             f"ds3 ingester (data in {config.data_dir.resolve()})", config, FastLaneRunner)
+    except StartRefused as e:
+        log.error("%s", e)
+        raise click.ClickException(str(e)) from None
 
 
 @main.command()

@@ -108,10 +108,30 @@ def collect(app: web.Application) -> Iterator[Metric]:
                       "backoff).", sealer.upload_failures)
         yield gauge("ds3_seal_backlog", "Chunks waiting to be uploaded, or uploading now.", sealer.backlog)
         yield from sealer.upload_seconds.collect()
+    shipper = svc.shipper
+    if shipper is not None:
+        yield counter("ds3_log_segments_uploaded", "Log segments (group commits' write-sets) uploaded to the "
+                      "object store.", shipper.segments_uploaded)
+        yield counter("ds3_log_segment_bytes", "Bytes of log segments uploaded.", shipper.segment_bytes)
+        yield counter("ds3_log_upload_failures", "Log segment uploads that failed (retried with backoff).",
+                      shipper.upload_failures)
+        yield counter("ds3_log_checkpoints_uploaded", "Checkpoints of the WAL uploaded.", shipper.checkpoints_uploaded)
+        yield counter("ds3_log_checkpoint_bytes", "Bytes of checkpoints uploaded.", shipper.checkpoint_bytes)
+        yield gauge("ds3_log_shipped_seq", "The last commit seq known to be in the object store.", shipper.shipped_seq)
+        yield gauge("ds3_log_committed_seq", "The last logged commit seq of the local WAL.", committer.seq)
+        yield gauge("ds3_log_queued_commits", "Logged commits not yet in the object store.", shipper.queued)
+        yield gauge("ds3_log_lag_seconds", "How long the oldest commit not yet in the object store has waited "
+                    "(0: none waits).", shipper.lag_seconds())
+    ownership = svc.ownership
+    if ownership is not None:
+        yield gauge("ds3_owner_epoch", "The epoch of this ingester's ownership of its store prefix.", ownership.epoch)
+        yield gauge("ds3_owner_lease_remaining_seconds", "Seconds left on the ownership lease (0: fenced or lapsed).",
+                    ownership.remaining())
     deleted = CounterMetricFamily("ds3_objects_deleted", "Objects deleted from the object store, by reason.",
                                   labels=["reason"])
     deleted.add_metric(["retention"], svc.reaper.deleted if svc.reaper is not None else 0)
     deleted.add_metric(["removed_stream"], sealer.gc_deleted if sealer is not None else 0)
+    deleted.add_metric(["log_covered"], shipper.objects_deleted if shipper is not None else 0)
     yield deleted
     lim = app.get(LIMITS)
     if lim is not None:
@@ -146,6 +166,14 @@ def install(app: web.Application, metrics: AppMetrics, config: IngesterConfig) -
 
         ready.add("cluster", cluster, cached=False)
         ready.describe("cluster", lambda: cluster_status(app.get(SERVICE)))
+
+        async def owner() -> str | None:
+            svc = app.get(SERVICE)
+            if svc is None or svc.ownership is None:
+                return "starting"
+            return None if svc.ownership.valid() else "this ingester does not own its store prefix (fenced)"
+
+        ready.add("ownership", owner, cached=False)
 
 
 def _service_stores(app: web.Application) -> list[ObjectStore]:

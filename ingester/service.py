@@ -7,19 +7,23 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import os
+import secrets
 import time
 from collections.abc import Callable
-from typing import Final, TypeVar
+from typing import Final, TypeVar, cast
 
 import lmdb
 from aiohttp import web
 
 from ingester import retention
 from ingester.live import Notifier
+from ingester.logstore import StartRefused, list_log, restore, wal_is_empty
 from ingester.reads import ReadResult, Reads
 from ingester.reaper import ObjectReaper
 from ingester.records import FLAG_END_OF_APPEND, StreamMeta
 from ingester.sealing import Sealer
+from ingester.shipper import Durability, Shipper, StoreAhead
 from ingester.snapshots import Snapshots
 from ingester.store import (
     AppendRequest,
@@ -36,9 +40,11 @@ from shared import offsets
 from shared.chunkstore import ChunkReader
 from shared.cluster import ClusterWatcher, FileSource, Membership, StoreSource
 from shared.config import IngesterConfig
-from shared.errors import BadRequest
+from shared.errors import BadRequest, ObjectStoreError, OwnedElsewhere, Superseded
 from shared.http.metrics import LoopHistogram
 from shared.objectstore import LocalStore, ObjectStore, open_store
+from shared.objectstore.scoped import ScopedStore, ingester_scope
+from shared.ownership import LeaseKeeper, Ownership
 from shared.protocol import is_json
 
 log = logging.getLogger("ds3.ingester")
@@ -47,18 +53,19 @@ APPEND_SECONDS_BUCKETS: Final = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 
 
 
 class IngesterService:
+    wal: WalEnv
+    store: Store
+    reads: Reads
+
     def __init__(self, config: IngesterConfig) -> None:
         self.config = config
-        self.wal = WalEnv(config.wal_dir, config.wal_map_size)
-        seal = None
-        if config.store is not None:
-            seal = SealPolicy(config.seal_bytes, config.seal_age, config.wal_max_bytes)
-        self.store = Store(self.wal, seal=seal)
         self.objects: ObjectStore | None = None
+        self.own_objects: ObjectStore | None = None  # this ingester's log and ownership record (see _own_store)
         self.sealer: Sealer | None = None
         self.chunk_reader: ChunkReader | None = None
+        self.shipper: Shipper | None = None
+        self.ownership: Ownership | None = None
         self.notifier = Notifier()
-        self.reads = Reads(self.wal, self.store.touches, threads=config.read_threads)
         self._committer: GroupCommitter | None = None
         self._snapshots: Snapshots | None = None
         self._reaper: ObjectReaper | None = None
@@ -67,11 +74,73 @@ class IngesterService:
         # With --ingester-id: the cluster description and which streams are this ingester's
         # (handlers and the fast lane check every stream request against it). None: no cluster.
         self.membership: Membership | None = None
+        self._lease_task: asyncio.Task[None] | None = None
         # Collected by ingester.metrics at scrape time; observed on the event loop only.
         self.append_seconds = LoopHistogram(
             "ds3_ingester_append_seconds", "Time from an append's submission to the writer until it is durable "
             "(acknowledged appends).", APPEND_SECONDS_BUCKETS,
         )
+        if config.store is None:  # nothing to restore from: open the WAL now
+            self._open_wal()
+
+    def _open_wal(self) -> None:
+        config = self.config
+        self.wal = WalEnv(config.wal_dir, config.wal_map_size)
+        seal = None
+        if config.store is not None:
+            seal = SealPolicy(config.seal_bytes, config.seal_age, config.wal_max_bytes)
+        self.store = Store(self.wal, seal=seal)
+        self.reads = Reads(self.wal, self.store.touches, threads=config.read_threads)
+
+    def _owner_id(self) -> str:
+        """--owner-id, else an id kept in the data dir: a restart on the same disk (a crash
+        included) takes its own record back at once; a new disk waits for the lease."""
+        if self.config.owner_id is not None:
+            return self.config.owner_id
+        path = self.config.data_dir / "owner-id"
+        try:
+            found = path.read_text().strip()
+            if found:
+                return found
+        except FileNotFoundError:
+            pass
+        self.config.data_dir.mkdir(parents=True, exist_ok=True)
+        oid = f"ingester-{secrets.token_hex(8)}"
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(oid + "\n")
+        os.replace(tmp, path)
+        return oid
+
+    async def _own_and_restore(self) -> None:
+        """With a store: own its prefix, and restore an empty data dir from the store's log,
+        before the WAL is opened."""
+        config = self.config
+        assert config.store is not None
+        self.objects = open_store(config.store, s3_endpoint=config.s3_endpoint)
+        self.own_objects = self._own_store(self.objects)
+        self.ownership = Ownership(self.own_objects, self._owner_id(), config.advertised,
+                                   lease_seconds=config.lease_seconds)
+        try:
+            await self.ownership.acquire()
+        except OwnedElsewhere as e:
+            raise StartRefused(f"not starting: {e} (its lease is renewed while it runs; start this one once "
+                               "it stopped, or give it the same --owner-id to take it over)") from None
+        except ObjectStoreError as e:
+            raise StartRefused(f"not starting: cannot take ownership of {config.store}: {e}") from None
+        if wal_is_empty(config.wal_dir):
+            listing = await list_log(self.own_objects)
+            if not listing.empty:
+                log.info("empty data dir: restoring the WAL from %s (%d checkpoints, %d segments)",
+                         self.own_objects.url, len(listing.checkpoints), len(listing.segments))
+                await restore(self.own_objects, config.wal_dir, config.wal_map_size, listing)
+
+    def _own_store(self, objects: ObjectStore) -> ObjectStore:
+        """Where this ingester's commit log, checkpoints and ownership record live: the store's
+        root, or, as one of a cluster's ingesters (--ingester-id), a namespace of its own
+        (`_ds3/ingesters/<id>/`: the members share the store, not their logs)."""
+        if self.config.ingester_id is None:
+            return objects
+        return ScopedStore(objects, ingester_scope(self.config.ingester_id))
 
     @property
     def committer(self) -> GroupCommitter:
@@ -95,14 +164,29 @@ class IngesterService:
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
+        if self.config.store is not None:
+            await self._own_and_restore()
+            self._open_wal()
+            assert self.own_objects is not None
+            self.shipper = Shipper(self.wal, self.own_objects, loop, durability=cast(Durability, self.config.durability),
+                                   interval=self.config.ship_interval,
+                                   checkpoint_interval=self.config.checkpoint_interval, ownership=self.ownership)
         self._committer = GroupCommitter(
-            self.wal, loop, on_abort=self.store.reset, on_commit=self.store.flush, on_durable=self._on_durable
+            self.wal, loop, on_abort=self.store.reset, on_commit=self.store.flush, on_durable=self._on_durable,
+            on_logged=self.shipper.on_logged if self.shipper is not None else None,
         )
         self._committer.start()
+        if self.shipper is not None:
+            await self.shipper.prepare(self.committer.seq)
+            self.shipper.start()
+            assert self.ownership is not None
+            self._lease_task = asyncio.create_task(self._keep_lease(), name="ds3-lease")
+            log.info("logging commits to %s (durability %s, epoch %d, from commit %d)", self.config.store,
+                     self.config.durability, self.ownership.epoch, self.committer.seq)
         n = await self.committer.submit(self.store.load_expiry_index)
         log.info("write-ahead log open at %s (%d streams with an expiry)", self.config.wal_dir, n)
         if self.config.store is not None:
-            self.objects = open_store(self.config.store, s3_endpoint=self.config.s3_endpoint)
+            assert self.objects is not None
             self.chunk_reader = ChunkReader(self.objects)
             self.sealer = Sealer(self.store, self.committer, self.objects, self.reads.run, self.config.uploads)
             refs = await self.committer.submit(self.store.load_sealing_index)
@@ -140,9 +224,74 @@ class IngesterService:
         log.info("cluster member %s (description from %s)%s", ingester_id, source.description,
                  f": not ready: {why}" if why else "")
 
+    async def _keep_lease(self) -> None:
+        """Renew the lease. When it is lost: stop acknowledging at once; if nobody took the
+        prefix over (the record is still ours, same epoch: a store outage outlasted the lease),
+        take it back once the store answers and carry on; otherwise stay fenced for good."""
+        own = self.ownership
+        assert own is not None
+        while True:
+            epoch = own.epoch
+            try:
+                await LeaseKeeper(own).run()
+            except Superseded as e:
+                self.fence(str(e), for_good=False)
+            except Exception as e:  # the keeper broke: the lease runs out; stop acknowledging now
+                log.exception("renewing the ownership lease failed")
+                self.fence(f"renewing the lease failed: {e!r}", for_good=False)
+            if not await self._regain(epoch):
+                self.fence("another ingester owns the store prefix now", for_good=True)
+                return
+
+    async def _regain(self, epoch: int) -> bool:
+        """Take the prefix back after our lease lapsed, if the record is still ours at `epoch`
+        (so no one else owned it meanwhile, and no one else wrote its log). False if it was
+        taken over, or the store's log is ahead of our WAL."""
+        own, shipper = self.ownership, self.shipper
+        assert own is not None and shipper is not None
+        delay = 0.2
+        while True:
+            try:
+                rec = await own.current()
+                if rec is None or rec.owner_id != own.owner_id or rec.epoch != epoch:
+                    return False
+                await own.acquire()  # our own record: taken back with epoch + 1 (If-Match)
+                await shipper.resume(self.committer.seq)  # checkpoints what the log missed meanwhile
+            except (OwnedElsewhere, StoreAhead) as e:
+                log.error("cannot take the store prefix back: %s", e)
+                return False
+            except (ObjectStoreError, TimeoutError) as e:
+                log.warning("taking the store prefix back failed (%s); again in %.1f s", e, delay)
+                await asyncio.sleep(delay)
+                delay = min(5.0, delay * 2)
+                continue
+            self.committer.refusal = None
+            log.warning("ownership of %s taken back (epoch %d): acknowledging writes again", self.config.store,
+                        own.epoch)
+            return True
+
+    def fence(self, why: str, *, for_good: bool = True) -> None:
+        """We may not own the store prefix (taken over, or our lease ran out): acknowledge
+        nothing more (every write: 503), upload no more log segments; for good, no more chunks
+        either."""
+        log.error("fenced: %s; every write answers 503 %s", why,
+                  "from now on" if for_good else "until the store prefix is ours again")
+        refusal = Superseded(f"this ingester does not own its store prefix now: {why}", self.ownership.epoch
+                             if self.ownership is not None else 0)
+        if self._committer is not None:
+            self._committer.refusal = refusal
+        if self.shipper is not None:
+            self.shipper.fence(why)
+        if for_good and self.sealer is not None:
+            asyncio.get_running_loop().create_task(self.sealer.stop())
+
     async def stop(self) -> None:
         if self.membership is not None:
             await self.membership.watcher.stop()
+        if self._lease_task is not None:
+            self._lease_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._lease_task
         for t in self._tasks:
             t.cancel()
         for t in self._tasks:
@@ -155,15 +304,28 @@ class IngesterService:
             await self.sealer.stop()
         if self._blobs is not None and self._blobs is not self.objects:
             await self._blobs.close()
+        if self._committer is not None:
+            folds: list[asyncio.Future[int]] = []
+            with contextlib.suppress(Exception):
+                folds.append(self.committer.submit(self.store.fold_touches))
+                folds.append(self.committer.submit(self.store.fold_last_writes))
+            if self.shipper is None:
+                await asyncio.gather(*folds, return_exceptions=True)
+            await asyncio.get_running_loop().run_in_executor(None, self.committer.stop)
+            if self.shipper is not None:
+                # The folds' outcomes may wait for their segment (store durability), and the
+                # shipping task may be cancelled already (a signal): ship from here.
+                await self.shipper.stop()
+                await asyncio.gather(*folds, return_exceptions=True)
+        if self.ownership is not None:
+            with contextlib.suppress(Exception):
+                await self.ownership.release()
         if self.objects is not None:
             await self.objects.close()
-        if self._committer is not None:
-            with contextlib.suppress(Exception):
-                await self.committer.submit(self.store.fold_touches)
-                await self.committer.submit(self.store.fold_last_writes)
-            await asyncio.get_running_loop().run_in_executor(None, self.committer.stop)
-        self.reads.close()
-        self.wal.close()
+        if hasattr(self, "reads"):
+            self.reads.close()
+        if hasattr(self, "wal"):
+            self.wal.close()
 
     def _on_durable(self, news: Committed) -> None:
         self.notifier.bump(news.changed)
@@ -300,6 +462,8 @@ class IngesterService:
                     await self._submit(self.store.fold_touches)
                     last_fold = time.monotonic()
                 delay = tick
+            except Superseded:  # not our prefix now (said once, by fence()): wait quietly
+                delay = min(delay * 2, 60.0)
             except Exception:
                 log.exception("housekeeping failed")
                 delay = min(delay * 2, 60.0)

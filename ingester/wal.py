@@ -154,6 +154,9 @@ class GroupCommitter:
         # SimpleQueue: a C-level put, and the writer wakes only when it has nothing to do.
         self._queue: queue.SimpleQueue[_Pending[Any] | None] = queue.SimpleQueue()
         self._stopping = False
+        # Set (from any thread) when this process may acknowledge nothing more (fenced by a new
+        # owner of the store prefix): every operation submitted or queued from then on gets it.
+        self.refusal: DS3Error | None = None
         self._thread = threading.Thread(target=self._run, name="ds3-wal-writer", daemon=True)
         self.batches = 0
         self.ops = 0
@@ -184,6 +187,8 @@ class GroupCommitter:
     def submit(self, op: Callable[[lmdb.Transaction], T]) -> asyncio.Future[T]:
         if self._stopping:
             raise Unavailable("the ingester is shutting down")
+        if self.refusal is not None:
+            raise self.refusal
         fut: asyncio.Future[T] = self.loop.create_future()
         self._queue.put(_Pending(op, fut))
         return fut
@@ -193,6 +198,8 @@ class GroupCommitter:
         (no future, no extra loop iteration before the answer is written)."""
         if self._stopping:
             raise Unavailable("the ingester is shutting down")
+        if self.refusal is not None:
+            raise self.refusal
         self._queue.put(_Pending(op, deliver))
 
     def run_sync(self, op: Callable[[lmdb.Transaction], T]) -> T:
@@ -219,7 +226,10 @@ class GroupCommitter:
                     stop = True
                     continue
                 batch.append(item)
-            if batch:
+            if batch and self.refusal is not None:
+                refusal = self.refusal
+                self._deliver_in_order(None, [(p, refusal, False) for p in batch], None)
+            elif batch:
                 self._run_batch(batch)
             if stop and self._queue.empty():
                 return

@@ -152,6 +152,16 @@ class IngesterConfig:
     ingester_id: str | None = None
     cluster: Path | None = None  # a description file instead of the store's (ds3 dev, tests)
     cluster_refresh: float = 5.0  # seconds between reads of the description
+    # The commit log in the store (issue 14; only with a store): when an append is acknowledged
+    # (after the local fsync, or after its log segment is in the store), how far behind the log
+    # may lag in `local` mode, how often the whole WAL is checkpointed into the store.
+    durability: str = "local"
+    ship_interval: float = 1.0
+    checkpoint_interval: float = 300.0
+    # Ownership of the store prefix (shared/ownership.py; only with a store).
+    advertise_url: str | None = None  # None: http://{host}:{port}
+    owner_id: str | None = None  # None: a random id kept in <data-dir>/owner-id
+    lease_seconds: float = 10.0
     auth: AuthConfig = field(default_factory=AuthConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
 
@@ -162,6 +172,20 @@ class IngesterConfig:
 
         need(bool(self.host), "host (DS3_HOST)", "must not be empty")
         self._check_cluster()
+        need(self.durability in ("local", "store"), "durability (DS3_DURABILITY)",
+             f"{self.durability!r} is not one of: local, store")
+        need(self.durability == "local" or self.store is not None, "durability (DS3_DURABILITY)",
+             "store needs an object store (--store / DS3_STORE)")
+        need(0.01 <= self.ship_interval <= 3600, "ship-interval (DS3_SHIP_INTERVAL)",
+             "must be between 0.01 and 3600 seconds")
+        need(1 <= self.checkpoint_interval <= 7 * 86400, "checkpoint-interval (DS3_CHECKPOINT_INTERVAL)",
+             "must be between 1 second and a week")
+        need(self.advertise_url is None or self.advertise_url.startswith(("http://", "https://")),
+             "advertise-url (DS3_ADVERTISE_URL)", "must be an http(s):// URL")
+        need(self.owner_id is None or 0 < len(self.owner_id) <= 200, "owner-id (DS3_OWNER_ID)",
+             "must be 1 to 200 characters")
+        need(1 <= self.lease_seconds <= 3600, "lease-seconds (DS3_LEASE_SECONDS)",
+             "must be between 1 and 3600 seconds")
         need(0 <= self.port <= 65535, "port (DS3_PORT)", f"{self.port} is not a TCP port")
         need(0 <= self.tail_max_age <= 60, "tail-max-age (DS3_TAIL_MAX_AGE)", "must be between 0 and 60 seconds")
         need(0.1 <= self.long_poll_timeout <= 3600, "long-poll-timeout (DS3_LONG_POLL_TIMEOUT)",
@@ -219,6 +243,14 @@ class IngesterConfig:
     @property
     def wal_dir(self) -> Path:
         return self.data_dir / "wal"
+
+    @property
+    def advertised(self) -> str:
+        """The URL this ingester names in the ownership record."""
+        if self.advertise_url is not None:
+            return self.advertise_url
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
 
     @classmethod
     def names(cls) -> list[str]:

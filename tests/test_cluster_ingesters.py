@@ -193,6 +193,26 @@ def test_buckets_live_with_their_streams(pair: Pair) -> None:
     assert request(b, "DELETE", f"/v1/buckets/{bucket}")[0] == 409  # not empty
 
 
+def test_each_member_keeps_its_log_and_ownership_record_in_its_own_namespace(pair: Pair) -> None:
+    """Members share the store, not their commit logs: each logs (and owns) under
+    _ds3/ingesters/<id>/, so both run (one ownership record at the root would let only one start)
+    and their segments, numbered by their own commits, never collide."""
+    for p, ident in ((pair.a, "a"), (pair.b, "b")):
+        path = next(f"/v1/stream/ns-{ident}-{i}" for i in range(1000)
+                    if pair.cluster.owner(f"ns-{ident}-{i}").id == ident)
+        assert request(p, "PUT", path, headers={"Content-Type": "text/plain"})[0] == 201
+        assert request(p, "POST", path, b"x", headers={"Content-Type": "text/plain"})[0] == 204
+    deadline = time.monotonic() + 10
+    root = pair.store_root
+    while time.monotonic() < deadline and not all(list((root / "_ds3/ingesters" / i / "log").glob("*.seg"))
+                                                  for i in "ab"):
+        time.sleep(0.1)
+    for ident in "ab":
+        assert list((root / "_ds3/ingesters" / ident / "log").glob("*.seg")), f"no segments of {ident}"
+        assert (root / "_ds3/ingesters" / ident / "_ds3/owner.json").exists()
+    assert not (root / "log").exists() and not (root / "_ds3/owner.json").exists()
+
+
 def test_readyz_and_metrics_say_who_holds_what(pair: Pair) -> None:
     a, b = pair.a, pair.b
     for n in range(3):

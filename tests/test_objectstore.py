@@ -20,9 +20,10 @@ from shared.config import ConfigError
 from shared.errors import ObjectNotFound, ObjectStoreUnavailable, PreconditionFailed, Unavailable
 from shared.objectstore import LocalStore, ObjectStore, open_store
 from shared.objectstore import s3 as s3_module
-from shared.objectstore.base import TEMP_PREFIX
+from shared.objectstore.base import TEMP_PREFIX, StoreCounters
 from shared.objectstore.local import LOCK_NAME
 from shared.objectstore.s3 import S3Options, S3Store
+from shared.objectstore.scoped import ScopedStore, ingester_scope
 from tests import store_racer
 from tests.s3server import MotoS3
 
@@ -32,8 +33,19 @@ MiB = 1024 * 1024
 S3_PAGE = 50
 
 
-@pytest.fixture(params=["local", "s3"])
+@pytest.fixture(params=["local", "s3", "scoped"])
 async def store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[ObjectStore]:
+    if request.param == "scoped":  # one cluster member's namespace in a shared local store
+        inner = open_store((tmp_path / "objects").as_uri())
+        async with inner:
+            # neighbours on both sides of the scope, which nothing in it may see or touch
+            for key in ("_ds3/ingesters/a/log/x", "_ds3/ingesters/c/log/x", "chunks/outside"):
+                await inner.put(key, b"neighbour")
+            inner.counters = StoreCounters()  # the contract's counts start from here
+            yield ScopedStore(inner, ingester_scope("b"))
+            assert [i.key async for i in inner.list()][:1] == ["_ds3/ingesters/a/log/x"]
+            assert await inner.get("_ds3/ingesters/c/log/x") == b"neighbour"
+        return
     if request.param == "local":
         s: ObjectStore = open_store((tmp_path / "objects").as_uri())
     else:

@@ -1,0 +1,174 @@
+"""The commit log in the object store (issue 14): what is there, and restoring a WAL from it.
+
+    log/<first seq, 20 digits>-<last seq, 20 digits>.seg        segments (shared/logsegment.py)
+    checkpoint/<seq, 20 digits>-<epoch, 20 digits>.mdb          a compacted copy of the whole
+                                                                LMDB env after commit <seq>
+
+A checkpoint at S plus the segments after it, replayed in commit order (ingester/replay.py),
+rebuild the WAL as it was after the last shipped commit. Overlapping segments are harmless
+(a segment re-cut after an upload whose answer was lost; replay skips commits already
+applied), and so are segments entirely at or below the checkpoint (deleted after a newer
+checkpoint). Fencing: along the chain the epochs never fall, and where segments of several
+epochs hold the next commit, the highest epoch wins, so what a superseded owner wrote after
+a takeover is never replayed over the new owner's log.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import re
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Final
+
+from ingester.replay import ReplayGap, replay
+from ingester.wal import WalEnv
+from shared.logsegment import LOG_DIR, PRELUDE_SIZE, decode, parse_prelude, parse_segment_key
+from shared.objectstore import ObjectStore
+
+log = logging.getLogger("ds3.logstore")
+
+CHECKPOINT_DIR: Final = "checkpoint/"
+FETCH_CONCURRENCY: Final = 16  # segment GETs in flight while restoring
+_CHECKPOINT_RE: Final = re.compile(r"(\d{20})-(\d{20})\.mdb")
+
+
+def checkpoint_key(seq: int, epoch: int) -> str:
+    return f"{CHECKPOINT_DIR}{seq:020d}-{epoch:020d}.mdb"
+
+
+def parse_checkpoint_key(key: str) -> tuple[int, int] | None:
+    """(seq, epoch) of a checkpoint key; None for any other key."""
+    if not key.startswith(CHECKPOINT_DIR):
+        return None
+    m = _CHECKPOINT_RE.fullmatch(key, len(CHECKPOINT_DIR))
+    return None if m is None else (int(m.group(1)), int(m.group(2)))
+
+
+@dataclass(frozen=True, slots=True)
+class SegmentRef:
+    key: str
+    first: int
+    last: int
+
+
+@dataclass(slots=True)
+class LogListing:
+    checkpoints: list[tuple[int, int, str]] = field(default_factory=list)  # (seq, epoch, key), sorted
+    segments: list[SegmentRef] = field(default_factory=list)  # by key: by first seq
+
+    @property
+    def empty(self) -> bool:
+        return not self.checkpoints and not self.segments
+
+    @property
+    def latest_checkpoint(self) -> tuple[int, int, str] | None:
+        return self.checkpoints[-1] if self.checkpoints else None
+
+    @property
+    def shipped_seq(self) -> int:
+        """The highest commit seq the store holds (a checkpoint's or a segment's)."""
+        seqs = [c[0] for c in self.checkpoints] + [s.last for s in self.segments]
+        return max(seqs, default=0)
+
+
+async def list_log(objects: ObjectStore) -> LogListing:
+    out = LogListing()
+    async for info in objects.list(CHECKPOINT_DIR):
+        parsed = parse_checkpoint_key(info.key)
+        if parsed is not None:
+            out.checkpoints.append((parsed[0], parsed[1], info.key))
+    out.checkpoints.sort()
+    async for info in objects.list(LOG_DIR):
+        rng = parse_segment_key(info.key)
+        if rng is not None:
+            out.segments.append(SegmentRef(info.key, rng[0], rng[1]))
+    return out
+
+
+class StartRefused(RuntimeError):
+    """The ingester must not start (another owner is live, the log cannot be restored, the
+    data dir is behind the store); the message says why and what to do."""
+
+
+class RestoreError(StartRefused):
+    """The store's log cannot rebuild a WAL (a gap, or an unreadable segment)."""
+
+
+def wal_is_empty(wal_dir: Path) -> bool:
+    """No WAL yet in this data dir (a new machine, or a lost disk)."""
+    return not (wal_dir / "data.mdb").exists()
+
+
+async def restore(objects: ObjectStore, wal_dir: Path, map_size: int, listing: LogListing | None = None) -> int:
+    """Rebuild an empty WAL dir from the store's latest checkpoint and the segments after it;
+    returns the seq restored to. Raises RestoreError (and leaves no WAL behind) on a gap."""
+    if listing is None:
+        listing = await list_log(objects)
+    wal_dir.mkdir(parents=True, exist_ok=True)
+    base_seq, base_epoch = 0, 0
+    cp = listing.latest_checkpoint
+    try:
+        if cp is not None:
+            base_seq, base_epoch, key = cp
+            data = await objects.get(key)
+            tmp = wal_dir / "data.mdb.restoring"
+            tmp.write_bytes(data)
+            with open(tmp, "rb") as f:
+                os.fsync(f.fileno())
+            os.replace(tmp, wal_dir / "data.mdb")
+            del data
+        # Fetch the segments after the checkpoint ahead, a few at a time (S3 round trips add up).
+        gate = asyncio.Semaphore(FETCH_CONCURRENCY)
+
+        async def fetch(key: str) -> bytes:
+            async with gate:
+                return await objects.get(key)
+
+        fetched = {ref.key: asyncio.ensure_future(fetch(ref.key)) for ref in listing.segments if ref.last > base_seq}
+        wal = WalEnv(wal_dir, map_size)
+        try:
+            with wal.env.begin() as txn:
+                seq = wal.commit_seq(txn)
+            if seq != base_seq:
+                raise RestoreError(f"checkpoint {cp[2] if cp else '-'} holds commit seq {seq}, its key says {base_seq}")
+            epoch = base_epoch
+            applied = 0
+            while True:
+                nxt = seq + 1
+                candidates = []
+                for ref in (s for s in listing.segments if s.first <= nxt <= s.last):
+                    segment = decode(await fetched[ref.key])
+                    if segment.epoch >= epoch:  # an older epoch's: a superseded owner's late write
+                        candidates.append((segment.epoch, ref.last, ref, segment))
+                if not candidates:
+                    for ref in (s for s in listing.segments if s.first > nxt):
+                        if parse_prelude(await objects.get(ref.key, 0, PRELUDE_SIZE))[2] >= epoch:
+                            raise RestoreError(f"the store's log has a gap: no segment holds commit {nxt} "
+                                               f"(next segment: {ref.key}); restored up to commit {seq}")
+                    break
+                # Highest epoch first, then the one reaching furthest.
+                candidates.sort(key=lambda c: (c[0], c[1]))
+                chosen = candidates[-1]
+                epoch = chosen[0]
+                try:
+                    applied += replay(wal, chosen[3].commits)
+                except ReplayGap as e:
+                    raise RestoreError(str(e)) from e
+                with wal.env.begin() as txn:
+                    seq = wal.commit_seq(txn)
+                if seq < nxt:  # pragma: no cover - the chosen segment holds nxt
+                    raise RestoreError(f"segment {chosen[2].key} did not advance the log past {seq}")
+            log.info("restored the WAL from the store: checkpoint at %d, %d commits replayed, now at commit %d",
+                     base_seq, applied, seq)
+            return seq
+        finally:
+            wal.close()
+            for task in fetched.values():
+                task.cancel()
+    except BaseException:
+        shutil.rmtree(wal_dir, ignore_errors=True)  # never leave a half-restored WAL behind
+        raise

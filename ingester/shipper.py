@@ -1,0 +1,494 @@
+"""The log shipper: every logged group commit goes to the object store, in commit order (issue 14).
+
+The GroupCommitter calls `on_logged` on its writer thread with each commit's write-set; the
+hook only queues it (under a lock) and, when there is something to do, wakes the shipping
+task on the event loop, which encodes segments (shared/logsegment.py, stamped with our
+ownership epoch) and uploads them one at a time under `log/` with if_absent.
+
+Two modes (--durability):
+- store: the hook returns a gate, shared by every commit gathered until the shipper next
+  takes the queue; it is completed once a segment holding those commits is in the store
+  (and our lease still holds), so an append is acknowledged only then. One PUT per group
+  commit, or per batch of commits gathered while the previous PUT was in flight. If the
+  upload keeps failing (GATE_ATTEMPTS attempts or GATE_SECONDS), the waiting gates fail:
+  those writes answer 503 (they are in the local WAL but nothing is promised); the commits
+  stay queued and are shipped once the store answers again.
+- local: no gate (acknowledged after the local fsync); the queue is shipped at most about
+  --ship-interval after its oldest commit.
+
+A segment is cut from whatever is queued at each attempt, so a retry after an upload whose
+answer was lost may write a longer segment that overlaps the first: harmless (replay skips
+what it applied; ingester/logstore.py). An if_absent PUT refused on a key whose content is
+ours counts as done.
+
+Checkpoints: a compacted copy of the LMDB env (env.copy, in a thread) uploaded as
+`checkpoint/<seq>-<epoch>.mdb`; then segments entirely at or below its seq and older
+checkpoints are deleted. Taken every --checkpoint-interval (if anything was shipped since),
+at start when the store does not cover the local WAL (write-sets live only in memory: after
+a crash the local seq can be ahead of the shipped log), and when the queue outgrows
+MAX_QUEUED_BYTES while the store is down (the queue is then dropped: the checkpoint covers
+it). The copy is read into memory for the upload (ObjectStore.put takes bytes).
+
+Fencing: before every upload the shipper checks the ownership (shared/ownership.py); fenced,
+it uploads nothing more and fails every gate.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import tempfile
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future as ConcurrentFuture
+from pathlib import Path
+from typing import Final, Literal
+
+import lmdb
+
+from ingester.logstore import CHECKPOINT_DIR, StartRefused, checkpoint_key, list_log, parse_checkpoint_key
+from ingester.wal import WalEnv
+from shared.errors import ObjectNotFound, ObjectStoreError, PreconditionFailed, Superseded, Unavailable
+from shared.logsegment import LOG_DIR, Commit, encode, parse_segment_key, segment_key
+from shared.objectstore import ObjectStore
+from shared.ownership import Ownership
+
+log = logging.getLogger("ds3.shipper")
+
+Durability = Literal["local", "store"]
+MAX_SEGMENT_BYTES: Final = 16 * 1024 * 1024  # a segment is cut at about this many bytes of writes
+MAX_QUEUED_BYTES: Final = 256 * 1024 * 1024  # past this, the queue is dropped for a checkpoint
+GATE_ATTEMPTS: Final = 3  # store mode: failed uploads in a row before waiting writes get 503
+GATE_SECONDS: Final = 5.0  # ... or this long since the first failure
+BACKOFF_FIRST: Final = 0.05
+BACKOFF_CAP: Final = 5.0
+CHECKPOINT_SEGMENTS: Final = 5000  # segments since the last checkpoint that call for one early ...
+CHECKPOINT_MIN_SECONDS: Final = 30.0  # ... but no more often than this
+ENCODE_INLINE_BYTES: Final = 256 * 1024  # larger segments are encoded on a worker thread
+NOT_SHIPPED: Final = ("the write is in the write-ahead log but its log segment did not reach the object store; "
+                      "retry (an idempotent producer's retry is deduplicated)")
+
+
+def _size(commit: Commit) -> int:
+    return 12 + sum(10 + len(k) + len(v) for _, _, k, v in commit.writes)
+
+
+class Shipper:
+    def __init__(
+        self,
+        wal: WalEnv,
+        objects: ObjectStore,
+        loop: asyncio.AbstractEventLoop,
+        *,
+        durability: Durability = "local",
+        interval: float = 1.0,
+        checkpoint_interval: float = 300.0,
+        ownership: Ownership | None = None,
+        shipped_seq: int = 0,
+    ) -> None:
+        self.wal = wal
+        self.objects = objects
+        self.loop = loop
+        self.durability = durability
+        self.interval = interval
+        self.checkpoint_interval = checkpoint_interval
+        self.ownership = ownership
+        self._lock = threading.Lock()
+        # Guarded by the lock (the writer thread appends, the loop takes):
+        self._queue: deque[Commit] = deque()
+        self._queued_bytes = 0
+        self._oldest_at: float | None = None  # monotonic time the oldest queued commit arrived
+        self._gates: deque[list[object]] = deque()  # [last seq, gate], in seq order
+        self._open_gate: list[object] | None = None  # the entry commits join until the next take
+        self._need_checkpoint = False
+        # Loop side:
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._stopping = False
+        self._failures = 0
+        self._failing_since: float | None = None
+        self._fenced: str | None = None
+        self._checkpoint_lock = asyncio.Lock()
+        self._last_checkpoint_at = time.monotonic()
+        self._shipped_since_checkpoint = 0
+        self._segments_since_checkpoint = 0
+        self.shipped_seq = shipped_seq  # the highest commit seq known to be in the store
+        self.shipped_at = time.time()  # when the commit at shipped_seq ... was shipped (wall)
+        # metrics
+        self.segments_uploaded = 0
+        self.segment_bytes = 0
+        self.upload_failures = 0
+        self.checkpoints_uploaded = 0
+        self.checkpoint_bytes = 0
+        self.objects_deleted = 0
+        self.last_checkpoint_seq = 0
+
+    # --- writer thread ---------------------------------------------------------------------
+
+    def on_logged(self, commit: Commit) -> ConcurrentFuture[None] | None:
+        """The committer's hook (wal.OnLogged): queue the commit; in store mode, its gate."""
+        gate: ConcurrentFuture[None] | None = None
+        with self._lock:
+            if self._fenced is not None:
+                failed: ConcurrentFuture[None] = ConcurrentFuture()
+                failed.set_exception(Superseded(self._fenced, self._epoch()))
+                return failed
+            first = not self._queue
+            self._queue.append(commit)
+            self._queued_bytes += _size(commit)
+            if first:
+                self._oldest_at = time.monotonic()
+            if self.durability == "store" and self._failures >= GATE_ATTEMPTS:
+                # The store is failing: answer 503 now rather than after the next attempt (the
+                # commit is queued all the same, and shipped once the store answers).
+                gate = ConcurrentFuture()
+                gate.set_exception(Unavailable(NOT_SHIPPED, 5))
+            elif self.durability == "store":
+                entry = self._open_gate
+                if entry is None:
+                    entry = self._open_gate = [commit.seq, ConcurrentFuture()]
+                    self._gates.append(entry)
+                entry[0] = commit.seq
+                gate = entry[1]  # type: ignore[assignment]
+            wake = first or self.durability == "store" or self._queued_bytes >= MAX_SEGMENT_BYTES
+        if wake:
+            with contextlib.suppress(RuntimeError):  # the loop closed during shutdown
+                self.loop.call_soon_threadsafe(self._wake.set)
+        return gate
+
+    # --- state ---------------------------------------------------------------------------
+
+    def _epoch(self) -> int:
+        return self.ownership.epoch if self.ownership is not None else 0
+
+    @property
+    def queued(self) -> int:
+        return len(self._queue)
+
+    @property
+    def queued_bytes(self) -> int:
+        return self._queued_bytes
+
+    def lag_seconds(self) -> float:
+        """How long the oldest commit not yet in the store has waited (0: nothing waits)."""
+        oldest = self._oldest_at
+        return 0.0 if oldest is None else max(0.0, time.monotonic() - oldest)
+
+    @property
+    def fenced(self) -> bool:
+        return self._fenced is not None
+
+    def fence(self, why: str) -> None:
+        """Upload nothing more; every waiting and future gate fails."""
+        if self._fenced is not None:
+            return
+        self._fenced = why
+        log.error("log shipping stopped: %s", why)
+        with self._lock:
+            gates = [g for _, g in self._gates]
+            self._gates.clear()
+            self._open_gate = None
+        for g in gates:
+            _fail(g, Superseded(why, self._epoch()))  # type: ignore[arg-type]
+        self._wake.set()
+
+    async def resume(self, local_seq: int) -> None:
+        """After fence(): ownership was taken back (a new epoch, nobody else owned the prefix
+        meanwhile). What the log missed (commits dropped while fenced) is covered by a
+        checkpoint first (prepare); then the loop runs again."""
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        self._fenced = None
+        self._failures = 0
+        self._failing_since = None
+        await self.prepare(local_seq)
+        self.start()
+
+    # --- the loop ----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="ds3-log-shipper")
+
+    async def stop(self, flush_timeout: float = 5.0) -> None:
+        """Stop the loop; then one last attempt (within flush_timeout) to ship what is queued."""
+        self._stopping = True
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        if self._queue and self._fenced is None:
+            try:
+                async with asyncio.timeout(flush_timeout):
+                    while self._queue:
+                        if await self.ship_once() == 0:
+                            break
+            except (ObjectStoreError, TimeoutError, Superseded) as e:
+                log.warning("could not ship the last %d commits before stopping: %s", len(self._queue), e)
+        with self._lock:
+            gates = [g for _, g in self._gates]
+            self._gates.clear()
+            self._open_gate = None
+        for g in gates:
+            _fail(g, Unavailable("the ingester is shutting down"))  # type: ignore[arg-type]
+
+    async def _run(self) -> None:
+        delay = BACKOFF_FIRST
+        while not self._stopping and self._fenced is None:
+            try:
+                if self._need_checkpoint:
+                    await self.checkpoint()
+                elif self._queue:
+                    if self.durability == "local":
+                        # Gather about half an interval's commits into one segment.
+                        oldest = self._oldest_at
+                        wait = 0.0 if oldest is None else oldest + self.interval / 2 - time.monotonic()
+                        if wait > 0 and self._queued_bytes < MAX_SEGMENT_BYTES:
+                            self._wake.clear()
+                            with contextlib.suppress(TimeoutError):
+                                await asyncio.wait_for(self._wake.wait(), wait)
+                            continue
+                    await self.ship_once()
+                elif self.checkpoint_due():
+                    await self.checkpoint()
+                else:
+                    self._wake.clear()
+                    if self._queue or self._need_checkpoint:
+                        continue
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._wake.wait(), self.interval)
+                    continue
+                delay = BACKOFF_FIRST
+            except Superseded as e:
+                self.fence(str(e))
+                return
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                if not isinstance(e, ObjectStoreError):
+                    log.exception("log shipping failed")
+                await asyncio.sleep(delay)
+                delay = min(BACKOFF_CAP, delay * 2)
+
+    def checkpoint_due(self) -> bool:
+        """Every checkpoint_interval if anything was shipped since; sooner (but at most every
+        CHECKPOINT_MIN_SECONDS) once CHECKPOINT_SEGMENTS segments accumulated: they bound what
+        a recovery fetches."""
+        if self._shipped_since_checkpoint == 0:
+            return False
+        since = time.monotonic() - self._last_checkpoint_at
+        return since >= self.checkpoint_interval or (
+            self._segments_since_checkpoint >= CHECKPOINT_SEGMENTS and since >= CHECKPOINT_MIN_SECONDS)
+
+    # --- one step ----------------------------------------------------------------------------
+
+    def _take(self) -> list[Commit]:
+        """The queued commits for one segment (at most about MAX_SEGMENT_BYTES); the open gate
+        closes: commits from now on get a new one."""
+        with self._lock:
+            self._open_gate = None
+            out: list[Commit] = []
+            size = 0
+            for c in self._queue:
+                out.append(c)
+                size += _size(c)
+                if size >= MAX_SEGMENT_BYTES:
+                    break
+            return out
+
+    def _check_owner(self) -> int:
+        if self._fenced is not None:
+            raise Superseded(self._fenced, self._epoch())
+        return self.ownership.check() if self.ownership is not None else 0
+
+    async def ship_once(self) -> int:
+        """Upload one segment of what is queued; returns how many commits it held (0: nothing
+        queued). Store errors propagate (the commits stay queued); after GATE_ATTEMPTS of them
+        in a row (or GATE_SECONDS) the gates of the commits taken fail."""
+        commits = self._take()
+        if not commits:
+            return 0
+        epoch = self._check_owner()
+        first, last = commits[0].seq, commits[-1].seq
+        try:
+            size = sum(_size(c) for c in commits)
+            if size > ENCODE_INLINE_BYTES:
+                body = await asyncio.to_thread(encode, commits, epoch)
+            else:
+                body = encode(commits, epoch)
+            await self._put_segment(segment_key(first, last), body)
+        except ObjectStoreError:
+            self.upload_failures += 1
+            self._failures += 1
+            now = time.monotonic()
+            if self._failing_since is None:
+                self._failing_since = now
+            if self._failures >= GATE_ATTEMPTS or now - self._failing_since >= GATE_SECONDS:
+                self._fail_gates(last, Unavailable(NOT_SHIPPED, 5))
+            if self._queued_bytes > MAX_QUEUED_BYTES:
+                log.warning("the store is unreachable and %d bytes of commits are queued: dropping them, a "
+                            "checkpoint will cover them", self._queued_bytes)
+                self._need_checkpoint = True
+            raise
+        self._failures = 0
+        self._failing_since = None
+        if self.ownership is not None and not self.ownership.valid():
+            # Uploaded, but our lease ran out meanwhile: a new owner may not have seen it.
+            # Promise nothing (it is only ever replayed if no newer epoch holds these seqs).
+            self.fence("the lease ran out while a log segment was uploading")
+            raise Superseded("ownership lost", epoch)
+        self.segments_uploaded += 1
+        self.segment_bytes += len(body)
+        self._shipped_since_checkpoint += len(body)
+        self._segments_since_checkpoint += 1
+        self._advance(last)
+        return len(commits)
+
+    async def _put_segment(self, key: str, body: bytes) -> None:
+        try:
+            await self.objects.put(key, body, content_type="application/octet-stream", if_absent=True)
+        except PreconditionFailed:
+            try:
+                there = await self.objects.get(key)
+            except ObjectNotFound:
+                raise PreconditionFailed(f"{key}: refused, then not found") from None
+            if there != body:
+                # Only another owner writes different bytes under our key: we are superseded.
+                raise Superseded(f"log segment {key} in the store is not ours (another owner wrote it)",
+                                 self._epoch()) from None
+
+    def _advance(self, seq: int) -> None:
+        """Everything up to `seq` is in the store: drop it from the queue, open its gates."""
+        done: list[ConcurrentFuture[None]] = []
+        with self._lock:
+            while self._queue and self._queue[0].seq <= seq:
+                c = self._queue.popleft()
+                self._queued_bytes -= _size(c)
+            if not self._queue:
+                self._queued_bytes = 0
+                self._oldest_at = None
+            else:
+                self._oldest_at = time.monotonic()  # approximate: when the rest started waiting
+            while self._gates and self._gates[0][0] <= seq:  # type: ignore[operator]
+                entry = self._gates.popleft()
+                if entry is self._open_gate:
+                    self._open_gate = None
+                done.append(entry[1])  # type: ignore[arg-type]
+        if seq > self.shipped_seq:
+            self.shipped_seq = seq
+            self.shipped_at = time.time()
+        for g in done:
+            if not g.done():
+                g.set_result(None)
+
+    def _fail_gates(self, upto: int, exc: BaseException) -> None:
+        with self._lock:
+            failing = [entry[1] for entry in self._gates if entry[0] <= upto]  # type: ignore[operator]
+            self._gates = deque(e for e in self._gates if e[0] > upto)  # type: ignore[operator]
+            if self._open_gate is not None and self._open_gate not in self._gates:
+                self._open_gate = None
+        for g in failing:
+            _fail(g, exc)  # type: ignore[arg-type]
+
+    # --- checkpoints -----------------------------------------------------------------------
+
+    async def checkpoint(self) -> int:
+        """Copy the whole env, upload it, delete what it covers; returns its commit seq."""
+        async with self._checkpoint_lock:
+            if self._need_checkpoint:
+                with self._lock:  # the queue was dropped for this checkpoint: it covers them
+                    self._queue.clear()
+                    self._queued_bytes = 0
+                    self._oldest_at = None
+                    gates = [entry[1] for entry in self._gates]
+                    self._gates.clear()
+                    self._open_gate = None
+                for g in gates:
+                    _fail(g, Unavailable(NOT_SHIPPED, 5))  # type: ignore[arg-type]
+            epoch = self._check_owner()
+            started = time.monotonic()
+            seq, body = await asyncio.to_thread(self._copy_env)
+            self._check_owner()
+            key = checkpoint_key(seq, epoch)
+            try:
+                await self.objects.put(key, body, content_type="application/octet-stream", if_absent=True)
+            except PreconditionFailed:
+                pass  # the same commit seq and epoch: the same state (a retry whose answer was lost)
+            self._need_checkpoint = False
+            self._last_checkpoint_at = time.monotonic()
+            self._shipped_since_checkpoint = 0
+            self._segments_since_checkpoint = 0
+            self.checkpoints_uploaded += 1
+            self.checkpoint_bytes += len(body)
+            self.last_checkpoint_seq = seq
+            log.info("checkpoint of the WAL at commit %d uploaded (%d bytes, %.2f s)", seq, len(body),
+                     time.monotonic() - started)
+            self._advance(seq)
+            await self._delete_covered(seq, key)
+            return seq
+
+    def _copy_env(self) -> tuple[int, bytes]:
+        """A compacted copy of the env (one read transaction: consistent) and its commit seq."""
+        with tempfile.TemporaryDirectory(prefix="ds3-checkpoint-", dir=self.wal_dir_parent()) as tmp:
+            self.wal.env.copy(tmp, compact=True)
+            copy = lmdb.open(tmp, readonly=True, lock=False, max_dbs=16, subdir=True)
+            try:
+                sys_db = copy.open_db(b"sys", create=False)
+                with copy.begin() as txn:
+                    raw = txn.get(b"commit_seq", db=sys_db)
+            finally:
+                copy.close()
+            seq = int.from_bytes(raw, "big") if raw is not None else 0
+            return seq, (Path(tmp) / "data.mdb").read_bytes()
+
+    def wal_dir_parent(self) -> str:
+        return str(Path(self.wal.env.path()).parent)
+
+    async def _delete_covered(self, seq: int, keep: str) -> None:
+        """Segments entirely at or below `seq` and older checkpoints than `keep`."""
+        doomed: list[str] = []
+        async for info in self.objects.list(LOG_DIR):
+            rng = parse_segment_key(info.key)
+            if rng is not None and rng[1] <= seq:
+                doomed.append(info.key)
+        async for info in self.objects.list(CHECKPOINT_DIR):
+            parsed = parse_checkpoint_key(info.key)
+            if parsed is not None and info.key != keep and parsed[0] <= seq:
+                doomed.append(info.key)
+        for key in doomed:
+            try:
+                await self.objects.delete(key)
+                self.objects_deleted += 1
+            except ObjectStoreError as e:  # the next checkpoint deletes it
+                log.warning("could not delete %s: %s", key, e)
+                return
+
+    async def prepare(self, local_seq: int) -> None:
+        """At start: a checkpoint first if the store does not cover the local WAL (commits
+        shipped nowhere: the write-sets of a crashed process were only in memory), or holds
+        no checkpoint yet (the log needs a base)."""
+        listing = await list_log(self.objects)
+        self.shipped_seq = listing.shipped_seq
+        cp = listing.latest_checkpoint
+        self.last_checkpoint_seq = cp[0] if cp is not None else 0
+        if local_seq < listing.shipped_seq:
+            raise StoreAhead(local_seq, listing.shipped_seq)
+        if cp is None or local_seq > listing.shipped_seq:
+            log.info("the store's log ends at commit %d, the local WAL at %d: checkpointing first",
+                     listing.shipped_seq, local_seq)
+            await self.checkpoint()
+
+
+class StoreAhead(StartRefused):
+    def __init__(self, local: int, shipped: int) -> None:
+        super().__init__(
+            f"the store's log reaches commit {shipped} but this data dir's WAL only {local}: another ingester "
+            "wrote to this store since; start with an empty --data-dir to restore from the store")
+
+
+def _fail(gate: ConcurrentFuture[None], exc: BaseException) -> None:
+    if not gate.done():
+        gate.set_exception(exc)

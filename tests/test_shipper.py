@@ -1,0 +1,284 @@
+"""The log shipper (ingester/shipper.py) driven directly: gates, batching, store errors and
+backoff, harmless re-uploads, fencing, checkpoints, and restoring (ingester/logstore.py)."""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import Future as ConcurrentFuture
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ingester import shipper as shipper_mod
+from ingester.logstore import RestoreError, list_log, restore
+from ingester.shipper import GATE_ATTEMPTS, Shipper, StoreAhead
+from ingester.wal import GroupCommitter, WalEnv
+from shared.errors import ObjectStoreUnavailable, Superseded, Unavailable
+from shared.logsegment import DB_IDS, PUT, Commit, decode, encode, segment_key
+from shared.objectstore import LocalStore
+from shared.ownership import Ownership
+from tests.wal_harness import dump
+
+STREAMS = DB_IDS["streams"]
+
+
+def commit(seq: int, key: bytes = b"k") -> Commit:
+    return Commit(seq, [(STREAMS, PUT, key + b"%d" % seq, b"v%d" % seq)])
+
+
+class FlakyStore(LocalStore):
+    """A local store whose next `fail_puts` puts fail as an unreachable store's would."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(root)
+        self.fail_puts = 0
+        self.put_keys: list[str] = []
+
+    async def put(self, key: str, data: bytes, **kw: Any) -> str:
+        if self.fail_puts > 0:
+            self.fail_puts -= 1
+            raise ObjectStoreUnavailable("the store is down (test)")
+        self.put_keys.append(key)
+        return await super().put(key, data, **kw)
+
+
+@pytest.fixture
+def objects(tmp_path: Path) -> FlakyStore:
+    return FlakyStore(tmp_path / "objects")
+
+
+@pytest.fixture
+def wal(tmp_path: Path) -> Any:
+    w = WalEnv(tmp_path / "wal", 64 * 1024 * 1024)
+    yield w
+    w.close()
+
+
+async def test_gate_completes_only_after_the_upload(wal: WalEnv, objects: FlakyStore) -> None:
+    s = Shipper(wal, objects, asyncio.get_running_loop(), durability="store")
+    gate = s.on_logged(commit(1))
+    gate2 = s.on_logged(commit(2))
+    assert gate is not None and gate is gate2  # gathered while nothing was uploading: one gate
+    assert not gate.done()
+    assert await s.ship_once() == 2
+    assert gate.done() and gate.exception() is None
+    assert objects.put_keys == [segment_key(1, 2)]
+    segment = decode(await objects.get(segment_key(1, 2)))
+    assert [c.seq for c in segment.commits] == [1, 2]
+    assert s.shipped_seq == 2 and s.queued == 0 and s.lag_seconds() == 0
+    gate3 = s.on_logged(commit(3))
+    assert gate3 is not None and gate3 is not gate and not gate3.done()
+    assert await s.ship_once() == 1 and gate3.done()
+    assert await s.ship_once() == 0
+
+
+async def test_local_mode_has_no_gate(wal: WalEnv, objects: FlakyStore) -> None:
+    s = Shipper(wal, objects, asyncio.get_running_loop(), durability="local", interval=0.1)
+    assert s.on_logged(commit(1)) is None
+    s.start()
+    for _ in range(100):
+        if s.shipped_seq == 1:
+            break
+        await asyncio.sleep(0.02)
+    assert s.shipped_seq == 1 and objects.put_keys == [segment_key(1, 1)]
+    await s.stop()
+
+
+async def test_store_errors_fail_the_gate_after_bounded_retries_and_ship_later(
+        wal: WalEnv, objects: FlakyStore) -> None:
+    s = Shipper(wal, objects, asyncio.get_running_loop(), durability="store")
+    objects.fail_puts = GATE_ATTEMPTS
+    gate = s.on_logged(commit(1))
+    assert gate is not None
+    for i in range(GATE_ATTEMPTS):
+        with pytest.raises(ObjectStoreUnavailable):
+            await s.ship_once()
+        assert gate.done() == (i == GATE_ATTEMPTS - 1)
+    assert isinstance(gate.exception(), Unavailable)  # -> 503: nothing promised
+    assert s.queued == 1  # still to ship: the commit is in the local WAL
+    gate2 = s.on_logged(commit(2))  # while the store keeps failing: 503 at once, queued all the same
+    assert gate2 is not None and isinstance(gate2.exception(), Unavailable) and s.queued == 2
+    assert await s.ship_once() == 2  # the store is back: one segment with both
+    gate3 = s.on_logged(commit(3))
+    assert gate3 is not None and not gate3.done()  # and gates wait for uploads again
+    assert await s.ship_once() == 1 and gate3.exception() is None
+    assert s.upload_failures == GATE_ATTEMPTS and objects.put_keys == [segment_key(1, 2), segment_key(3, 3)]
+
+
+async def test_the_loop_backs_off_and_retries(wal: WalEnv, objects: FlakyStore) -> None:
+    s = Shipper(wal, objects, asyncio.get_running_loop(), durability="store")
+    objects.fail_puts = 2  # fewer than GATE_ATTEMPTS: the writes wait, then succeed
+    s.start()
+    gate = s.on_logged(commit(1))
+    assert gate is not None
+    await asyncio.wait_for(asyncio.wrap_future(gate), 5)
+    assert s.upload_failures == 2 and s.shipped_seq == 1
+    await s.stop()
+
+
+async def test_reupload_is_harmless_and_a_foreign_segment_fences(wal: WalEnv, objects: FlakyStore) -> None:
+    s = Shipper(wal, objects, asyncio.get_running_loop(), durability="store")
+    # the same bytes already there (an upload whose answer was lost): done
+    await objects.put(segment_key(1, 1), encode([commit(1)]))
+    gate = s.on_logged(commit(1))
+    assert await s.ship_once() == 1 and gate is not None and gate.exception() is None
+    # other bytes under our key: another owner wrote it
+    await objects.put(segment_key(2, 2), encode([commit(2, b"other")], epoch=7))
+    gate = s.on_logged(commit(2))
+    with pytest.raises(Superseded):
+        await s.ship_once()
+    s.fence("test")
+    assert gate is not None and isinstance(gate.exception(), Superseded)
+    later = s.on_logged(commit(3))
+    assert later is not None and isinstance(later.exception(), Superseded)
+
+
+async def test_a_fenced_owner_uploads_nothing(wal: WalEnv, objects: FlakyStore) -> None:
+    own = Ownership(objects, "me", lease_seconds=5)
+    await own.acquire()
+    s = Shipper(wal, objects, asyncio.get_running_loop(), durability="store", ownership=own)
+    s.on_logged(commit(1))
+    assert await s.ship_once() == 1
+    assert decode(await objects.get(segment_key(1, 1))).epoch == 1
+    await own.release()  # fenced from here on
+    gate = s.on_logged(commit(2))
+    with pytest.raises(Superseded):
+        await s.ship_once()
+    assert segment_key(2, 2) not in objects.put_keys
+    assert gate is not None and not gate.done()  # the service fences the shipper (fails it) next
+    s.fence("released")
+    assert isinstance(gate.exception(), Superseded)
+
+
+async def test_checkpoint_covers_and_deletes_then_restore(tmp_path: Path, objects: FlakyStore) -> None:
+    wal = WalEnv(tmp_path / "wal", 64 * 1024 * 1024)
+    loop = asyncio.get_running_loop()
+    s = Shipper(wal, objects, loop, durability="local", interval=3600)
+    committer = GroupCommitter(wal, loop, on_abort=lambda: None, on_commit=lambda txn: None,
+                               on_durable=lambda news: None, on_logged=s.on_logged)
+    committer.start()
+    try:
+        await s.prepare(committer.seq)  # no checkpoint in the store yet: one at 0
+        assert (await list_log(objects)).checkpoints[0][0] == 0
+
+        async def put(i: int) -> None:
+            await committer.submit(lambda txn: txn.put(b"s%03d" % i, b"x" * 100, db=wal.streams))
+
+        for i in range(5):
+            await put(i)
+        assert await s.ship_once() == 5
+        for i in range(5, 8):
+            await put(i)
+        assert await s.ship_once() == 3
+        assert [r.key for r in (await list_log(objects)).segments] == [segment_key(1, 5), segment_key(6, 8)]
+        assert await s.checkpoint() == 8
+        listing = await list_log(objects)
+        assert [c[0] for c in listing.checkpoints] == [8] and listing.segments == []  # covered: deleted
+        for i in range(8, 12):
+            await put(i)
+        await s.ship_once()
+        before = dump(wal)
+        # a restart with the local WAL ahead of the store: StoreAhead is for the other way round
+        with pytest.raises(StoreAhead):
+            await s.prepare(3)
+    finally:
+        await loop.run_in_executor(None, committer.stop)
+        wal.close()
+    assert await restore(objects, tmp_path / "restored", 64 * 1024 * 1024) == 12
+    again = WalEnv(tmp_path / "restored", 64 * 1024 * 1024)
+    try:
+        assert dump(again) == before
+    finally:
+        again.close()
+
+
+async def test_restore_refuses_a_gap(tmp_path: Path, objects: FlakyStore) -> None:
+    await objects.put(segment_key(1, 1), encode([commit(1)]))
+    await objects.put(segment_key(3, 3), encode([commit(3)]))
+    with pytest.raises(RestoreError, match="gap: no segment holds commit 2"):
+        await restore(objects, tmp_path / "restored", 64 * 1024 * 1024)
+    assert not (tmp_path / "restored").exists()  # nothing half-restored left behind
+
+
+async def test_restore_prefers_the_newer_epoch(tmp_path: Path, objects: FlakyStore) -> None:
+    """A superseded owner's late segment (epoch 1) loses to the new owner's (epoch 2)."""
+    await objects.put(segment_key(1, 1), encode([commit(1)], epoch=1))
+    await objects.put(segment_key(2, 3), encode([commit(2, b"old"), commit(3, b"old")], epoch=1))
+    await objects.put(segment_key(2, 2), encode([commit(2, b"new")], epoch=2))
+    assert await restore(objects, tmp_path / "r", 64 * 1024 * 1024) == 2
+    w = WalEnv(tmp_path / "r", 64 * 1024 * 1024)
+    try:
+        keys = [k for k, _ in dump(w)["streams"]]
+    finally:
+        w.close()
+    assert keys == [b"k1", b"new2"]
+
+
+async def test_a_full_queue_is_dropped_for_a_checkpoint(
+        tmp_path: Path, wal: WalEnv, objects: FlakyStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(shipper_mod, "MAX_QUEUED_BYTES", 10)
+    s = Shipper(wal, objects, asyncio.get_running_loop(), durability="store")
+    objects.fail_puts = 1
+    gate: ConcurrentFuture[None] | None = s.on_logged(commit(1))
+    with pytest.raises(ObjectStoreUnavailable):
+        await s.ship_once()
+    assert await s.checkpoint() == 0  # this WAL never saw commit 1: the copy says 0
+    assert s.queued == 0 and gate is not None and isinstance(gate.exception(), Unavailable)
+
+
+async def test_the_loop_checkpoints_periodically(tmp_path: Path, objects: FlakyStore) -> None:
+    wal = WalEnv(tmp_path / "wal", 64 * 1024 * 1024)
+    loop = asyncio.get_running_loop()
+    s = Shipper(wal, objects, loop, durability="local", interval=0.05, checkpoint_interval=0.3)
+    committer = GroupCommitter(wal, loop, on_abort=lambda: None, on_commit=lambda txn: None,
+                               on_durable=lambda news: None, on_logged=s.on_logged)
+    committer.start()
+    try:
+        await s.prepare(committer.seq)
+        s.start()
+        for i in range(3):
+            await committer.submit(lambda txn, i=i: txn.put(b"s%d" % i, b"x", db=wal.streams))
+        for _ in range(100):
+            if s.last_checkpoint_seq == 3:
+                break
+            await asyncio.sleep(0.05)
+        listing = await list_log(objects)
+        assert [c[0] for c in listing.checkpoints] == [3] and listing.segments == []
+        assert s.checkpoints_uploaded == 2 and s.objects_deleted >= 2  # the one at start, then this
+    finally:
+        await s.stop()
+        await loop.run_in_executor(None, committer.stop)
+        wal.close()
+
+
+async def test_resume_after_a_fence_checkpoints_what_the_log_missed(tmp_path: Path, objects: FlakyStore) -> None:
+    wal = WalEnv(tmp_path / "wal", 64 * 1024 * 1024)
+    loop = asyncio.get_running_loop()
+    s = Shipper(wal, objects, loop, durability="store")
+    committer = GroupCommitter(wal, loop, on_abort=lambda: None, on_commit=lambda txn: None,
+                               on_durable=lambda news: None, on_logged=s.on_logged)
+    committer.start()
+    try:
+        await s.prepare(committer.seq)
+        s.start()
+        await committer.submit(lambda txn: txn.put(b"a", b"1", db=wal.streams))
+        s.fence("lease lapsed (test)")
+        with pytest.raises(Unavailable):  # its gate failed: answered 503, but committed locally
+            await committer.submit(lambda txn: txn.put(b"b", b"2", db=wal.streams))
+        assert s.shipped_seq == 1 and committer.seq == 2
+        await s.resume(committer.seq)
+        assert s.last_checkpoint_seq == 2 and s.shipped_seq == 2  # commit 2 is in the store now
+        await committer.submit(lambda txn: txn.put(b"c", b"3", db=wal.streams))
+        assert s.shipped_seq == 3
+        before = dump(wal)
+    finally:
+        await s.stop()
+        await loop.run_in_executor(None, committer.stop)
+        wal.close()
+    assert await restore(objects, tmp_path / "restored", 64 * 1024 * 1024) == 3
+    again = WalEnv(tmp_path / "restored", 64 * 1024 * 1024)
+    try:
+        assert dump(again) == before
+    finally:
+        again.close()
