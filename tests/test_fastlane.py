@@ -284,3 +284,15 @@ def test_a_pipelined_mix_cut_anywhere_is_answered_as_by_aiohttp(servers: tuple[p
             _SLOW_SHAPE.extend(got)
         assert got == _SLOW_SHAPE
         assert read_all(p.port, path) == b"abcd"
+
+
+def test_more_than_32_pipelined_requests_for_aiohttp_are_all_answered(servers: tuple[procs.Proc, procs.Proc]) -> None:
+    """aiohttp pauses reading at 32 queued pipelined requests and, as its queue drains, parses
+    what it buffered meanwhile (its data_received(b"")). The lane's connections used to swallow
+    that call, with the lane on or off: the 33rd request waited for the keep-alive timeout."""
+    for p in servers:
+        path = f"/v1/stream/many-heads-{p.port}"
+        exchange(p.port, put(path, "Content-Type: text/plain"))
+        head = f"HEAD {path} HTTP/1.1\r\nHost: t\r\n\r\n".encode()
+        answers = pipeline(p.port, [head * 100], 100, timeout=10)
+        assert [parsed(a)[0] for a in answers] == [200] * 100

@@ -268,6 +268,12 @@ class LaneHandler(RequestHandler):
     # --- bytes in ------------------------------------------------------------------------
 
     def data_received(self, data: bytes) -> None:
+        if not data:
+            # aiohttp's own call (its pipelined-message queue drained below its limit): it
+            # parses what it buffered while paused. Those bytes are aiohttp's already; without
+            # passing this on, more than 32 pipelined requests stalled until the next bytes came.
+            super().data_received(data)
+            return
         if self._lane_off or self._force_close or self._close:
             if self._pos < len(self._buf):  # (cannot happen: nothing is held once the lane is off)
                 data = bytes(self._buf[self._pos:]) + data
