@@ -218,20 +218,28 @@ def test_compose_matches_cli() -> None:
     compose = yaml.safe_load((ROOT / "infra" / "docker-compose.yml").read_text())
     services = compose["services"]
     roles: dict[str, list[str]] = defaultdict(list)
+    described: dict[str, str] = {}
     for name, svc in services.items():
         cmd = svc.get("command")
         if not (cmd and cmd[0] == "ds3"):
             continue
         context = (ROOT / "infra" / svc["build"]["context"]).resolve()
         assert context == ROOT and (context / svc["build"]["dockerfile"]).is_file(), name
+        if cmd[1] == "cluster":  # the one-shot that writes the description
+            sub = main.commands["cluster"].commands[cmd[2]]  # type: ignore[attr-defined]
+            cctx = sub.make_context(cmd[2], list(cmd[3:]))
+            assert cctx.params["store"] == "s3://ds3/streams" and cctx.params["s3_endpoint"] == "http://minio:9000"
+            described = dict(spec.split("=", 1) for spec in cctx.params["ingesters"])
+            continue
         ctx = main.commands[cmd[1]].make_context(cmd[1], list(cmd[2:]))  # raises on unknown options
         assert ctx.params["host"] == "0.0.0.0" and ctx.params["port"] == 4437, name
         assert ctx.params["store"] == "s3://ds3/streams" and ctx.params["s3_endpoint"] == "http://minio:9000"
         assert {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"} <= set(svc["environment"]), name
         roles[cmd[1]].append(name)
-        if cmd[1] == "reader":
-            assert ctx.params["ingester"] == "http://ingester:4437"
-    assert roles["ingester"] == ["ingester"] and len(roles["reader"]) >= 2
+        if cmd[1] == "ingester":  # each one named in the description, at the URL it advertises
+            assert described[ctx.params["ingester_id"]] == ctx.params["advertise_url"] == f"http://{name}:4437"
+    assert roles["ingester"] == ["ingester1", "ingester2"] and len(roles["reader"]) >= 2
+    assert sorted(described) == ["i1", "i2"]
     nginx = services["nginx"]
     assert "./nginx.conf:/etc/nginx/nginx.conf:ro" in nginx["volumes"]
     assert nginx["ports"] == ["4437:80"]
