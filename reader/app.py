@@ -15,6 +15,7 @@ from reader import metrics as reader_metrics
 from reader.descriptors import DescriptorCache
 from reader.fanout import LiveHub, Page
 from reader.http import add_routes, read_page
+from reader.owner import OwnerWatcher
 from reader.proxy import IngesterClient
 from reader.routing import Router
 from reader.sealed import SealedLocator
@@ -68,8 +69,15 @@ def create_app(config: ReaderConfig) -> web.Application:
                 await watcher.refresh()
         if config.cluster is not None and watcher.current is None:
             raise ConfigError(f"cluster (DS3_CLUSTER): {watcher.error}")
+        owner = OwnerWatcher(objects) if config.cluster is None else None
+        if owner is not None:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(STARTUP_READ_TIMEOUT):
+                    await owner.refresh()
+            owner.start()
         router = Router(config.ingester, make_client, make_pool, watcher,
-                        internal_headers=make_client(config.ingester or "http://127.0.0.1").internal_headers)
+                        internal_headers=make_client(config.ingester or "http://127.0.0.1").internal_headers,
+                        owner=owner)
         watcher.start()
         state: ReaderState | None = None
 

@@ -146,6 +146,7 @@ class ForwardLane(Lane):
                 st.descriptors.forget(path)
             if isinstance(answer, Unavailable):
                 log.warning("%s %s: %s", msg.method.decode(), url[:200].decode("latin-1"), answer.message)
+                router.failed(link)
                 handler.answer_failure(msg, answer, rid, started)
                 return
             if answer.status == MISDIRECTED and router.watcher is not None:

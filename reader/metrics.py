@@ -69,6 +69,10 @@ def collect(app: web.Application) -> Iterator[Metric]:
     if router.watcher is not None:
         yield counter("ds3_reader_cluster_description_read_failures", "Reads of the cluster description that "
                       "failed or were refused.", router.watcher.failures)
+    owner = st.router.owner
+    if owner is not None:
+        yield counter("ds3_reader_owner_changes", "Times the store prefix's owner (the ingester this reader "
+                      "forwards to without a cluster description) moved while it ran.", owner.changes)
     yield counter("ds3_reader_collapsed", "Requests that shared another client's upstream request.",
                   router.collapsed_total)
     yield counter("ds3_reader_sse_shared", "SSE clients that joined an existing upstream subscription.",

@@ -4,7 +4,9 @@ A reader holds the current cluster description (shared.cluster.ClusterWatcher ov
 `_ds3/cluster.json`, or `--cluster FILE`) and computes a request's owner from its URL alone
 (shared.placement: plain streams by their path, bucketed streams and bucket routes by their
 bucket). With no description (none in the store and no file), every request goes to the one
-`--ingester`, exactly as before clusters existed.
+ingester that owns the store prefix, as the ownership record names it (reader/owner.py: a
+standby that took over is followed without a restart), or to `--ingester` while no record
+names one, exactly as before clusters existed.
 
 Per ingester URL the router keeps a `Link`: an IngesterClient (reader/proxy.py, sharing the
 process's one aiohttp ClientSession) and an UpstreamPool (reader/upstream.py, the fast lane's raw
@@ -29,6 +31,7 @@ from typing import Any, Final
 
 import aiohttp
 
+from reader.owner import OwnerWatcher
 from reader.proxy import Headers, IngesterClient, Upstream
 from reader.upstream import UpstreamPool
 from shared.cluster import ClusterWatcher
@@ -56,12 +59,13 @@ class Link:
 class Router:
     def __init__(self, default_url: str | None, make_client: Callable[[str], IngesterClient],
                  make_pool: Callable[[str], UpstreamPool | None], watcher: ClusterWatcher | None = None,
-                 internal_headers: dict[str, str] | None = None) -> None:
+                 internal_headers: dict[str, str] | None = None, owner: OwnerWatcher | None = None) -> None:
         # sent with every request (reader.proxy.IngesterClient.internal_headers)
         self.internal_headers = internal_headers or {}
         self._make_client = make_client
         self._make_pool = make_pool
         self.watcher = watcher
+        self.owner = owner  # the ownership record's advertised URL, when there is no description
         self.links: dict[str, Link] = {}
         self.default = self.link(default_url) if default_url is not None else None
         self._cached_for: Cluster | None = None
@@ -92,10 +96,7 @@ class Router:
         """The link to the owner of placement key `key`."""
         cluster = self.cluster
         if cluster is None:
-            if self.default is None:
-                why = self.watcher.error if self.watcher is not None else None
-                raise Unavailable(f"no cluster description read yet: {why or 'starting'}", 2)
-            return self.default
+            return self.single()
         if cluster is not self._cached_for or len(self._owners) >= _CACHE_MAX:
             self._cached_for, self._owners = cluster, {}
         found = self._owners.get(key)
@@ -104,6 +105,22 @@ class Router:
             found = self._owners[key] = self.link(owner.url)
             found.ingester_id = owner.id
         return found
+
+    def single(self) -> Link:
+        """Without a description: the prefix's owner as the ownership record names it, else
+        --ingester."""
+        url = self.owner.url if self.owner is not None else None
+        if url is not None:
+            return self.link(url)
+        if self.default is None:
+            why = self.watcher.error if self.watcher is not None else None
+            raise Unavailable(f"no cluster description read yet: {why or 'starting'}", 2)
+        return self.default
+
+    def failed(self, link: Link) -> None:
+        """A forward to `link` found no ingester there: the owner may have moved (a takeover)."""
+        if self.owner is not None and self.cluster is None:
+            self.owner.poke()
 
     def for_path(self, path: str) -> Link:
         """The owner of the stream with internal path `path` (plain or bucketed)."""
@@ -116,7 +133,10 @@ class Router:
         """Every ingester of the description (or the one --ingester), in id order."""
         cluster = self.cluster
         if cluster is None:
-            return [self.default] if self.default is not None else []
+            try:
+                return [self.single()]
+            except Unavailable:
+                return []
         out = []
         for ing in cluster.ingesters:
             link = self.link(ing.url)
@@ -154,21 +174,33 @@ class Router:
 
     async def call(self, key: str, method: str, path_qs: str, headers: Headers, body: bytes | None) -> Upstream:
         link = self.for_key(key)
-        up = await link.client.call(method, path_qs, headers, body)
+        try:
+            up = await link.client.call(method, path_qs, headers, body)
+        except Unavailable:
+            self.failed(link)
+            raise
         if up.status == MISDIRECTED:
             return await self._again(key, link, up, lambda c: c.call(method, path_qs, headers, body))
         return up
 
     async def get_collapsed(self, key: str, path_qs: str, headers: Headers) -> Upstream:
         link = self.for_key(key)
-        up = await link.client.get_collapsed(path_qs, headers)
+        try:
+            up = await link.client.get_collapsed(path_qs, headers)
+        except Unavailable:
+            self.failed(link)
+            raise
         if up.status == MISDIRECTED:
             return await self._again(key, link, up, lambda c: c.get_collapsed(path_qs, headers))
         return up
 
     async def collapsed_call(self, key: str, method: str, path_qs: str, headers: Headers, *, flight: str) -> Upstream:
         link = self.for_key(key)
-        up = await link.client.collapsed_call(method, path_qs, headers, key=flight)
+        try:
+            up = await link.client.collapsed_call(method, path_qs, headers, key=flight)
+        except Unavailable:
+            self.failed(link)
+            raise
         if up.status == MISDIRECTED:
             return await self._again(key, link, up, lambda c: c.collapsed_call(method, path_qs, headers, key=flight))
         return up
@@ -217,6 +249,8 @@ class Router:
     async def close(self) -> None:
         if self.watcher is not None:
             await self.watcher.stop()
+        if self.owner is not None:
+            await self.owner.stop()
         for link in self.links.values():
             if link.pool is not None:
                 await link.pool.close()

@@ -1,0 +1,85 @@
+"""Readers follow the store prefix's owner (issue 14 item 5): with no cluster description, the
+ingester to forward to is the one the ownership record names (`_ds3/owner.json`,
+shared/ownership.py: its advertised URL), not only the fixed `--ingester`. A standby that takes
+the prefix over writes its own URL there; readers read the record every REFRESH_SECONDS (and
+at once after a failed forward) and move to it without a restart. `--ingester` remains the
+fallback while no record names anyone (a store never owned, an ingester without a store).
+
+A released or lapsed record still names the last owner: it is where the data is, and the
+ingester itself answers 503 while it does not own the prefix (or a standby names the owner).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import Final
+
+from shared.errors import DS3Error
+from shared.objectstore.base import ObjectStore
+from shared.ownership import OwnerRecord, read_owner
+
+log = logging.getLogger("ds3.reader.owner")
+
+REFRESH_SECONDS: Final = 2.0
+MIN_EARLY_SECONDS: Final = 0.25  # a failed forward asks again at most this often
+
+
+class OwnerWatcher:
+    """The ownership record as last read; `url` is the owner's advertised URL, or None."""
+
+    def __init__(self, objects: ObjectStore, interval: float = REFRESH_SECONDS) -> None:
+        self.objects = objects
+        self.interval = interval
+        self.record: OwnerRecord | None = None
+        self.error: str | None = None
+        self.changes = 0  # times the owner's URL changed under this reader
+        self._task: asyncio.Task[None] | None = None
+        self._wake = asyncio.Event()
+        self._last_read = 0.0
+
+    @property
+    def url(self) -> str | None:
+        return None if self.record is None else self.record.advertise_url.rstrip("/")
+
+    async def refresh(self) -> None:
+        """Read the record once (a failure keeps the last one and says why in `error`)."""
+        self._last_read = time.monotonic()
+        try:
+            record = await read_owner(self.objects)
+        except (DS3Error, ValueError, OSError) as e:
+            self.error = str(e)
+            return
+        self.error = None
+        before = self.url
+        self.record = record
+        if self.url != before and self.url is not None:
+            self.changes += before is not None
+            log.info("the store prefix's owner is %s (epoch %d)%s", self.url, record.epoch if record else 0,
+                     f"; was {before}" if before else "")
+
+    def poke(self) -> None:
+        """A forward to the owner failed: read the record again soon (rate-limited)."""
+        if time.monotonic() - self._last_read >= MIN_EARLY_SECONDS:
+            self._wake.set()
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._run(), name="ds3-owner-watch")
+
+    async def _run(self) -> None:
+        while True:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.interval):
+                    await self._wake.wait()
+            self._wake.clear()
+            await self.refresh()
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None

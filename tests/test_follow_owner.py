@@ -1,0 +1,64 @@
+"""Readers follow the store prefix's owner (issue 14 item 5), with real processes: a reader
+started with a wrong --ingester forwards to the ingester the ownership record names; the
+ingester is replaced by another on a new port and an empty disk (it restores from the store's
+log); the reader moves to it without a restart, and every append is there at its offset."""
+
+from __future__ import annotations
+
+import http.client
+import time
+from pathlib import Path
+
+from tests import procs
+
+
+def request(port: int, method: str, path: str, body: bytes = b"",
+            headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    try:
+        c.request(method, path, body=body or None, headers=headers or {})
+        r = c.getresponse()
+        return r.status, {k.lower(): v for k, v in r.getheaders()}, r.read()
+    finally:
+        c.close()
+
+
+TEXT = {"Content-Type": "text/plain"}
+
+
+def test_a_reader_follows_the_prefix_owner_across_a_replacement(tmp_path: Path) -> None:
+    store = (tmp_path / "objects").as_uri()
+    a = procs.ingester(tmp_path / "a", "--store", store, "--write-rate", "0").start()
+    wrong = f"http://127.0.0.1:{procs.free_port()}"  # nobody there: only the record leads to a
+    reader = procs.reader(tmp_path / "r", wrong, store, "--write-rate", "0").start()
+    b: procs.Proc | None = None
+    try:
+        assert request(reader.port, "PUT", "/v1/stream/f", headers=TEXT)[0] == 201
+        offsets = []
+        for i in range(20):
+            status, headers, _ = request(reader.port, "POST", "/v1/stream/f", b"%d," % i, TEXT)
+            assert status == 204
+            offsets.append(headers["stream-next-offset"])
+        a.stop()  # a clean stop releases the prefix: a replacement may take it at once
+        b = procs.ingester(tmp_path / "b", "--store", store, "--write-rate", "0").start()
+        started = time.monotonic()
+        while True:  # the reader learns the new owner from the record (every 2 s, sooner on failures)
+            status, headers, body = request(reader.port, "POST", "/v1/stream/f", b"after,", TEXT)
+            if status == 204:
+                break
+            assert status == 503, (status, body)
+            assert time.monotonic() - started < 15, "the reader never moved to the new owner"
+            time.sleep(0.2)
+        assert headers["stream-next-offset"] > offsets[-1]
+        status, _, body = request(reader.port, "GET", "/v1/stream/f?offset=-1")
+        assert status == 200 and body == b"".join(b"%d," % i for i in range(20)) + b"after,"
+        # the same bytes from the same offsets as before the replacement
+        status, _, body = request(reader.port, "GET", f"/v1/stream/f?offset={offsets[9]}")
+        assert status == 200 and body.startswith(b"10,11,")
+        metrics = request(reader.port, "GET", "/metrics")[2].decode()
+        assert "ds3_reader_owner_changes_total 1.0" in metrics
+    finally:
+        reader.stop()
+        if b is not None:
+            b.stop()
+        a.stop()
