@@ -136,6 +136,11 @@ def _ingester_options(f: FC) -> FC:
         _opt("--lease-seconds", env="DS3_LEASE_SECONDS", type=float, default=10.0,
              help="Lease on the store prefix; renewed every third of it. Another ingester may take the "
                   "prefix over once it lapses."),
+        _opt("--standby", env="DS3_STANDBY", is_flag=True, default=False,
+             help="Start as a standby for the ingester owning --store's prefix: acknowledge no writes (stream "
+                  "requests answer 503 naming the owner's URL), watch its lease, and when it lapses take the "
+                  "prefix over, restore the WAL from the store's log (this data dir's WAL is discarded) and "
+                  "serve."),
         _opt("--sse-max-seconds", env="DS3_SSE_MAX_SECONDS", type=float, default=60.0,
              help="SSE connections are closed after this long so CDNs can collapse them."),
         _opt("--max-read-bytes", env="DS3_MAX_READ_BYTES", type=int, default=1 * MiB,

@@ -13,8 +13,10 @@ Two modes (--durability):
   upload keeps failing (GATE_ATTEMPTS attempts or GATE_SECONDS), the waiting gates fail:
   those writes answer 503 (they are in the local WAL but nothing is promised); the commits
   stay queued and are shipped once the store answers again.
-- local: no gate (acknowledged after the local fsync); the queue is shipped at most about
-  --ship-interval after its oldest commit.
+- local: no gate (acknowledged after the local fsync) while our lease holds (a failed gate,
+  503, once it does not: ownership.valid() is checked after every commit, before its
+  outcomes go out); the queue is shipped at most about --ship-interval after its oldest
+  commit.
 
 A segment is cut from whatever is queued at each attempt, so a retry after an upload whose
 answer was lost may write a longer segment that overlaps the first: harmless (replay skips
@@ -145,6 +147,12 @@ class Shipper:
                 # commit is queued all the same, and shipped once the store answers).
                 gate = ConcurrentFuture()
                 gate.set_exception(Unavailable(NOT_SHIPPED, 5))
+            elif self.durability == "local" and self.ownership is not None and not self.ownership.valid():
+                # Local mode acknowledges after the fsync, but not once our lease is over (a
+                # process frozen past it, then resumed, before the keeper noticed): another
+                # ingester may own the prefix by now. 503 (the commit is in this WAL only).
+                gate = ConcurrentFuture()
+                gate.set_exception(Superseded("the lease on the store prefix ran out", self._epoch()))
             elif self.durability == "store":
                 entry = self._open_gate
                 if entry is None:
