@@ -125,7 +125,8 @@ def _check(base: str, producers: list[Producer]) -> int:
 
 
 def _readyz(base: str) -> dict[str, object]:
-    return json.loads(_req("GET", f"{base}/readyz")[2])
+    body: dict[str, object] = json.loads(_req("GET", f"{base}/readyz")[2])
+    return body
 
 
 def test_standby_takes_over_from_a_killed_owner(tmp_path: Path, store: StoreView) -> None:
