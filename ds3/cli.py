@@ -126,6 +126,9 @@ def _ingester_options(f: FC) -> FC:
                   "lost with the machine)."),
         _opt("--ship-interval", env="DS3_SHIP_INTERVAL", type=float, default=1.0,
              help="local durability: seconds the log in the store may lag behind the WAL."),
+        _opt("--log-uploads", env="DS3_LOG_UPLOADS", type=int, default=4,
+             help="store durability: log segment uploads in flight at once (1-4); appends are still "
+                  "acknowledged in commit order."),
         _opt("--checkpoint-interval", env="DS3_CHECKPOINT_INTERVAL", type=float, default=300.0,
              help="Seconds between checkpoints of the WAL into the store (they bound recovery)."),
         _opt("--advertise-url", env="DS3_ADVERTISE_URL", default=None,

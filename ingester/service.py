@@ -282,7 +282,8 @@ class IngesterService:
             assert self.own_objects is not None
             self.shipper = Shipper(self.wal, self.own_objects, loop, durability=cast(Durability, self.config.durability),
                                    interval=self.config.ship_interval,
-                                   checkpoint_interval=self.config.checkpoint_interval, ownership=self.ownership)
+                                   checkpoint_interval=self.config.checkpoint_interval, ownership=self.ownership,
+                                   uploads=self.config.log_uploads)
         self._committer = GroupCommitter(
             self.wal, loop, on_abort=self.store.reset, on_commit=self.store.flush, on_durable=self._on_durable,
             on_logged=self.shipper.on_logged if self.shipper is not None else None,

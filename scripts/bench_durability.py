@@ -51,7 +51,6 @@ from bench_run import (  # noqa: E402
 from shared.objectstore import open_store  # noqa: E402
 
 TARGET_RATIO = 0.5
-MODES = ("local", "store")
 KINDS = (("streams", "32 writers x own stream"), ("shared", "32 writers x one stream"))
 
 
@@ -82,15 +81,18 @@ def put_latency(url: str, endpoint: str | None, samples: int) -> dict[str, float
 
 def bench_mode(store_url: str, endpoint: str | None, mode: str, p: argparse.Namespace,
                work: Path) -> dict[str, Any]:
-    extra = ["--store", store_url, "--durability", mode, "--log-level", "warning"]
+    durability, _, uploads = mode.partition("/")
+    extra = ["--store", store_url, "--durability", durability, "--log-level", "warning"]
+    if uploads:
+        extra += ["--log-uploads", uploads]
     if endpoint is not None:
         extra += ["--s3-endpoint", endpoint]
     server = ds3_server(work, 1000, extra)
-    server.log_path = work / f"ds3-{mode}-{int(time.time() * 1000)}.log"
+    server.log_path = work / f"ds3-{durability}{uploads}-{int(time.time() * 1000)}.log"
     out: dict[str, Any] = {}
     log(f"bench: ds3 ingester --durability {mode} on {store_url}")
     server.start()
-    prefix = f"bench-{mode}-{int(time.time())}"
+    prefix = f"bench-{durability}{uploads}-{int(time.time())}"
     try:
         for kind, label in KINDS:
             r = run_load(scenario_args(kind, server.url, p, f"{prefix}-{kind}"), server,
@@ -112,22 +114,25 @@ def report(results: dict[str, Any], p: argparse.Namespace) -> list[tuple[str, bo
         put = r["put"]
         print(f"\n{store_name}  (1 KiB PUT: p50 {fmt(put['p50_ms'], 2)} ms, p99 {fmt(put['p99_ms'], 2)} ms, "
               f"max {fmt(put['max_ms'], 2)} ms over {put['samples']})")
-        print(f"  {'scenario':<26}{'mode':<7}{'appends/s':>11}{'ack p50':>9}{'ack p99':>9}{'errors':>8}"
+        modes = [m for m in r if m != "put"]
+        print(f"  {'scenario':<26}{'mode':<10}{'appends/s':>11}{'ack p50':>9}{'ack p99':>9}{'errors':>8}"
               f"{'CPU-s/1000':>12}")
         for kind, label in KINDS:
-            for mode in MODES:
+            for mode in modes:
                 s = r[mode][kind]
-                print(f"  {label:<26}{mode:<7}{fmt(s['appends_per_s'], 0):>11}{fmt(s['ack_p50_ms'], 2):>9}"
+                print(f"  {label:<26}{mode:<10}{fmt(s['appends_per_s'], 0):>11}{fmt(s['ack_p50_ms'], 2):>9}"
                       f"{fmt(s['ack_p99_ms'], 2):>9}{s['errors']:>8}{fmt(s['cpu_s_per_1000_appends'], 3):>12}")
-            loc, sto = r["local"][kind], r["store"][kind]
-            ratio = sto["appends_per_s"] / loc["appends_per_s"] if loc["appends_per_s"] else 0.0
-            bound = loc["ack_p99_ms"] + put["p99_ms"]
-            print(f"  {'':<26}store/local {ratio:.2f} (target >= {TARGET_RATIO}); store p99 "
-                  f"{fmt(sto['ack_p99_ms'], 2)} vs local p99 + PUT p99 = {fmt(bound, 2)} ms")
-            checks.append((f"{store_name}, {label}: store/local appends/s >= {TARGET_RATIO}",
-                           ratio >= TARGET_RATIO, f"{ratio:.2f}"))
-            checks.append((f"{store_name}, {label}: store ack p99 <= local p99 + PUT p99",
-                           sto["ack_p99_ms"] <= bound, f"{sto['ack_p99_ms']:.2f} <= {bound:.2f} ms"))
+            loc = r["local"][kind]
+            for mode in modes[1:]:
+                sto = r[mode][kind]
+                ratio = sto["appends_per_s"] / loc["appends_per_s"] if loc["appends_per_s"] else 0.0
+                bound = loc["ack_p99_ms"] + put["p99_ms"]
+                print(f"  {'':<26}{mode}/local {ratio:.2f} (target >= {TARGET_RATIO}); p99 "
+                      f"{fmt(sto['ack_p99_ms'], 2)} vs local p99 + PUT p99 = {fmt(bound, 2)} ms")
+                checks.append((f"{store_name}, {label}: {mode}/local appends/s >= {TARGET_RATIO}",
+                               ratio >= TARGET_RATIO, f"{ratio:.2f}"))
+                checks.append((f"{store_name}, {label}: {mode} ack p99 <= local p99 + PUT p99",
+                               sto["ack_p99_ms"] <= bound, f"{sto['ack_p99_ms']:.2f} <= {bound:.2f} ms"))
     print()
     for name, ok, detail in checks:
         print(f"  {'PASS' if ok else 'FAIL'}  {name}: {detail}")
@@ -143,6 +148,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--size", type=int, default=100)
     ap.add_argument("--client", default="raw", choices=["raw", "http"])
     ap.add_argument("--put-samples", type=int, default=300)
+    ap.add_argument("--log-uploads", default="1,4",
+                    help="store mode is run once for each of these --log-uploads values (segment PUTs in flight)")
     ap.add_argument("--quick", action="store_true", help="2 s per scenario, 100 PUT samples")
     ap.add_argument("--json", type=Path, default=None, help="write the results here")
     ap.add_argument("--keep", action="store_true", help="keep the work dir (servers' logs)")
@@ -176,8 +183,9 @@ def main(argv: list[str]) -> int:
                     raise BenchError(f"unknown store {name!r} (s3, file)")
                 log(f"bench: {label}: PUT latency, {p.put_samples} samples ...")
                 r: dict[str, Any] = {"put": put_latency(f"{base}/put-probe", endpoint, p.put_samples)}
-                for mode in MODES:
-                    r[mode] = bench_mode(f"{base}/{mode}", endpoint, mode, p, work)
+                modes = ["local"] + [f"store/{n}" for n in p.log_uploads.split(",")]
+                for mode in modes:
+                    r[mode] = bench_mode(f"{base}/{mode.replace('/', '-')}", endpoint, mode, p, work)
                 results[label] = r
         checks = report(results, p)
         if p.json is not None:

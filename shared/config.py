@@ -158,6 +158,7 @@ class IngesterConfig:
     durability: str = "local"
     ship_interval: float = 1.0
     checkpoint_interval: float = 300.0
+    log_uploads: int = 4  # store durability: log segment PUTs in flight at once (1-4)
     # Ownership of the store prefix (shared/ownership.py; only with a store).
     advertise_url: str | None = None  # None: http://{host}:{port}
     owner_id: str | None = None  # None: a random id kept in <data-dir>/owner-id
@@ -181,6 +182,7 @@ class IngesterConfig:
              "store needs an object store (--store / DS3_STORE)")
         need(0.01 <= self.ship_interval <= 3600, "ship-interval (DS3_SHIP_INTERVAL)",
              "must be between 0.01 and 3600 seconds")
+        need(1 <= self.log_uploads <= 4, "log-uploads (DS3_LOG_UPLOADS)", "must be between 1 and 4")
         need(1 <= self.checkpoint_interval <= 7 * 86400, "checkpoint-interval (DS3_CHECKPOINT_INTERVAL)",
              "must be between 1 second and a week")
         need(self.advertise_url is None or self.advertise_url.startswith(("http://", "https://")),
