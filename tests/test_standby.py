@@ -270,3 +270,37 @@ def test_store_cut_mid_segment_loses_nothing_acknowledged(
         assert _check(b.url, producers) == live
     finally:
         b.stop()
+
+
+def test_a_clean_shutdown_hands_over_at_once(tmp_path: Path) -> None:
+    """The owner releases its lease when it stops: the standby need not wait for it to lapse,
+    only for its next read of the record (every third of its lease)."""
+    store = StoreView.local(tmp_path / "objects")
+    a = ingester(tmp_path / "a", *store.server_args(), "--durability", "store", "--lease-seconds", "6").start()
+    b = ingester(tmp_path / "b", *store.server_args(), "--durability", "store", "--lease-seconds", "6",
+                 "--standby").start()
+    try:
+        assert _req("PUT", f"{a.url}/v1/stream/x", headers=TEXT)[0] == 201
+        assert _req("POST", f"{a.url}/v1/stream/x", b"one\n", TEXT)[0] == 204
+        status, headers, _ = _req("POST", f"{b.url}/v1/stream/x", b"no\n", TEXT)
+        assert status == 503 and int(headers["Retry-After"]) > 3  # the owner's lease, 6 s
+        stopped = time.monotonic()
+        a.stop()
+        while time.monotonic() < stopped + 10:
+            if _req("POST", f"{b.url}/v1/stream/x", b"two\n", TEXT)[0] == 204:
+                break
+            time.sleep(0.05)
+        took = time.monotonic() - stopped
+        print(f"\nclean shutdown of the owner -> first append acknowledged by the standby: {took:.2f}s")
+        assert took < 6 / 3 + 1.5  # not the 6 s lease
+        assert _read_all(b.url, "x") == b"one\ntwo\n"
+    finally:
+        a.kill()
+        b.stop()
+
+
+def test_standby_needs_a_store(tmp_path: Path) -> None:
+    from shared.config import ConfigError, IngesterConfig
+
+    with pytest.raises(ConfigError, match="standby"):
+        IngesterConfig(data_dir=tmp_path, standby=True)
