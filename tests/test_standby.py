@@ -304,3 +304,45 @@ def test_standby_needs_a_store(tmp_path: Path) -> None:
 
     with pytest.raises(ConfigError, match="standby"):
         IngesterConfig(data_dir=tmp_path, standby=True)
+
+
+def test_a_standby_with_a_stale_wal_restores_from_the_store(tmp_path: Path) -> None:
+    """A takes writes, dies; B takes over and takes more; A comes back as a standby on its old
+    (now stale) data dir; B dies; A takes over again: its old WAL is replaced by the store's
+    log, so it serves B's appends too, at the offsets B acknowledged."""
+    store = StoreView.local(tmp_path / "objects")
+    mode = ("--durability", "store")
+    a = _node(tmp_path / "a", store, *mode).start()
+    b = _node(tmp_path / "b", store, *mode, "--standby").start()
+    a2: Proc | None = None
+    try:
+        assert _req("PUT", f"{a.url}/v1/stream/x", headers=TEXT)[0] == 201
+        for i in range(5):
+            assert _req("POST", f"{a.url}/v1/stream/x", b"a-%d\n" % i, TEXT)[0] == 204
+        a.kill()
+        deadline = time.monotonic() + LEASE + 15
+        while _req("POST", f"{b.url}/v1/stream/x", b"b-0\n", TEXT)[0] != 204:
+            assert time.monotonic() < deadline, b.log_path.read_text()[-3000:]
+            time.sleep(0.05)
+        ends = []
+        for i in range(1, 5):
+            status, headers, _ = _req("POST", f"{b.url}/v1/stream/x", b"b-%d\n" % i, TEXT)
+            assert status == 204
+            ends.append(headers["Stream-Next-Offset"])
+        expected = _read_all(b.url, "x")
+        a2 = Proc(args=[*a.args, "--standby"], port=a.port, log_path=a.log_path).start()  # its old data dir
+        assert _req("POST", f"{a2.url}/v1/stream/x", b"no\n", TEXT)[0] == 503
+        b.kill()
+        deadline = time.monotonic() + LEASE + 15
+        while _req("HEAD", f"{a2.url}/v1/stream/x")[0] != 200:
+            assert time.monotonic() < deadline, a2.log_path.read_text()[-3000:]
+            time.sleep(0.05)
+        assert _read_all(a2.url, "x") == expected
+        assert _req("HEAD", f"{a2.url}/v1/stream/x")[1]["Stream-Next-Offset"] == ends[-1]
+        assert _req("POST", f"{a2.url}/v1/stream/x", b"a2\n", TEXT)[0] == 204
+        assert _read_all(a2.url, "x") == expected + b"a2\n"
+    finally:
+        a.kill()
+        b.kill()
+        if a2 is not None:
+            a2.stop()
