@@ -126,6 +126,9 @@ def _ingester_options(f: FC) -> FC:
                   "lost with the machine)."),
         _opt("--ship-interval", env="DS3_SHIP_INTERVAL", type=float, default=1.0,
              help="local durability: seconds the log in the store may lag behind the WAL."),
+        _opt("--log-uploads", env="DS3_LOG_UPLOADS", type=int, default=4,
+             help="store durability: log segment uploads in flight at once (1-4); appends are still "
+                  "acknowledged in commit order."),
         _opt("--checkpoint-interval", env="DS3_CHECKPOINT_INTERVAL", type=float, default=300.0,
              help="Seconds between checkpoints of the WAL into the store (they bound recovery)."),
         _opt("--advertise-url", env="DS3_ADVERTISE_URL", default=None,
@@ -136,6 +139,11 @@ def _ingester_options(f: FC) -> FC:
         _opt("--lease-seconds", env="DS3_LEASE_SECONDS", type=float, default=10.0,
              help="Lease on the store prefix; renewed every third of it. Another ingester may take the "
                   "prefix over once it lapses."),
+        _opt("--standby", env="DS3_STANDBY", is_flag=True, default=False,
+             help="Start as a standby for the ingester owning --store's prefix: acknowledge no writes (stream "
+                  "requests answer 503 naming the owner's URL), watch its lease, and when it lapses take the "
+                  "prefix over, restore the WAL from the store's log (this data dir's WAL is discarded) and "
+                  "serve."),
         _opt("--sse-max-seconds", env="DS3_SSE_MAX_SECONDS", type=float, default=60.0,
              help="SSE connections are closed after this long so CDNs can collapse them."),
         _opt("--max-read-bytes", env="DS3_MAX_READ_BYTES", type=int, default=1 * MiB,

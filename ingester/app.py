@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from typing import Final
 
 from aiohttp import web
+from aiohttp.typedefs import Handler
 
 from ingester import bucket_http, listing
 from ingester import metrics as ingester_metrics
@@ -14,9 +16,21 @@ from shared.config import IngesterConfig
 from shared.http import access, auth, limits
 from shared.http.handlers import common_headers, errors_middleware
 
+# Answered by a standby too (the rest: 503 naming the owner, IngesterService.standby_refusal).
+_STANDBY_SERVES: Final = frozenset({"/healthz", "/readyz", "/metrics"})
+
+
+@web.middleware
+async def standby_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    svc = request.app.get(SERVICE)
+    if svc is not None and svc.standing_by and request.path not in _STANDBY_SERVES:
+        raise svc.standby_refusal()
+    return await handler(request)
+
 
 def create_app(config: IngesterConfig) -> web.Application:
-    app = web.Application(middlewares=[errors_middleware], client_max_size=config.max_body_bytes)
+    middlewares = [errors_middleware, standby_middleware] if config.standby else [errors_middleware]
+    app = web.Application(middlewares=middlewares, client_max_size=config.max_body_bytes)
     metrics = access.install(app)  # request ids, access log, /metrics, /healthz, /readyz (outermost)
     ingester_metrics.install(app, metrics, config)
     auth.install(app, config.auth, accepts_internal=True)  # before the limits: they count per token subject

@@ -42,6 +42,8 @@ class AppendLane(Lane):
             if SERVICE not in self.app:
                 return False
             self.svc = self.app[SERVICE]
+        if self.svc.standing_by:  # aiohttp's path answers a standby's 503
+            return False
         return super().ready()
 
     def max_body(self) -> int:

@@ -33,6 +33,9 @@ log = logging.getLogger("ds3.logstore")
 
 CHECKPOINT_DIR: Final = "checkpoint/"
 FETCH_CONCURRENCY: Final = 16  # segment GETs in flight while restoring
+# Segments of the log's epoch that may follow a hole (a failed upload): the shipper's uploads
+# in flight (ingester/shipper.py UPLOADS_IN_FLIGHT) minus the failed one.
+ORPHANS_MAX: Final = 3
 _CHECKPOINT_RE: Final = re.compile(r"(\d{20})-(\d{20})\.mdb")
 
 
@@ -87,6 +90,28 @@ async def list_log(objects: ObjectStore) -> LogListing:
         if rng is not None:
             out.segments.append(SegmentRef(info.key, rng[0], rng[1]))
     return out
+
+
+async def _drop_orphans(objects: ObjectStore, listing: LogListing, nxt: int, epoch: int, seq: int) -> None:
+    """The log ends at commit nxt - 1; segments after it are orphans: ones that landed while
+    an earlier segment's upload failed (at most ORPHANS_MAX of the chain's epoch: store mode
+    keeps that many uploads in flight, and goes one at a time after a failure; their commits
+    were never acknowledged in store mode), or a superseded owner's late writes (an older
+    epoch). They are deleted, so that our next segments cannot collide with their keys and
+    the log ends where the WAL does. More of them than uploads could leave is a real gap:
+    refused."""
+    orphans = [ref for ref in listing.segments if ref.first > nxt]
+    current = 0
+    for ref in orphans:
+        if parse_prelude(await objects.get(ref.key, 0, PRELUDE_SIZE))[2] >= epoch:
+            current += 1
+    if current > ORPHANS_MAX:
+        raise RestoreError(f"the store's log has a gap: no segment holds commit {nxt} (next segment: "
+                           f"{orphans[0].key}, {current} after it); restored up to commit {seq}")
+    for ref in orphans:
+        log.warning("the log ends at commit %d: deleting %s beyond it (never acknowledged in store mode)",
+                    seq, ref.key)
+        await objects.delete(ref.key)
 
 
 class StartRefused(RuntimeError):
@@ -145,10 +170,7 @@ async def restore(objects: ObjectStore, wal_dir: Path, map_size: int, listing: L
                     if segment.epoch >= epoch:  # an older epoch's: a superseded owner's late write
                         candidates.append((segment.epoch, ref.last, ref, segment))
                 if not candidates:
-                    for ref in (s for s in listing.segments if s.first > nxt):
-                        if parse_prelude(await objects.get(ref.key, 0, PRELUDE_SIZE))[2] >= epoch:
-                            raise RestoreError(f"the store's log has a gap: no segment holds commit {nxt} "
-                                               f"(next segment: {ref.key}); restored up to commit {seq}")
+                    await _drop_orphans(objects, listing, nxt, epoch, seq)
                     break
                 # Highest epoch first, then the one reaching furthest.
                 candidates.sort(key=lambda c: (c[0], c[1]))

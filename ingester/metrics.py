@@ -85,7 +85,7 @@ def cluster_status(svc: IngesterService | None) -> dict[str, object] | None:
 
 def collect(app: web.Application) -> Iterator[Metric]:
     svc = app.get(SERVICE)
-    if svc is None:  # not started yet, or stopped
+    if svc is None or svc.standing_by:  # not started yet, or stopped; a standby has no WAL
         return
     committer = svc.committer
     yield from svc.append_seconds.collect()
@@ -147,6 +147,8 @@ def install(app: web.Application, metrics: AppMetrics, config: IngesterConfig) -
         svc = app.get(SERVICE)
         if svc is None:
             return "starting"
+        if svc.standing_by:
+            return "not open yet (a standby opens it when it takes over)"
         try:
             svc.wal.env.info()
         except lmdb.Error as e:
@@ -167,10 +169,13 @@ def install(app: web.Application, metrics: AppMetrics, config: IngesterConfig) -
         ready.add("cluster", cluster, cached=False)
         ready.describe("cluster", lambda: cluster_status(app.get(SERVICE)))
 
+    if config.ingester_id is not None or config.standby:
         async def owner() -> str | None:
             svc = app.get(SERVICE)
             if svc is None or svc.ownership is None:
                 return "starting"
+            if svc.standing_by:  # "standby (owner: <url>, epoch N)"
+                return svc.standby_status
             return None if svc.ownership.valid() else "this ingester does not own its store prefix (fenced)"
 
         ready.add("ownership", owner, cached=False)

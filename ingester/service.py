@@ -7,8 +7,11 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import math
 import os
 import secrets
+import shutil
+import signal
 import time
 from collections.abc import Callable
 from typing import Final, TypeVar, cast
@@ -40,11 +43,11 @@ from shared import offsets
 from shared.chunkstore import ChunkReader
 from shared.cluster import ClusterWatcher, FileSource, Membership, StoreSource
 from shared.config import IngesterConfig
-from shared.errors import BadRequest, ObjectStoreError, OwnedElsewhere, Superseded
+from shared.errors import BadRequest, ObjectStoreError, OwnedElsewhere, Superseded, Unavailable
 from shared.http.metrics import LoopHistogram
 from shared.objectstore import LocalStore, ObjectStore, open_store
 from shared.objectstore.scoped import ScopedStore, ingester_scope
-from shared.ownership import LeaseKeeper, Ownership
+from shared.ownership import LeaseKeeper, OwnerRecord, Ownership
 from shared.protocol import is_json
 
 log = logging.getLogger("ds3.ingester")
@@ -75,6 +78,11 @@ class IngesterService:
         # (handlers and the fast lane check every stream request against it). None: no cluster.
         self.membership: Membership | None = None
         self._lease_task: asyncio.Task[None] | None = None
+        # --standby: why this ingester does not serve yet (None: it owns the prefix and serves),
+        # and the owner's record as last read.
+        self.standby_status: str | None = None
+        self.standby_owner: OwnerRecord | None = None
+        self._standby_task: asyncio.Task[None] | None = None
         # Collected by ingester.metrics at scrape time; observed on the event loop only.
         self.append_seconds = LoopHistogram(
             "ds3_ingester_append_seconds", "Time from an append's submission to the writer until it is durable "
@@ -111,28 +119,115 @@ class IngesterService:
         os.replace(tmp, path)
         return oid
 
-    async def _own_and_restore(self) -> None:
-        """With a store: own its prefix, and restore an empty data dir from the store's log,
-        before the WAL is opened."""
+    def _open_ownership(self) -> Ownership:
         config = self.config
         assert config.store is not None
         self.objects = open_store(config.store, s3_endpoint=config.s3_endpoint)
         self.own_objects = self._own_store(self.objects)
         self.ownership = Ownership(self.own_objects, self._owner_id(), config.advertised,
                                    lease_seconds=config.lease_seconds)
+        return self.ownership
+
+    async def _own_and_restore(self) -> None:
+        """With a store: own its prefix, and restore an empty data dir from the store's log,
+        before the WAL is opened."""
+        config = self.config
+        ownership = self._open_ownership()
         try:
-            await self.ownership.acquire()
+            await ownership.acquire()
         except OwnedElsewhere as e:
             raise StartRefused(f"not starting: {e} (its lease is renewed while it runs; start this one once "
-                               "it stopped, or give it the same --owner-id to take it over)") from None
+                               "it stopped, give it the same --owner-id to take it over, or run it with "
+                               "--standby to take over when the lease lapses)") from None
         except ObjectStoreError as e:
             raise StartRefused(f"not starting: cannot take ownership of {config.store}: {e}") from None
         if wal_is_empty(config.wal_dir):
-            listing = await list_log(self.own_objects)
-            if not listing.empty:
-                log.info("empty data dir: restoring the WAL from %s (%d checkpoints, %d segments)",
-                         self.own_objects.url, len(listing.checkpoints), len(listing.segments))
-                await restore(self.own_objects, config.wal_dir, config.wal_map_size, listing)
+            await self._restore_wal()
+
+    async def _restore_wal(self) -> None:
+        """Rebuild the (empty) WAL dir from the store's log, if it holds one."""
+        assert self.own_objects is not None
+        listing = await list_log(self.own_objects)
+        if not listing.empty:
+            log.info("empty data dir: restoring the WAL from %s (%d checkpoints, %d segments)",
+                     self.own_objects.url, len(listing.checkpoints), len(listing.segments))
+            await restore(self.own_objects, self.config.wal_dir, self.config.wal_map_size, listing)
+
+    # --- standby (--standby) ------------------------------------------------------------
+
+    @property
+    def standing_by(self) -> bool:
+        """A standby that has not taken over yet: no WAL, no writer; stream requests get 503."""
+        return self.standby_status is not None
+
+    def standby_refusal(self) -> Unavailable:
+        """The 503 a standby answers stream requests with, naming the owner's URL."""
+        rec = self.standby_owner
+        own = self.ownership
+        if rec is None:
+            return Unavailable(f"this ingester is a standby ({self.standby_status}); it acknowledges no writes "
+                               "until it owns the store prefix", retry_after=1)
+        wait = rec.lease_expires_at + (own.max_skew if own is not None else 0) - time.time()
+        return Unavailable(f"this ingester is a standby: the store prefix is owned by {rec.owner_id} at "
+                           f"{rec.advertise_url or '(no URL)'} (epoch {rec.epoch}); send requests there",
+                           retry_after=max(1, math.ceil(wait)))
+
+    async def _stand_by(self) -> None:
+        """Watch the ownership record (about every lease/3, and just after the owner's lease
+        would lapse); once it has lapsed (or was released), take the prefix over with the next
+        epoch, restore the WAL from the store's log into a fresh WAL dir and start serving."""
+        own = self.ownership
+        assert own is not None
+        interval = self.config.lease_seconds / 3
+        while True:
+            wait = interval
+            try:
+                rec = await own.current()
+                now = time.time()
+                if rec is None or rec.owner_id == own.owner_id or rec.lapsed(now, own.max_skew):
+                    lapsed_at = time.monotonic()
+                    await own.acquire()
+                    if await self._take_over(rec, lapsed_at):
+                        return
+                    continue
+                if rec != self.standby_owner:
+                    log.info("standby: %s at %s owns %s (epoch %d)", rec.owner_id, rec.advertise_url or "(no URL)",
+                             own.store.url, rec.epoch)
+                self.standby_owner = rec
+                self.standby_status = f"standby (owner: {rec.advertise_url or rec.owner_id}, epoch {rec.epoch})"
+                until_lapse = rec.lease_expires_at + own.max_skew - now
+                wait = min(interval, max(0.02, until_lapse + 0.02))
+            except OwnedElsewhere:  # another standby won the race: watch it
+                wait = 0.05
+            except (ObjectStoreError, TimeoutError) as e:
+                log.warning("standby: reading the ownership record of %s failed: %s", own.store.url, e)
+            await asyncio.sleep(wait)
+
+    async def _take_over(self, previous: OwnerRecord | None, lapsed_at: float) -> bool:
+        """We own the prefix now: restore and serve. False (ownership released again) if the
+        store's log cannot be restored now; the standby then carries on watching."""
+        own = self.ownership
+        assert own is not None
+        log.warning("standby: taking over %s (epoch %d) from %s", own.store.url, own.epoch,
+                    f"{previous.owner_id}, epoch {previous.epoch}" if previous is not None else "nobody")
+        try:
+            # The local WAL may be stale (an earlier takeover, a previous life as owner): the
+            # store's log is the truth. Start from a fresh WAL dir: checkpoint + segments.
+            shutil.rmtree(self.config.wal_dir, ignore_errors=True)
+            await self._restore_wal()
+        except (ObjectStoreError, StartRefused, OSError) as e:
+            log.error("standby: restoring from %s failed (%s); releasing the prefix and watching again",
+                      own.store.url, e)
+            with contextlib.suppress(Exception):
+                await own.release()
+            await asyncio.sleep(self.config.lease_seconds / 3)
+            return False
+        await self._start_owned()
+        self.standby_status = None
+        self.standby_owner = None
+        log.warning("standby: took over %s at epoch %d; serving (%.3f s after the lease lapsed)", own.store.url,
+                    own.epoch, time.monotonic() - lapsed_at)
+        return True
 
     def _own_store(self, objects: ObjectStore) -> ObjectStore:
         """Where this ingester's commit log, checkpoints and ownership record live: the store's
@@ -163,14 +258,32 @@ class IngesterService:
         return [s for s in (self.objects, self._blobs) if s is not None]
 
     async def start(self) -> None:
-        loop = asyncio.get_running_loop()
+        if self.config.standby:
+            self._open_ownership()
+            self.standby_status = "standby (owner: not read yet)"
+            self._standby_task = asyncio.create_task(self._stand_by(), name="ds3-standby")
+            self._standby_task.add_done_callback(self._standby_done)
+            return
         if self.config.store is not None:
             await self._own_and_restore()
+        await self._start_owned()
+
+    def _standby_done(self, task: asyncio.Task[None]) -> None:
+        if task.cancelled() or task.exception() is None:
+            return
+        log.error("standby: taking over failed; stopping", exc_info=task.exception())
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    async def _start_owned(self) -> None:
+        """Open the WAL and start writing (the store prefix is ours, the WAL restored)."""
+        loop = asyncio.get_running_loop()
+        if self.config.store is not None:
             self._open_wal()
             assert self.own_objects is not None
             self.shipper = Shipper(self.wal, self.own_objects, loop, durability=cast(Durability, self.config.durability),
                                    interval=self.config.ship_interval,
-                                   checkpoint_interval=self.config.checkpoint_interval, ownership=self.ownership)
+                                   checkpoint_interval=self.config.checkpoint_interval, ownership=self.ownership,
+                                   uploads=self.config.log_uploads)
         self._committer = GroupCommitter(
             self.wal, loop, on_abort=self.store.reset, on_commit=self.store.flush, on_durable=self._on_durable,
             on_logged=self.shipper.on_logged if self.shipper is not None else None,
@@ -286,6 +399,10 @@ class IngesterService:
             asyncio.get_running_loop().create_task(self.sealer.stop())
 
     async def stop(self) -> None:
+        if self._standby_task is not None:
+            self._standby_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._standby_task
         if self.membership is not None:
             await self.membership.watcher.stop()
         if self._lease_task is not None:

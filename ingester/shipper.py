@@ -13,8 +13,10 @@ Two modes (--durability):
   upload keeps failing (GATE_ATTEMPTS attempts or GATE_SECONDS), the waiting gates fail:
   those writes answer 503 (they are in the local WAL but nothing is promised); the commits
   stay queued and are shipped once the store answers again.
-- local: no gate (acknowledged after the local fsync); the queue is shipped at most about
-  --ship-interval after its oldest commit.
+- local: no gate (acknowledged after the local fsync) while our lease holds (a failed gate,
+  503, once it does not: ownership.valid() is checked after every commit, before its
+  outcomes go out); the queue is shipped at most about --ship-interval after its oldest
+  commit.
 
 A segment is cut from whatever is queued at each attempt, so a retry after an upload whose
 answer was lost may write a longer segment that overlaps the first: harmless (replay skips
@@ -48,7 +50,14 @@ from typing import Final, Literal
 
 import lmdb
 
-from ingester.logstore import CHECKPOINT_DIR, StartRefused, checkpoint_key, list_log, parse_checkpoint_key
+from ingester.logstore import (
+    CHECKPOINT_DIR,
+    ORPHANS_MAX,
+    StartRefused,
+    checkpoint_key,
+    list_log,
+    parse_checkpoint_key,
+)
 from ingester.wal import WalEnv
 from shared.errors import ObjectNotFound, ObjectStoreError, PreconditionFailed, Superseded, Unavailable
 from shared.logsegment import LOG_DIR, Commit, encode, parse_segment_key, segment_key
@@ -64,6 +73,9 @@ GATE_ATTEMPTS: Final = 3  # store mode: failed uploads in a row before waiting w
 GATE_SECONDS: Final = 5.0  # ... or this long since the first failure
 BACKOFF_FIRST: Final = 0.05
 BACKOFF_CAP: Final = 5.0
+# store mode: segment PUTs in flight at once (acknowledged in commit order); a recovery tells
+# the orphans they may leave beyond a failed one from a gap by this bound
+UPLOADS_IN_FLIGHT: Final = ORPHANS_MAX + 1
 CHECKPOINT_SEGMENTS: Final = 5000  # segments since the last checkpoint that call for one early ...
 CHECKPOINT_MIN_SECONDS: Final = 30.0  # ... but no more often than this
 ENCODE_INLINE_BYTES: Final = 256 * 1024  # larger segments are encoded on a worker thread
@@ -87,6 +99,7 @@ class Shipper:
         checkpoint_interval: float = 300.0,
         ownership: Ownership | None = None,
         shipped_seq: int = 0,
+        uploads: int = UPLOADS_IN_FLIGHT,
     ) -> None:
         self.wal = wal
         self.objects = objects
@@ -95,6 +108,7 @@ class Shipper:
         self.interval = interval
         self.checkpoint_interval = checkpoint_interval
         self.ownership = ownership
+        self.uploads = min(max(1, uploads), UPLOADS_IN_FLIGHT)  # store mode: segment uploads in flight
         self._lock = threading.Lock()
         # Guarded by the lock (the writer thread appends, the loop takes):
         self._queue: deque[Commit] = deque()
@@ -102,6 +116,7 @@ class Shipper:
         self._oldest_at: float | None = None  # monotonic time the oldest queued commit arrived
         self._gates: deque[list[object]] = deque()  # [last seq, gate], in seq order
         self._open_gate: list[object] | None = None  # the entry commits join until the next take
+        self._taken_upto = 0  # queued commits up to this seq are in an upload in flight
         self._need_checkpoint = False
         # Loop side:
         self._wake = asyncio.Event()
@@ -145,6 +160,12 @@ class Shipper:
                 # commit is queued all the same, and shipped once the store answers).
                 gate = ConcurrentFuture()
                 gate.set_exception(Unavailable(NOT_SHIPPED, 5))
+            elif self.durability == "local" and self.ownership is not None and not self.ownership.valid():
+                # Local mode acknowledges after the fsync, but not once our lease is over (a
+                # process frozen past it, then resumed, before the keeper noticed): another
+                # ingester may own the prefix by now. 503 (the commit is in this WAL only).
+                gate = ConcurrentFuture()
+                gate.set_exception(Superseded("the lease on the store prefix ran out", self._epoch()))
             elif self.durability == "store":
                 entry = self._open_gate
                 if entry is None:
@@ -251,7 +272,10 @@ class Shipper:
                             with contextlib.suppress(TimeoutError):
                                 await asyncio.wait_for(self._wake.wait(), wait)
                             continue
-                    await self.ship_once()
+                    if self.durability == "store" and self.uploads > 1 and self._failures == 0:
+                        await self._ship_pipelined()
+                    else:  # local mode; and after a failure, one at a time until one lands
+                        await self.ship_once()
                 elif self.checkpoint_due():
                     await self.checkpoint()
                 else:
@@ -286,18 +310,24 @@ class Shipper:
     # --- one step ----------------------------------------------------------------------------
 
     def _take(self) -> list[Commit]:
-        """The queued commits for one segment (at most about MAX_SEGMENT_BYTES); the open gate
-        closes: commits from now on get a new one."""
+        """The queued commits for one segment (at most about MAX_SEGMENT_BYTES) that no upload
+        in flight holds; the open gate closes: commits from now on get a new one."""
         with self._lock:
             self._open_gate = None
             out: list[Commit] = []
             size = 0
             for c in self._queue:
+                if c.seq <= self._taken_upto:
+                    continue
                 out.append(c)
                 size += _size(c)
                 if size >= MAX_SEGMENT_BYTES:
                     break
             return out
+
+    def _untaken(self) -> bool:
+        with self._lock:
+            return bool(self._queue) and self._queue[-1].seq > self._taken_upto
 
     def _check_owner(self) -> int:
         if self._fenced is not None:
@@ -312,27 +342,38 @@ class Shipper:
         if not commits:
             return 0
         epoch = self._check_owner()
-        first, last = commits[0].seq, commits[-1].seq
         try:
-            size = sum(_size(c) for c in commits)
-            if size > ENCODE_INLINE_BYTES:
-                body = await asyncio.to_thread(encode, commits, epoch)
-            else:
-                body = encode(commits, epoch)
-            await self._put_segment(segment_key(first, last), body)
+            size = await self._upload(commits, epoch)
         except ObjectStoreError:
-            self.upload_failures += 1
-            self._failures += 1
-            now = time.monotonic()
-            if self._failing_since is None:
-                self._failing_since = now
-            if self._failures >= GATE_ATTEMPTS or now - self._failing_since >= GATE_SECONDS:
-                self._fail_gates(last, Unavailable(NOT_SHIPPED, 5))
-            if self._queued_bytes > MAX_QUEUED_BYTES:
-                log.warning("the store is unreachable and %d bytes of commits are queued: dropping them, a "
-                            "checkpoint will cover them", self._queued_bytes)
-                self._need_checkpoint = True
+            self._upload_failed(commits[-1].seq)
             raise
+        self._uploaded(commits, size, epoch)
+        return len(commits)
+
+    async def _upload(self, commits: list[Commit], epoch: int) -> int:
+        """Encode and PUT one segment; its size."""
+        size = sum(_size(c) for c in commits)
+        if size > ENCODE_INLINE_BYTES:
+            body = await asyncio.to_thread(encode, commits, epoch)
+        else:
+            body = encode(commits, epoch)
+        await self._put_segment(segment_key(commits[0].seq, commits[-1].seq), body)
+        return len(body)
+
+    def _upload_failed(self, last: int) -> None:
+        self.upload_failures += 1
+        self._failures += 1
+        now = time.monotonic()
+        if self._failing_since is None:
+            self._failing_since = now
+        if self._failures >= GATE_ATTEMPTS or now - self._failing_since >= GATE_SECONDS:
+            self._fail_gates(last, Unavailable(NOT_SHIPPED, 5))
+        if self._queued_bytes > MAX_QUEUED_BYTES:
+            log.warning("the store is unreachable and %d bytes of commits are queued: dropping them, a "
+                        "checkpoint will cover them", self._queued_bytes)
+            self._need_checkpoint = True
+
+    def _uploaded(self, commits: list[Commit], size: int, epoch: int) -> None:
         self._failures = 0
         self._failing_since = None
         if self.ownership is not None and not self.ownership.valid():
@@ -341,11 +382,53 @@ class Shipper:
             self.fence("the lease ran out while a log segment was uploading")
             raise Superseded("ownership lost", epoch)
         self.segments_uploaded += 1
-        self.segment_bytes += len(body)
-        self._shipped_since_checkpoint += len(body)
+        self.segment_bytes += size
+        self._shipped_since_checkpoint += size
         self._segments_since_checkpoint += 1
-        self._advance(last)
-        return len(commits)
+        self._advance(commits[-1].seq)
+
+    async def _ship_pipelined(self) -> None:
+        """Store mode: keep up to `uploads` segment uploads in flight (each commit waits for
+        the PUT before it, not for every PUT before it), confirming them in commit order: a
+        segment counts (its gates open) only once every segment before it has landed. When one
+        fails, the rest are waited for and everything from the failed one on is cut again; a
+        later segment that landed meanwhile is an orphan beyond a hole (its commits were never
+        acknowledged), which the next upload overlaps, or a recovery drops (logstore.restore).
+        Returns once nothing is queued or in flight."""
+        inflight: deque[tuple[list[Commit], int, asyncio.Task[int]]] = deque()
+        try:
+            while True:
+                while len(inflight) < self.uploads and self._untaken():
+                    commits = self._take()
+                    if not commits:
+                        break
+                    epoch = self._check_owner()
+                    self._taken_upto = commits[-1].seq
+                    inflight.append((commits, epoch, asyncio.create_task(self._upload(commits, epoch))))
+                if not inflight:
+                    return
+                commits, epoch, head = inflight[0]
+                if not head.done():
+                    self._wake.clear()
+                    waiter = asyncio.ensure_future(self._wake.wait())
+                    try:
+                        await asyncio.wait({head, waiter}, return_when=asyncio.FIRST_COMPLETED)
+                    finally:
+                        waiter.cancel()
+                    continue
+                inflight.popleft()
+                try:
+                    size = head.result()
+                except ObjectStoreError:
+                    if inflight:  # let them land or fail; their commits are cut again from here
+                        await asyncio.wait([t for _, _, t in inflight])
+                    self._upload_failed(commits[-1].seq)
+                    raise
+                self._uploaded(commits, size, epoch)
+        finally:
+            for _, _, t in inflight:
+                t.cancel()
+            self._taken_upto = 0  # whatever is still queued is cut again
 
     async def _put_segment(self, key: str, body: bytes) -> None:
         try:

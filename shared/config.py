@@ -158,10 +158,14 @@ class IngesterConfig:
     durability: str = "local"
     ship_interval: float = 1.0
     checkpoint_interval: float = 300.0
+    log_uploads: int = 4  # store durability: log segment PUTs in flight at once (1-4)
     # Ownership of the store prefix (shared/ownership.py; only with a store).
     advertise_url: str | None = None  # None: http://{host}:{port}
     owner_id: str | None = None  # None: a random id kept in <data-dir>/owner-id
     lease_seconds: float = 10.0
+    # --standby: wait for the owner's lease to lapse, then take the prefix over (restoring the
+    # WAL from the store's log); until then, stream requests answer 503 naming the owner.
+    standby: bool = False
     auth: AuthConfig = field(default_factory=AuthConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
 
@@ -178,12 +182,15 @@ class IngesterConfig:
              "store needs an object store (--store / DS3_STORE)")
         need(0.01 <= self.ship_interval <= 3600, "ship-interval (DS3_SHIP_INTERVAL)",
              "must be between 0.01 and 3600 seconds")
+        need(1 <= self.log_uploads <= 4, "log-uploads (DS3_LOG_UPLOADS)", "must be between 1 and 4")
         need(1 <= self.checkpoint_interval <= 7 * 86400, "checkpoint-interval (DS3_CHECKPOINT_INTERVAL)",
              "must be between 1 second and a week")
         need(self.advertise_url is None or self.advertise_url.startswith(("http://", "https://")),
              "advertise-url (DS3_ADVERTISE_URL)", "must be an http(s):// URL")
         need(self.owner_id is None or 0 < len(self.owner_id) <= 200, "owner-id (DS3_OWNER_ID)",
              "must be 1 to 200 characters")
+        need(not self.standby or self.store is not None, "standby (DS3_STANDBY)",
+             "needs an object store (--store / DS3_STORE): the standby restores from its log")
         need(1 <= self.lease_seconds <= 3600, "lease-seconds (DS3_LEASE_SECONDS)",
              "must be between 1 and 3600 seconds")
         need(0 <= self.port <= 65535, "port (DS3_PORT)", f"{self.port} is not a TCP port")

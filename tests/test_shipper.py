@@ -4,6 +4,7 @@ backoff, harmless re-uploads, fencing, checkpoints, and restoring (ingester/logs
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from concurrent.futures import Future as ConcurrentFuture
 from pathlib import Path
 from typing import Any
@@ -11,7 +12,7 @@ from typing import Any
 import pytest
 
 from ingester import shipper as shipper_mod
-from ingester.logstore import RestoreError, list_log, restore
+from ingester.logstore import ORPHANS_MAX, RestoreError, list_log, restore
 from ingester.shipper import GATE_ATTEMPTS, Shipper, StoreAhead
 from ingester.wal import GroupCommitter, WalEnv
 from shared.errors import ObjectStoreUnavailable, Superseded, Unavailable
@@ -194,11 +195,83 @@ async def test_checkpoint_covers_and_deletes_then_restore(tmp_path: Path, object
 
 
 async def test_restore_refuses_a_gap(tmp_path: Path, objects: FlakyStore) -> None:
+    """More segments after a missing one than failed pipelined uploads could leave: a gap."""
     await objects.put(segment_key(1, 1), encode([commit(1)]))
-    await objects.put(segment_key(3, 3), encode([commit(3)]))
+    for i in range(3, 3 + ORPHANS_MAX + 1):
+        await objects.put(segment_key(i, i), encode([commit(i)]))
     with pytest.raises(RestoreError, match="gap: no segment holds commit 2"):
         await restore(objects, tmp_path / "restored", 64 * 1024 * 1024)
     assert not (tmp_path / "restored").exists()  # nothing half-restored left behind
+
+
+async def test_restore_ends_the_log_at_a_hole_and_deletes_the_orphans(tmp_path: Path, objects: FlakyStore) -> None:
+    """Uploads in flight: segment 2 failed, 3 and 4 landed (never acknowledged). The log ends
+    at 1; the orphans go, so that the next owner's segments 2.. cannot collide with them."""
+    await objects.put(segment_key(1, 1), encode([commit(1)], epoch=1))
+    await objects.put(segment_key(3, 3), encode([commit(3)], epoch=1))
+    await objects.put(segment_key(4, 5), encode([commit(4), commit(5)], epoch=1))
+    await objects.put(segment_key(6, 6), encode([commit(6)], epoch=0))  # an older owner's late write
+    assert await restore(objects, tmp_path / "r", 64 * 1024 * 1024) == 1
+    assert [r.key for r in (await list_log(objects)).segments] == [segment_key(1, 1)]
+
+
+class SlowStore(FlakyStore):
+    """PUTs of log segments take `delay` seconds; the one under `fail_key` fails once."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(root)
+        self.delay = 0.1
+        self.fail_key = ""
+        self.in_flight = 0
+        self.most_in_flight = 0
+
+    async def put(self, key: str, data: bytes, **kw: Any) -> str:
+        if not key.startswith("log/"):
+            return await super().put(key, data, **kw)
+        self.in_flight += 1
+        self.most_in_flight = max(self.most_in_flight, self.in_flight)
+        try:
+            await asyncio.sleep(self.delay)
+            if key == self.fail_key:
+                self.fail_key = ""
+                raise ObjectStoreUnavailable("the store is down (test)")
+            return await super().put(key, data, **kw)
+        finally:
+            self.in_flight -= 1
+
+
+async def test_uploads_in_flight_acknowledge_in_commit_order(tmp_path: Path, wal: WalEnv) -> None:
+    objects = SlowStore(tmp_path / "objects")
+    s = Shipper(wal, objects, asyncio.get_running_loop(), durability="store")
+    s.start()
+    try:
+        gates = []
+        for i in range(1, 7):
+            gates.append(s.on_logged(commit(i)))
+            await asyncio.sleep(0.02)  # each commit while the previous PUTs are in flight
+        order: list[int] = []
+        def note(i: int) -> Callable[[ConcurrentFuture[None]], None]:
+            def done(_: ConcurrentFuture[None]) -> None:
+                order.append(i)
+            return done
+
+        for i, g in enumerate(gates):
+            assert g is not None
+            g.add_done_callback(note(i))
+        await asyncio.wait_for(asyncio.gather(*(asyncio.wrap_future(g) for g in gates if g)), 5)
+        assert order == sorted(order) and objects.most_in_flight > 1
+        # a failed PUT in the middle: the ones after it wait, everything from it is cut again
+        objects.fail_key = segment_key(8, 8)
+        more = []
+        for i in range(7, 12):
+            more.append(s.on_logged(commit(i)))
+            await asyncio.sleep(0.02)
+        await asyncio.wait_for(asyncio.gather(*(asyncio.wrap_future(g) for g in more if g)), 10)
+        assert s.upload_failures == 1 and s.shipped_seq == 11
+    finally:
+        await s.stop()
+    # the log restores every commit (overlapping re-cut segments are harmless)
+    assert await restore(objects, tmp_path / "r", 64 * 1024 * 1024) == 11
 
 
 async def test_restore_prefers_the_newer_epoch(tmp_path: Path, objects: FlakyStore) -> None:
