@@ -336,7 +336,8 @@ def ingester(**kw: Any) -> None:
 @_server_options
 @_opt("--ingester", env="DS3_INGESTER", default=None,
       help="Base URL of the ingester: where every request goes while there is no cluster description "
-           "(none in the store's _ds3/cluster.json and no --cluster). Required without --cluster.")
+           "(none in the store's _ds3/cluster.json and no --cluster). Omit it to follow the store prefix's "
+           "owner, the URL its ownership record advertises: a standby's takeover then needs no reader restart.")
 @_opt("--cluster", env="DS3_CLUSTER", type=click.Path(path_type=Path), default=None,
       help="Route by the cluster description in this JSON file instead of the store's _ds3/cluster.json "
            "(ds3 dev, tests): every request goes to its stream's owner (docs/architecture.md \"Routing\").")

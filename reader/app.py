@@ -69,7 +69,8 @@ def create_app(config: ReaderConfig) -> web.Application:
                 await watcher.refresh()
         if config.cluster is not None and watcher.current is None:
             raise ConfigError(f"cluster (DS3_CLUSTER): {watcher.error}")
-        owner = OwnerWatcher(objects) if config.cluster is None else None
+        # no --ingester (and no --cluster): the prefix owner's advertised URL (reader/owner.py)
+        owner = OwnerWatcher(objects) if config.cluster is None and config.ingester is None else None
         if owner is not None:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(STARTUP_READ_TIMEOUT):

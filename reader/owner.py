@@ -1,9 +1,9 @@
-"""Readers follow the store prefix's owner (issue 14 item 5): with no cluster description, the
-ingester to forward to is the one the ownership record names (`_ds3/owner.json`,
-shared/ownership.py: its advertised URL), not only the fixed `--ingester`. A standby that takes
-the prefix over writes its own URL there; readers read the record every REFRESH_SECONDS (and
-at once after a failed forward) and move to it without a restart. `--ingester` remains the
-fallback while no record names anyone (a store never owned, an ingester without a store).
+"""Readers follow the store prefix's owner (issue 14 item 5): a reader started without
+`--ingester` (and without a cluster description) forwards to the ingester the ownership record
+names (`_ds3/owner.json`, shared/ownership.py: its advertised URL). A standby that takes the
+prefix over writes its own URL there; readers read the record every REFRESH_SECONDS (and at
+once after a failed forward) and move to it without a restart. An explicit `--ingester` is
+used as given (a proxy or load balancer in between, a test's gate), never second-guessed.
 
 A released or lapsed record still names the last owner: it is where the data is, and the
 ingester itself answers 503 while it does not own the prefix (or a standby names the owner).

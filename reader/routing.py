@@ -4,9 +4,9 @@ A reader holds the current cluster description (shared.cluster.ClusterWatcher ov
 `_ds3/cluster.json`, or `--cluster FILE`) and computes a request's owner from its URL alone
 (shared.placement: plain streams by their path, bucketed streams and bucket routes by their
 bucket). With no description (none in the store and no file), every request goes to the one
-ingester that owns the store prefix, as the ownership record names it (reader/owner.py: a
-standby that took over is followed without a restart), or to `--ingester` while no record
-names one, exactly as before clusters existed.
+`--ingester`, exactly as before clusters existed; a reader started without `--ingester` follows
+the ingester that owns the store prefix, as the ownership record names it (reader/owner.py: a
+standby that took over is followed without a restart).
 
 Per ingester URL the router keeps a `Link`: an IngesterClient (reader/proxy.py, sharing the
 process's one aiohttp ClientSession) and an UpstreamPool (reader/upstream.py, the fast lane's raw
@@ -113,6 +113,10 @@ class Router:
         if url is not None:
             return self.link(url)
         if self.default is None:
+            if self.owner is not None:
+                raise Unavailable("no ingester owns the store prefix yet (no ownership record"
+                                  f"{': ' + self.owner.error if self.owner.error else ''}); start one, or give "
+                                  "the reader --ingester", 2)
             why = self.watcher.error if self.watcher is not None else None
             raise Unavailable(f"no cluster description read yet: {why or 'starting'}", 2)
         return self.default

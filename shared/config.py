@@ -281,7 +281,8 @@ class ReaderConfig:
     sse_max_seconds: float = 60.0  # SSE client connections are closed after this long
     workers: int = 1  # processes sharing the port (reader/workers.py)
     # Routing (issue 15; reader/routing.py): the cluster description from this file instead of
-    # the store's _ds3/cluster.json; with neither, every request goes to `ingester`.
+    # the store's _ds3/cluster.json; with neither, every request goes to `ingester`, or without
+    # one, to the ingester the store's ownership record names (reader/owner.py).
     cluster: Path | None = None
     cluster_refresh: float = 5.0  # seconds between reads of the description
     auth: AuthConfig = field(default_factory=AuthConfig)
@@ -293,8 +294,7 @@ class ReaderConfig:
                 raise ConfigError(f"{setting}: {why}")
 
         need(1 <= self.workers <= 256, "workers (DS3_WORKERS)", f"{self.workers} is not between 1 and 256")
-        need(self.ingester is not None or self.cluster is not None, "ingester (DS3_INGESTER)",
-             "give the ingester's URL, or a cluster description file (--cluster) naming the ingesters")
+        # neither: the reader follows the store prefix's owner (its ownership record's URL)
         need(self.ingester is None or self.ingester.startswith(("http://", "https://")), "ingester (DS3_INGESTER)",
              "must be an http(s):// URL")
         need(0.1 <= self.cluster_refresh <= 3600, "cluster-refresh (DS3_CLUSTER_REFRESH)",

@@ -80,13 +80,14 @@ def ingester(data_dir: Path, *extra: str, port: int | None = None) -> Proc:
     return Proc(args=args, port=port, log_path=data_dir.parent / f"ingester-{port}.log")
 
 
-def reader(work_dir: Path, ingester_url: str, store_url: str, *extra: str, port: int | None = None) -> Proc:
-    """An unstarted `ds3 reader` on 127.0.0.1 in front of `ingester_url`."""
+def reader(work_dir: Path, ingester_url: str | None, store_url: str, *extra: str, port: int | None = None) -> Proc:
+    """An unstarted `ds3 reader` on 127.0.0.1 in front of `ingester_url` (None: it follows the
+    store prefix's owner)."""
     port = port or free_port()
     work_dir.mkdir(parents=True, exist_ok=True)
     # One worker unless the test asks for more: `--workers` defaults to the CPU count, and most
     # tests count one process's requests (tests/test_workers.py runs several).
     workers = [] if "--workers" in extra else ["--workers", "1"]
-    args = ["reader", "--host", "127.0.0.1", "--port", str(port), "--ingester", ingester_url,
-            "--store", store_url, *workers, *extra]
+    to = ["--ingester", ingester_url] if ingester_url is not None else []
+    args = ["reader", "--host", "127.0.0.1", "--port", str(port), *to, "--store", store_url, *workers, *extra]
     return Proc(args=args, port=port, log_path=work_dir / f"reader-{port}.log")

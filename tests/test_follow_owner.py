@@ -1,7 +1,7 @@
 """Readers follow the store prefix's owner (issue 14 item 5), with real processes: a reader
-started with a wrong --ingester forwards to the ingester the ownership record names; the
-ingester is replaced by another on a new port and an empty disk (it restores from the store's
-log); the reader moves to it without a restart, and every append is there at its offset."""
+started without --ingester forwards to the ingester the ownership record names; the ingester is
+replaced by another on a new port and an empty disk (it restores from the store's log); the
+reader moves to it without a restart, and every append is there at its offset."""
 
 from __future__ import annotations
 
@@ -29,8 +29,7 @@ TEXT = {"Content-Type": "text/plain"}
 def test_a_reader_follows_the_prefix_owner_across_a_replacement(tmp_path: Path) -> None:
     store = (tmp_path / "objects").as_uri()
     a = procs.ingester(tmp_path / "a", "--store", store, "--write-rate", "0").start()
-    wrong = f"http://127.0.0.1:{procs.free_port()}"  # nobody there: only the record leads to a
-    reader = procs.reader(tmp_path / "r", wrong, store, "--write-rate", "0").start()
+    reader = procs.reader(tmp_path / "r", None, store, "--write-rate", "0").start()
     b: procs.Proc | None = None
     try:
         assert request(reader.port, "PUT", "/v1/stream/f", headers=TEXT)[0] == 201
@@ -62,3 +61,14 @@ def test_a_reader_follows_the_prefix_owner_across_a_replacement(tmp_path: Path) 
         if b is not None:
             b.stop()
         a.stop()
+
+
+def test_a_reader_without_an_ingester_or_an_owner_says_what_to_do(tmp_path: Path) -> None:
+    store = (tmp_path / "objects").as_uri()
+    reader = procs.reader(tmp_path / "r", None, store).start()
+    try:
+        status, headers, body = request(reader.port, "PUT", "/v1/stream/x", headers=TEXT)
+        assert status == 503 and headers["retry-after"] == "2"
+        assert b"no ingester owns the store prefix yet" in body and b"--ingester" in body
+    finally:
+        reader.stop()
