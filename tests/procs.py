@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import http.client
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -91,3 +93,27 @@ def reader(work_dir: Path, ingester_url: str | None, store_url: str, *extra: str
     to = ["--ingester", ingester_url] if ingester_url is not None else []
     args = ["reader", "--host", "127.0.0.1", "--port", str(port), *to, "--store", store_url, *workers, *extra]
     return Proc(args=args, port=port, log_path=work_dir / f"reader-{port}.log")
+
+
+def request(p: Proc, method: str, path: str, body: bytes = b"",
+            headers: dict[str, str] | None = None, timeout: float = 15.0) -> tuple[int, dict[str, str], bytes]:
+    """One HTTP request to `p` on a connection of its own: (status, lower-cased headers, body)."""
+    c = http.client.HTTPConnection("127.0.0.1", p.port, timeout=timeout)
+    try:
+        c.request(method, path, body=body or None, headers=headers or {})
+        r = c.getresponse()
+        return r.status, {k.lower(): v for k, v in r.getheaders()}, r.read()
+    finally:
+        c.close()
+
+
+def metrics(p: Proc) -> str:
+    """`p`'s /metrics exposition."""
+    with urllib.request.urlopen(f"{p.url}/metrics", timeout=5) as r:
+        return str(r.read().decode())
+
+
+def metric(text: str, name: str) -> float | None:
+    """The value of the unlabelled sample `name` in an exposition, or None."""
+    m = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
+    return float(m.group(1)) if m else None

@@ -9,9 +9,7 @@ restart: the reader learns it from an ingester's 421 and re-routes."""
 from __future__ import annotations
 
 import asyncio
-import http.client
 import json
-import re
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -26,6 +24,7 @@ from shared.cluster import set_cluster
 from shared.objectstore import LocalStore
 from shared.placement import Cluster
 from tests import procs
+from tests.procs import metric, metrics, request
 
 TEXT = {"Content-Type": "text/plain"}
 
@@ -79,25 +78,10 @@ def tier(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Tier]:
             p.stop()
 
 
-def request(p: procs.Proc, method: str, path: str, body: bytes = b"",
-            headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
-    c = http.client.HTTPConnection("127.0.0.1", p.port, timeout=15)
-    try:
-        c.request(method, path, body=body or None, headers=headers or {})
-        r = c.getresponse()
-        return r.status, {k.lower(): v for k, v in r.getheaders()}, r.read()
-    finally:
-        c.close()
 
 
-def metrics(p: procs.Proc) -> str:
-    with urllib.request.urlopen(f"{p.url}/metrics", timeout=5) as r:
-        return str(r.read().decode())
 
 
-def metric(text: str, name: str) -> float | None:
-    m = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
-    return float(m.group(1)) if m else None
 
 
 def wait_for(check, timeout: float = 10.0, what: str = "") -> None:  # type: ignore[no-untyped-def]
