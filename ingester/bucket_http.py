@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import time
 from typing import Any
-from urllib.parse import parse_qsl
 
 import lmdb
 import orjson
@@ -24,7 +23,7 @@ from ingester.service import SERVICE, IngesterService
 from shared import buckets as B
 from shared import extensions
 from shared.errors import BadRequest, NotFound
-from shared.http.handlers import method_not_allowed, preflight
+from shared.http.handlers import method_not_allowed, one_param, preflight, strict_query
 from shared.placement import bucket_placement_key
 
 DEFAULT_LIMIT = 1000
@@ -83,24 +82,8 @@ async def handle_bucket(request: web.Request, svc: IngesterService, bucket_id: s
     return method_not_allowed(method)
 
 
-def _query(request: web.Request) -> dict[str, list[str]]:
-    """The raw query string decoded strictly (aiohttp's decoding replaces invalid UTF-8)."""
-    raw = request.raw_path.partition("?")[2]
-    try:
-        pairs = parse_qsl(raw, keep_blank_values=True, errors="strict")
-    except UnicodeDecodeError as e:
-        raise BadRequest("query parameters are not valid UTF-8") from e
-    out: dict[str, list[str]] = {}
-    for k, v in pairs:
-        out.setdefault(k, []).append(v)
-    return out
 
 
-def _one(query: dict[str, list[str]], name: str) -> str | None:
-    values = query.get(name, [])
-    if len(values) > 1:
-        raise BadRequest(f"send one {name} parameter, not several")
-    return values[0] if values else None
 
 
 def parse_limit(text: str | None) -> int:
@@ -112,9 +95,9 @@ def parse_limit(text: str | None) -> int:
 
 
 async def handle_listing(request: web.Request, svc: IngesterService, bucket_id: str) -> web.Response:
-    query = _query(request)
-    prefix, after = _one(query, "prefix"), _one(query, "after")
-    limit = parse_limit(_one(query, "limit"))
+    query = strict_query(request)
+    prefix, after = one_param(query, "prefix"), one_param(query, "after")
+    limit = parse_limit(one_param(query, "limit"))
 
     def page() -> dict[str, Any]:
         with svc.wal.env.begin(buffers=False) as txn:

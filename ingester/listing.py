@@ -45,14 +45,14 @@ from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from ingester import buckets
-from ingester.bucket_http import _one, _query, json_response, parse_limit
+from ingester.bucket_http import json_response, parse_limit
 from ingester.records import StreamMeta
 from ingester.service import SERVICE, IngesterService
 from ingester.wal import WalEnv
 from shared import protocol as P
 from shared.auth.policy import Principal, Target
 from shared.http.auth import AUTH
-from shared.http.handlers import preflight
+from shared.http.handlers import one_param, preflight, strict_query
 
 STREAMS_PATH: Final = "/ds3/streams"
 BUCKETS_PATH: Final = "/ds3/buckets"
@@ -204,12 +204,12 @@ async def handle(request: web.Request) -> web.StreamResponse:
     if request.method not in ("GET", "HEAD"):
         return not_allowed(request.method)
     svc: IngesterService = request.app[SERVICE]
-    query = _query(request)
-    prefix = _one(query, "prefix")
-    limit = parse_limit(_one(query, "limit"))
+    query = strict_query(request)
+    prefix = one_param(query, "prefix")
+    limit = parse_limit(one_param(query, "limit"))
     visible = await visibility(request)
     cipher = await cursor_cipher(svc)
-    after = after_key(cipher, _one(query, "after"))
+    after = after_key(cipher, one_param(query, "after"))
     wal = svc.wal
     listing_streams = request.path == STREAMS_PATH
 

@@ -18,7 +18,7 @@ import binascii
 import json
 from pathlib import Path
 from typing import Any, Final
-from urllib.parse import parse_qsl, urlencode
+from urllib.parse import urlencode
 
 import orjson
 from aiohttp import web
@@ -27,7 +27,7 @@ from reader.proxy import Headers, IngesterClient, Upstream, to_response
 from reader.routing import Link
 from reader.state import READER
 from shared.errors import BadRequest, Unavailable
-from shared.http.handlers import preflight
+from shared.http.handlers import one_param, preflight, strict_query
 
 STATIC_DIR: Final = Path(__file__).resolve().parent / "console"
 FILES: Final = {
@@ -92,23 +92,8 @@ async def listing(request: web.Request) -> web.StreamResponse:
 COMPOSITE_MARK: Final = "~~"  # a merged cursor (an ingester's own sealed cursors start with one "~")
 
 
-def _query(request: web.Request) -> dict[str, list[str]]:
-    raw = request.raw_path.partition("?")[2]
-    try:
-        pairs = parse_qsl(raw, keep_blank_values=True, errors="strict")
-    except UnicodeDecodeError as e:
-        raise BadRequest("query parameters are not valid UTF-8") from e
-    out: dict[str, list[str]] = {}
-    for k, v in pairs:
-        out.setdefault(k, []).append(v)
-    return out
 
 
-def _one(query: dict[str, list[str]], name: str) -> str | None:
-    values = query.get(name, [])
-    if len(values) > 1:
-        raise BadRequest(f"send one {name} parameter, not several")
-    return values[0] if values else None
 
 
 def encode_cursor(positions: dict[str, str | None]) -> str:
@@ -140,8 +125,8 @@ async def merged_listing(request: web.Request, links: list[Link], headers: Heade
     this page's last. `next_cursor` is the last name shown, as from one ingester; when an
     ingester's page ended on names the caller may not see (its cursor is sealed), the cursor is
     a merged one (`~~` + base64url of {ingester id: where it goes on}) that only readers read."""
-    query = _query(request)
-    prefix, after, limit_text = _one(query, "prefix"), _one(query, "after"), _one(query, "limit")
+    query = strict_query(request)
+    prefix, after, limit_text = one_param(query, "prefix"), one_param(query, "after"), one_param(query, "limit")
     limit = DEFAULT_LIMIT
     if limit_text is not None:
         if not limit_text.isascii() or not limit_text.isdigit() or len(limit_text) > 6 \

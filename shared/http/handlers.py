@@ -7,7 +7,7 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Final
-from urllib.parse import unquote
+from urllib.parse import parse_qsl, unquote
 
 import orjson
 from aiohttp import web
@@ -227,3 +227,24 @@ def live_mode(request: web.Request, given: offsets.Offset | str | None) -> str |
     if live is not None and given is None:
         raise BadRequest(f"live={live} requires an offset parameter")
     return live
+
+
+def strict_query(request: web.Request) -> dict[str, list[str]]:
+    """The raw query string decoded strictly (aiohttp's decoding replaces invalid UTF-8)."""
+    raw = request.raw_path.partition("?")[2]
+    try:
+        pairs = parse_qsl(raw, keep_blank_values=True, errors="strict")
+    except UnicodeDecodeError as e:
+        raise BadRequest("query parameters are not valid UTF-8") from e
+    out: dict[str, list[str]] = {}
+    for k, v in pairs:
+        out.setdefault(k, []).append(v)
+    return out
+
+
+def one_param(query: dict[str, list[str]], name: str) -> str | None:
+    """A query parameter given at most once (400 when repeated)."""
+    values = query.get(name, [])
+    if len(values) > 1:
+        raise BadRequest(f"send one {name} parameter, not several")
+    return values[0] if values else None
