@@ -15,6 +15,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from shared.placement import Cluster
+
 DS3 = str(Path(sys.executable).with_name("ds3"))
 
 
@@ -117,3 +119,21 @@ def metric(text: str, name: str) -> float | None:
     """The value of the unlabelled sample `name` in an exposition, or None."""
     m = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
     return float(m.group(1)) if m else None
+
+
+def write_cluster(store_root: Path, ingesters: dict[str, str]) -> Cluster:
+    """Write the cluster description {id: url} into the local store at `store_root`, as
+    `ds3 cluster set` does (the next generation); the description written."""
+    import asyncio
+
+    from shared.cluster import set_cluster
+    from shared.objectstore import LocalStore
+
+    async def run() -> Cluster:
+        store = LocalStore(store_root)
+        try:
+            return await set_cluster(store, ingesters)
+        finally:
+            await store.close()
+
+    return asyncio.run(run())

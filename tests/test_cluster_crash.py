@@ -6,35 +6,22 @@ append acknowledged before, during and after is there, in order, exactly once.""
 
 from __future__ import annotations
 
-import asyncio
 import threading
 import time
 from pathlib import Path
 
-from shared.cluster import set_cluster
-from shared.objectstore import LocalStore
-from shared.placement import Cluster
 from tests import procs
 from tests.procs import request
 
 TEXT = {"Content-Type": "text/plain"}
 
 
-def _set(root: Path, ingesters: dict[str, str]) -> Cluster:
-    async def run() -> Cluster:
-        store = LocalStore(root)
-        try:
-            return await set_cluster(store, ingesters)
-        finally:
-            await store.close()
-
-    return asyncio.run(run())
 
 
 def test_one_ingester_of_three_killed_the_others_carry_on_and_its_streams_come_back(tmp_path: Path) -> None:
     store_root = tmp_path / "objects"
     ports = {i: procs.free_port() for i in "abc"}
-    cluster = _set(store_root, {i: f"http://127.0.0.1:{ports[i]}" for i in "abc"})
+    cluster = procs.write_cluster(store_root, {i: f"http://127.0.0.1:{ports[i]}" for i in "abc"})
     common = ["--store", store_root.as_uri(), "--cluster-refresh", "0.2", "--write-rate", "0"]
     ingesters = {i: procs.ingester(tmp_path / i, *common, "--ingester-id", i, port=ports[i]) for i in "abc"}
     reader = procs.reader(tmp_path / "reader", ingesters["a"].url, store_root.as_uri(), "--write-rate", "0")

@@ -18,7 +18,7 @@ import pytest
 from click.testing import CliRunner
 
 from ds3.cli import main
-from shared.cluster import read_cluster, set_cluster
+from shared.cluster import read_cluster
 from shared.config import ConfigError, IngesterConfig
 from shared.objectstore import LocalStore
 from shared.placement import Cluster
@@ -45,15 +45,6 @@ class Pair:
         return next(b for b in (f"{prefix}-{n}" for n in range(1000)) if self.cluster.bucket_owner(b).id == ingester_id)
 
 
-def _write_cluster(root: Path, ingesters: dict[str, str]) -> Cluster:
-    async def run() -> Cluster:
-        store = LocalStore(root)
-        try:
-            return await set_cluster(store, ingesters)
-        finally:
-            await store.close()
-
-    return asyncio.run(run())
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +52,7 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
     root = tmp_path_factory.mktemp("cluster")
     store_root = root / "objects"
     pa, pb = procs.free_port(), procs.free_port()
-    cluster = _write_cluster(store_root, {"a": f"http://127.0.0.1:{pa}", "b": f"http://127.0.0.1:{pb}"})
+    cluster = procs.write_cluster(store_root, {"a": f"http://127.0.0.1:{pa}", "b": f"http://127.0.0.1:{pb}"})
     common = ["--store", store_root.as_uri(), "--cluster-refresh", "0.2", "--write-rate", "0"]
     a = procs.ingester(root / "a", *common, "--ingester-id", "a", port=pa)
     b = procs.ingester(root / "b", *common, "--ingester-id", "b", port=pb)
@@ -226,7 +217,7 @@ def test_a_new_description_reaches_running_ingesters(tmp_path: Path) -> None:
     store_root = tmp_path / "objects"
     pa, pb = procs.free_port(), procs.free_port()
     ab = {"a": f"http://127.0.0.1:{pa}", "b": f"http://127.0.0.1:{pb}"}
-    first = _write_cluster(store_root, ab)
+    first = procs.write_cluster(store_root, ab)
     common = ["--store", store_root.as_uri(), "--cluster-refresh", "0.2"]
     a = procs.ingester(tmp_path / "a", *common, "--ingester-id", "a", port=pa).start()
     try:
@@ -236,7 +227,7 @@ def test_a_new_description_reaches_running_ingesters(tmp_path: Path) -> None:
             path = pair.path_on("b", "moving")
             assert request(b, "PUT", f"/v1/stream/{path}")[0] == 201
             assert request(a, "PUT", f"/v1/stream/{path}")[0] == 421
-            _write_cluster(store_root, {"a": ab["a"]})
+            procs.write_cluster(store_root, {"a": ab["a"]})
             deadline = time.monotonic() + 10
             while request(b, "HEAD", f"/v1/stream/{path}")[0] != 421:
                 assert time.monotonic() < deadline, "B never read generation 2"
@@ -267,7 +258,7 @@ def test_without_a_description_stream_requests_wait(tmp_path: Path) -> None:
         assert status == 503 and "has not read the cluster description yet" in body.decode()
         assert "retry-after" in headers
         assert readyz(a)[0] == 503
-        _write_cluster(store_root, {"a": a.url})
+        procs.write_cluster(store_root, {"a": a.url})
         deadline = time.monotonic() + 10
         while readyz(a)[0] != 200:
             assert time.monotonic() < deadline

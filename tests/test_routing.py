@@ -20,8 +20,6 @@ from urllib.parse import quote
 import aiohttp
 import pytest
 
-from shared.cluster import set_cluster
-from shared.objectstore import LocalStore
 from shared.placement import Cluster
 from tests import procs
 from tests.procs import metric, metrics, request
@@ -44,15 +42,6 @@ class Tier:
         return next(b for b in (f"{prefix}-{n}" for n in range(1000)) if self.cluster.bucket_owner(b).id == ingester_id)
 
 
-def _set(root: Path, ingesters: dict[str, str]) -> Cluster:
-    async def run() -> Cluster:
-        store = LocalStore(root)
-        try:
-            return await set_cluster(store, ingesters)
-        finally:
-            await store.close()
-
-    return asyncio.run(run())
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +49,7 @@ def tier(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Tier]:
     root = tmp_path_factory.mktemp("routing")
     store_root = root / "objects"
     ports = {i: procs.free_port() for i in "abc"}
-    cluster = _set(store_root, {i: f"http://127.0.0.1:{ports[i]}" for i in "ab"})
+    cluster = procs.write_cluster(store_root, {i: f"http://127.0.0.1:{ports[i]}" for i in "ab"})
     common = ["--store", store_root.as_uri(), "--cluster-refresh", "0.2", "--write-rate", "0",
               "--long-poll-timeout", "2", "--seal-bytes", "4096", "--seal-age", "0.5"]
     ingesters = {i: procs.ingester(root / i, *common, "--ingester-id", i, port=ports[i]) for i in "abc"}
@@ -223,7 +212,7 @@ def test_forks_on_one_ingester_work_and_across_ingesters_are_refused_clearly(tie
 def test_a_new_description_is_picked_up_without_a_restart(tier: Tier) -> None:
     """The last test of the module: it changes the description (a, b, c)."""
     a, b, c = (tier.ingesters[i] for i in "abc")
-    new = _set(tier.store_root, {i: tier.ingesters[i].url for i in "abc"})
+    new = procs.write_cluster(tier.store_root, {i: tier.ingesters[i].url for i in "abc"})
     assert new.generation == 2
     for p in (a, b, c):
         wait_for(lambda p=p: metric(metrics(p), "ds3_cluster_generation") == 2, 10, f"{p.url} to read generation 2")
