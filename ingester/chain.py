@@ -158,7 +158,7 @@ def chain_records(
 ) -> Iterator[Record | Sealed]:
     """Messages of `meta`'s stream in [start, end), inherited ones included."""
     if meta.fork_source is not None and start < meta.fork_position:
-        source = lookup(meta.fork_source)
+        source = lookup(meta.fork_source_key or meta.fork_source)
         if source is not None and source.sid == meta.fork_source_sid:
             for item in chain_records(txn, dbs, source, lookup, start, min(end, meta.fork_position)):
                 yield item
@@ -173,7 +173,7 @@ def record_at(
 ) -> Record | Sealed | None:
     """The whole message holding the byte at `position`, as `meta`'s stream sees it."""
     if meta.fork_source is not None and position < meta.fork_position:
-        source = lookup(meta.fork_source)
+        source = lookup(meta.fork_source_key or meta.fork_source)
         if source is None or source.sid != meta.fork_source_sid:
             return None
         rec = record_at(txn, dbs, source, lookup, position)
@@ -198,7 +198,7 @@ def chunk_at(txn: lmdb.Transaction, dbs: Dbs, meta: StreamMeta, lookup: MetaLook
     if position <= 0:
         root = meta
         for _ in range(64):
-            source = lookup(root.fork_source) if root.fork_source is not None else None
+            source = lookup(root.source_key) if root.source_key is not None else None
             if source is None:
                 break
             root = source

@@ -11,7 +11,7 @@ from typing import Final
 
 from aiohttp import web
 
-from ingester import extension_http
+from ingester import extension_http, forks_across
 from ingester.reads import ReadResult
 from ingester.service import SERVICE, IngesterService
 from ingester.store import AppendRequest, AppendResult, CreateRequest
@@ -337,5 +337,6 @@ async def touch(request: web.Request) -> web.Response:
 
 def add_routes(app: web.Application) -> None:
     app.router.add_post("/_ds3/touch", touch)
+    forks_across.add_routes(app)
     extension_http.add_routes(app)
     app.router.add_route("*", r"/v1/stream/{path:[\s\S]*}", handle_stream)  # `.` would miss "\n"

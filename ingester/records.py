@@ -87,6 +87,9 @@ class StreamMeta:
     fork_source: str | None = None
     fork_source_sid: int | None = None
     fork_source_uid: str | None = None
+    # Where this WAL holds the source when it lives on another ingester: a read-only shadow
+    # of its sealed chain (ingester/remote_forks.py). None: at `fork_source`, in this WAL.
+    fork_source_key: str | None = None
     fork_position: int = 0
     fork_offset: str | None = None  # as the client asked for it (idempotent re-create)
     fork_sub_offset: int = 0
@@ -101,6 +104,11 @@ class StreamMeta:
     # Last append with data, as of the last metadata write (plain appends do not rewrite the
     # metadata: the writer keeps newer times in memory, see Store.last_writes). None: never.
     last_write_at: float | None = None
+
+    @property
+    def source_key(self) -> str | None:
+        """The `streams` key of the stream this one forks (a shadow for a remote source)."""
+        return self.fork_source_key or self.fork_source
 
     @property
     def tail_offset(self) -> str:

@@ -20,6 +20,7 @@ import lmdb
 from aiohttp import web
 
 from ingester import retention
+from ingester.forks_across import CrossForks
 from ingester.live import Notifier
 from ingester.logstore import StartRefused, list_log, restore, wal_is_empty
 from ingester.reads import ReadResult, Reads
@@ -77,6 +78,7 @@ class IngesterService:
         # With --ingester-id: the cluster description and which streams are this ingester's
         # (handlers and the fast lane check every stream request against it). None: no cluster.
         self.membership: Membership | None = None
+        self.cross_forks: CrossForks | None = None  # forks of other ingesters' streams (a cluster)
         self._lease_task: asyncio.Task[None] | None = None
         # --standby: why this ingester does not serve yet (None: it owns the prefix and serves),
         # and the owner's record as last read.
@@ -333,6 +335,8 @@ class IngesterService:
         await watcher.refresh()  # a failure leaves it without a description: stream requests get 503
         watcher.start()
         self.membership = Membership(ingester_id, watcher)
+        self.cross_forks = CrossForks(self)
+        self.cross_forks.start()
         why = self.membership.readiness()
         log.info("cluster member %s (description from %s)%s", ingester_id, source.description,
                  f": not ready: {why}" if why else "")
@@ -403,6 +407,8 @@ class IngesterService:
             self._standby_task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._standby_task
+        if self.cross_forks is not None:
+            await self.cross_forks.stop()
         if self.membership is not None:
             await self.membership.watcher.stop()
         if self._lease_task is not None:
@@ -458,6 +464,8 @@ class IngesterService:
         return self.committer.submit(fn)
 
     async def create(self, req: CreateRequest) -> CreateResult:
+        if self.cross_forks is not None and req.fork_from is not None and self.cross_forks.is_remote(req.fork_from):
+            return await self.cross_forks.create(req)
         for attempt in range(3):
             if req.fork_from is not None and req.fork_sub_offset and req.fork_offset is not None:
                 resolved = await self._sealed_sub_offset(req.fork_from, req.fork_offset, req.fork_sub_offset)
@@ -517,6 +525,11 @@ class IngesterService:
 
     async def delete(self, path: str) -> None:
         await self._submit(lambda txn: self.store.delete(txn, path))
+        if self.cross_forks is not None and self.store.releases_queued:
+            # a fork of another ingester's stream: release its pin before answering, so the
+            # source (deleted already, say) is gone when the client looks (queued if that fails)
+            self.store.releases_queued = False
+            await self.cross_forks.release_now()
         if self.sealer is not None:  # readers must stop serving it once the DELETE is answered
             await self.sealer.published(path, 2.0)
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import lmdb
 
+from ingester import remote_forks
 from ingester.buckets import Buckets
 from ingester.chain import (
     Sealed,
@@ -43,6 +44,7 @@ from ingester.records import (
     producer_key,
     record_key,
 )
+from ingester.remote_forks import PinnedSource
 from ingester.wal import WalEnv
 from shared import jsonmode, offsets
 from shared.errors import (
@@ -81,6 +83,10 @@ class CreateRequest:
     # The sub-offset already resolved against a sealed chunk's index (see service.create):
     # the writer cannot read the object store, and sealed data never changes.
     fork_sub_position: int | None = None
+    # A fork of a source on another ingester (ingester/forks_across.py): the new stream's uid
+    # (its pin at the source's owner is named by it) and the source's pinned, sealed chain.
+    uid: str | None = None
+    remote_source: PinnedSource | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,6 +188,7 @@ class Store:
         self._news = Committed()
         self._expiry: list[tuple[float, str]] = []  # (deadline hint, path) min-heap
         self._aging: list[tuple[float, str]] = []  # (open chunk's first record time, path)
+        self.releases_queued = False  # a fork of another ingester's stream was removed (remote_forks)
 
     # --- committer hooks -------------------------------------------------------------
 
@@ -280,7 +287,9 @@ class Store:
         self._metas[meta.path] = None
         self._dirty.pop(meta.path, None)
         self._news.changed.add(meta.path)
-        if meta.fork_source is not None:
+        if meta.fork_source_key is not None:  # its source lives on another ingester
+            remote_forks.forget(self, txn, meta)
+        elif meta.fork_source is not None:
             source = self._load(txn, meta.fork_source)
             if source is not None and source.sid == meta.fork_source_sid:
                 source.refcount = max(0, source.refcount - 1)
@@ -320,11 +329,14 @@ class Store:
         )
         meta.first_chunk = meta.chunk = meta.tail_chunk = new_first_chunk()
         source: StreamMeta | None = None
-        if req.fork_from is not None:
+        meta.uid = req.uid or secrets.token_hex(16)
+        if req.remote_source is not None:
+            remote_forks.install(self, txn, meta, req.remote_source)
+            meta.first_chunk = meta.chunk = new_first_chunk(after=meta.tail_chunk)
+        elif req.fork_from is not None:
             source = self._fork_source(txn, req, meta, now)
         messages = self._messages(meta.content_type, req.body, None, create=True)
         meta.sid = self._next_sid(txn)
-        meta.uid = secrets.token_hex(16)
         if source is not None:
             source.refcount += 1
             self._save(source)

@@ -13,13 +13,13 @@ from aiohttp import web
 
 from reader import extension_http, sse_fanout
 from reader.fanout import Page
-from reader.proxy import Headers, IngesterClient, Upstream, to_response
+from reader.proxy import IngesterClient, Upstream, to_response
 from reader.relay import Body, HeadStart, PageKey, splice_body
 from reader.sealed import SealedRead
 from reader.state import READER, ReaderState, servable
 from shared import extensions, jsonmode, offsets
 from shared import protocol as P
-from shared.buckets import fork_source_path, url_path
+from shared.buckets import url_path
 from shared.chunkstore import RELAY_PIECE, Slice
 from shared.descriptor import Descriptor
 from shared.errors import (
@@ -71,10 +71,6 @@ async def handle_stream(request: web.Request) -> web.StreamResponse:
         raise BadRequest("send one Stream-Forked-From header, not several")
     body = await read_body(request, st.config.max_body_bytes) if method in ("PUT", "POST") else None
     headers = IngesterClient._request_headers(request)
-    if method == "PUT" and P.FORKED_FROM in request.headers:
-        refused = await _fork_across_ingesters(st, path, request.headers[P.FORKED_FROM], headers)
-        if refused is not None:
-            return refused
     st.forwarded += 1
     up = await st.router.call(placement_key(path), method, request.path_qs, headers, body)
     if method in ("PUT", "DELETE", "POST"):
@@ -82,33 +78,6 @@ async def handle_stream(request: web.Request) -> web.StreamResponse:
     if "Location" in up.headers:
         up.headers["Location"] = str(request.url.with_query(None))
     return to_response(up)
-
-
-async def _fork_across_ingesters(st: ReaderState, path: str, source_header: str,
-                                 headers: Headers) -> web.Response | None:
-    """A fork whose source lives on another ingester is not supported yet (issue 15 item 3):
-    the fork's owner does not hold the source and would answer 404 as if there were none. Say
-    what is wrong instead (501), unless the source really does not exist (its owner's 404,
-    passed on by forwarding the fork as usual). None: forward the fork."""
-    if st.router.cluster is None:
-        return None
-    try:
-        source = fork_source_path(source_header, st.config.max_path_bytes)
-    except DS3Error:
-        return None  # the ingester answers the 400
-    fork_owner, source_owner = st.router.for_path(path), st.router.for_path(source)
-    if fork_owner is source_owner:
-        return None
-    head = {k: v for k, v in headers.items() if k.lower() in ("authorization", "x-forwarded-for")}
-    up = await st.router.call(placement_key(source), "HEAD", url_path(source), head, None)
-    if up.status in (404, 421, 503):
-        return None
-    return web.Response(
-        status=501, content_type="text/plain", headers={"Cache-Control": "no-store"},
-        text=f"forking a stream of ingester {source_owner.ingester_id} into one placed on ingester "
-             f"{fork_owner.ingester_id} is not supported yet (a fork and its source must live on one "
-             "ingester): fork into a path or bucket that ingester owns (`ds3 cluster owner`)\n",
-    )
 
 
 async def handle_get(request: web.Request, st: ReaderState, path: str) -> web.StreamResponse:
