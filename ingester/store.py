@@ -332,6 +332,7 @@ class Store:
         meta.uid = req.uid or secrets.token_hex(16)
         if req.remote_source is not None:
             remote_forks.install(self, txn, meta, req.remote_source)
+            meta.fork_offset, meta.fork_sub_offset = req.fork_offset, req.fork_sub_offset or 0
             meta.first_chunk = meta.chunk = new_first_chunk(after=meta.tail_chunk)
         elif req.fork_from is not None:
             source = self._fork_source(txn, req, meta, now)

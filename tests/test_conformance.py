@@ -83,17 +83,6 @@ def _failing_tests(report: Path) -> list[str]:
     return out
 
 
-FORK_GROUP = "Fork - "  # the suite's fork tests (describe groups "Fork - Creation", ...)
-
-
-def _split_fork_failures(report: Path) -> tuple[list[str], list[str]]:
-    """The failing tests' full names: (fork tests, the others)."""
-    forks, other = [], []
-    for line in _failing_tests(report):
-        (forks if line.startswith(FORK_GROUP) else other).append(line)
-    return forks, other
-
-
 def _tail(path: Path, lines: int = 40) -> str:
     try:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
@@ -179,17 +168,6 @@ def test_conformance_suite(kind: str, tmp_path: Path, request: pytest.FixtureReq
         + "".join(f"\n--- log ({p.log_path}):\n{_tail(p.log_path)}" for p in procs)
     )
     passed, failed, _skipped = (int(g) for g in m.groups())
-    if kind.startswith("cluster-") and failed:
-        # Known limitation, reported and not hidden: a fork whose source lives on another
-        # ingester is not supported yet (issue 15 item 3). The fork's owner does not hold the
-        # source, so the fork's PUT is 404 and everything the test does with the fork after
-        # that fails; which tests hit it depends on where the suite's clock-named streams land.
-        # Every other test must pass.
-        forks, other = _split_fork_failures(report)
-        assert not other and passed + len(forks) == EXPECTED_PASSED, (
-            f"{last}\nfailures other than cross-ingester forks:\n  " + "\n  ".join(other or ["(none)"]))
-        pytest.xfail(f"{last}: {len(forks)} fork test(s) fail because the fork and its source landed on "
-                     "different ingesters (cross-ingester forks: issue 15 item 3):\n  " + "\n  ".join(forks))
     assert failed == 0, f"{last}\n{failed} conformance test(s) failed (report: {report}):\n  " + "\n  ".join(
         _failing_tests(report)
     )
