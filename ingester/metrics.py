@@ -64,6 +64,11 @@ def _cluster(svc: IngesterService) -> Iterator[Metric]:
                   "ingester owns the stream.", m.misdirected)
     yield counter("ds3_cluster_description_read_failures", "Reads of the cluster description that failed or "
                   "were refused (the last good one stays in use).", m.watcher.failures)
+    if svc.cross_forks is not None:
+        yield counter("ds3_cluster_remote_forks_created", "Forks created here whose source lives on another "
+                      "ingester (pinned there, inherited history read from the store).", svc.cross_forks.created)
+        yield counter("ds3_cluster_fork_pins_released", "Pins of other ingesters' streams released (a remote "
+                      "fork removed, or a pin its fork never used).", svc.cross_forks.released)
 
 
 def cluster_status(svc: IngesterService | None) -> dict[str, object] | None:

@@ -180,7 +180,7 @@ def test_the_source_deleted_while_the_fork_lives_then_released(setup: Setup) -> 
         append(r, source, f"d{n}-".encode() * 40)
     expected, _ = catch_up(r, source)
     assert put(r, fork, {"Stream-Forked-From": f"/v1/stream/{source}"})[0] == 201
-    uid = setup.cluster and _descriptor_uid(setup, source)
+    uid = _descriptor_uid(setup, source)
     assert setup.chunk_objects(uid)
 
     assert request(r, "DELETE", f"/v1/stream/{source}")[0] == 204
@@ -192,6 +192,9 @@ def test_the_source_deleted_while_the_fork_lives_then_released(setup: Setup) -> 
     # the fork's owner releases its pin; the source's owner then removes the source for good
     wait_for("the source to be removed", lambda: head(setup.a, source)[0] == 404)
     wait_for("the source's chunk objects to be deleted", lambda: not setup.chunk_objects(uid))
+    text = procs.metrics(setup.b)
+    assert (procs.metric(text, "ds3_cluster_fork_pins_released_total") or 0) >= 1
+    assert (procs.metric(text, "ds3_cluster_remote_forks_created_total") or 0) >= 1
     assert put(r, source)[0] == 201  # the path is free again
 
 
