@@ -189,24 +189,24 @@ def test_listings_span_every_ingester(tier: Tier) -> None:
     assert [b["bucket_id"] for b in page["buckets"]] == buckets
 
 
-def test_forks_on_one_ingester_work_and_across_ingesters_are_refused_clearly(tier: Tier) -> None:
-    """A fork and its source on one ingester: as ever. Across ingesters (not supported yet,
-    issue 15 item 3): 501 naming both ingesters, not the fork owner's misleading 404; a source
-    that does not exist is still 404."""
+def test_forks_on_one_ingester_and_across_ingesters(tier: Tier) -> None:
+    """A fork and its source on one ingester: as ever. Across ingesters: the fork's owner pins
+    the source at its owner (tests/test_cross_forks.py has the rest); a source that does not
+    exist is 404 and creates nothing."""
     source = tier.path_on("a", "fsrc")
     assert request(tier.reader, "PUT", f"/v1/stream/{source}", b"abc", TEXT)[0] == 201
     near, far = tier.path_on("a", "fork"), tier.path_on("b", "fork")
     fork = {**TEXT, "Stream-Forked-From": f"/v1/stream/{source}"}
-    assert request(tier.reader, "PUT", f"/v1/stream/{near}", headers=fork)[0] == 201
-    assert request(tier.reader, "POST", f"/v1/stream/{near}", b"d", TEXT)[0] == 204
-    assert request(tier.reader, "GET", f"/v1/stream/{near}?offset=-1")[2] == b"abcd"
-    status, _, body = request(tier.reader, "PUT", f"/v1/stream/{far}", headers=fork)
-    assert status == 501 and b"ingester a into one placed on ingester b" in body, body
-    assert request(tier.ingesters["b"], "HEAD", f"/v1/stream/{far}")[0] == 404  # nothing was created
-    missing = tier.path_on("a", "nosuch")
-    status, _, body = request(tier.reader, "PUT", f"/v1/stream/{far}",
+    for path in (near, far):
+        assert request(tier.reader, "PUT", f"/v1/stream/{path}", headers=fork)[0] == 201
+        assert request(tier.reader, "POST", f"/v1/stream/{path}", b"d", TEXT)[0] == 204
+        assert request(tier.reader, "GET", f"/v1/stream/{path}?offset=-1")[2] == b"abcd"
+    assert request(tier.ingesters["b"], "HEAD", f"/v1/stream/{far}")[0] == 200  # placed by its own path
+    missing, other = tier.path_on("a", "nosuch"), tier.path_on("b", "fork-of-nothing")
+    status, _, body = request(tier.reader, "PUT", f"/v1/stream/{other}",
                               headers={**TEXT, "Stream-Forked-From": f"/v1/stream/{missing}"})
     assert status == 404, body
+    assert request(tier.ingesters["b"], "HEAD", f"/v1/stream/{other}")[0] == 404  # nothing was created
 
 
 def test_a_new_description_is_picked_up_without_a_restart(tier: Tier) -> None:
