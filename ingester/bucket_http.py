@@ -44,7 +44,7 @@ async def handle(request: web.Request) -> web.StreamResponse:
     raw, _endpoint = extensions.split(request.raw_path.split("?", 1)[0])  # {stream}/snapshot...
     bucket_id, stream_id = B.parse_url(raw)
     if svc.membership is not None:  # a bucket and all its streams live on one ingester
-        svc.membership.check_key(bucket_placement_key(bucket_id))
+        await svc.owned_key(bucket_placement_key(bucket_id))
     if stream_id is None:
         return await handle_bucket(request, svc, bucket_id)
     if stream_id == B.RESERVED_STREAM_ID and request.method == "GET":

@@ -22,6 +22,7 @@ from aiohttp import web
 from ingester import retention
 from ingester.live import Notifier
 from ingester.logstore import StartRefused, list_log, restore, wal_is_empty
+from ingester.moves import Mover
 from ingester.reads import ReadResult, Reads
 from ingester.reaper import ObjectReaper
 from ingester.records import FLAG_END_OF_APPEND, StreamMeta
@@ -77,6 +78,7 @@ class IngesterService:
         # With --ingester-id: the cluster description and which streams are this ingester's
         # (handlers and the fast lane check every stream request against it). None: no cluster.
         self.membership: Membership | None = None
+        self.moves: Mover | None = None  # moving streams in and out as the description changes
         self._lease_task: asyncio.Task[None] | None = None
         # --standby: why this ingester does not serve yet (None: it owns the prefix and serves),
         # and the owner's record as last read.
@@ -333,6 +335,10 @@ class IngesterService:
         await watcher.refresh()  # a failure leaves it without a description: stream requests get 503
         watcher.start()
         self.membership = Membership(ingester_id, watcher)
+        self.moves = Mover(self)
+        self.store.guard = self.moves.guard  # every write re-checks ownership on the writer thread
+        watcher.on_change(self.moves.changed)
+        self.moves.start()
         why = self.membership.readiness()
         log.info("cluster member %s (description from %s)%s", ingester_id, source.description,
                  f": not ready: {why}" if why else "")
@@ -403,6 +409,8 @@ class IngesterService:
             self._standby_task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._standby_task
+        if self.moves is not None:
+            await self.moves.stop()
         if self.membership is not None:
             await self.membership.watcher.stop()
         if self._lease_task is not None:
@@ -451,6 +459,22 @@ class IngesterService:
             self.sealer.enqueue_removed(news.removed)
             if news.descriptors:
                 self.sealer.enqueue_descriptors(news.descriptors)
+
+    async def owned(self, path: str) -> None:
+        """In a cluster: 421 unless this ingester owns the stream now; wait while it moves in
+        from its previous owner (503 if that one cannot hand it over). Call only with a
+        membership (callers test `membership is not None`, so one ingester pays nothing)."""
+        assert self.membership is not None
+        self.membership.check(path)
+        if self.moves is not None and self.moves.needs_pull(path):
+            await self.moves.ensure(path)
+
+    async def owned_key(self, key: str) -> None:
+        """`owned` for a placement key (a bucket)."""
+        assert self.membership is not None
+        self.membership.check_key(key)
+        if self.moves is not None:
+            await self.moves.ensure_key(key)
 
     # --- writes ------------------------------------------------------------------------
 
