@@ -56,11 +56,14 @@ class AppendLane(Lane):
         if presented is not None and not self.app[AUTH].is_internal(presented.decode("utf-8", "replace")):
             return False
         svc = self.svc
-        if svc is not None and svc.moves is not None:  # a stream moving in: aiohttp's path waits for it
+        if svc is not None and svc.moves is not None and svc.membership is not None:
+            # A stream moving in (aiohttp's path waits for it), or one we may not own (it re-reads
+            # the description before refusing): not for the lane.
             try:
-                return not svc.moves.needs_pull(self._path(handler, msg))
+                path = self._path(handler, msg)
             except DS3Error:
                 return True  # serve() answers the error
+            return svc.membership.owns(path) and not svc.moves.needs_pull(path)
         return True
 
     def _path(self, handler: LaneHandler, msg: Message) -> str:

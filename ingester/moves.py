@@ -250,6 +250,7 @@ class Mover:
         self._settled: set[str] = set()  # keys owned here that need no pull under generation _gen
         self._prev_owners: dict[str, str] = {}
         self._pulls: dict[str, asyncio.Future[None]] = {}
+        self._guard_owners: tuple[Cluster | None, dict[str, Ingester]] = (None, {})  # the writer thread's
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self.moved_in = 0  # keys imported
@@ -286,7 +287,24 @@ class Mover:
     # --- the guard (writer thread) ---
 
     def guard(self, path: str, meta: StreamMeta | None) -> None:
-        self.membership.check(path)
+        """Store.guard: Misdirected unless this ingester owns `path` under the description current
+        *now*, and the stream is not frozen. Writer thread only, so its owner cache is its own
+        (Membership's belongs to the event loop: shared, a lookup racing a description change
+        could cache an owner of the old description under the new one)."""
+        cluster = self.membership.cluster
+        if cluster is None:
+            self.membership.check(path)  # Unavailable, with the watcher's reason
+            return
+        cached_for, owners = self._guard_owners
+        if cached_for is not cluster or len(owners) >= _CACHE_MAX:
+            owners = {}
+            self._guard_owners = (cluster, owners)
+        key = placement_key(path)
+        owner = owners.get(key)
+        if owner is None:
+            owner = owners[key] = cluster.owner_of_key(key)
+        if owner.id != self.me:
+            raise Misdirected(owner.id, owner.url, cluster.generation, self.me)
         if meta is not None and meta.moved_to is not None:
             raise frozen_error(meta)
 

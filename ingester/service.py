@@ -44,7 +44,7 @@ from shared import offsets
 from shared.chunkstore import ChunkReader
 from shared.cluster import ClusterWatcher, FileSource, Membership, StoreSource
 from shared.config import IngesterConfig
-from shared.errors import BadRequest, ObjectStoreError, OwnedElsewhere, Superseded, Unavailable
+from shared.errors import BadRequest, Misdirected, ObjectStoreError, OwnedElsewhere, Superseded, Unavailable
 from shared.http.metrics import LoopHistogram
 from shared.objectstore import LocalStore, ObjectStore, open_store
 from shared.objectstore.scoped import ScopedStore, ingester_scope
@@ -79,6 +79,7 @@ class IngesterService:
         # (handlers and the fast lane check every stream request against it). None: no cluster.
         self.membership: Membership | None = None
         self.moves: Mover | None = None  # moving streams in and out as the description changes
+        self._reread_at = 0.0
         self._lease_task: asyncio.Task[None] | None = None
         # --standby: why this ingester does not serve yet (None: it owns the prefix and serves),
         # and the owner's record as last read.
@@ -465,16 +466,39 @@ class IngesterService:
         from its previous owner (503 if that one cannot hand it over). Call only with a
         membership (callers test `membership is not None`, so one ingester pays nothing)."""
         assert self.membership is not None
-        self.membership.check(path)
+        try:
+            self.membership.check(path)
+        except Misdirected:
+            if not await self._reread_description():
+                raise
+            self.membership.misdirected -= 1  # one refusal counts once (below, if it is still one)
+            self.membership.check(path)
         if self.moves is not None and self.moves.needs_pull(path):
             await self.moves.ensure(path)
 
     async def owned_key(self, key: str) -> None:
         """`owned` for a placement key (a bucket)."""
         assert self.membership is not None
-        self.membership.check_key(key)
+        try:
+            self.membership.check_key(key)
+        except Misdirected:
+            if not await self._reread_description():
+                raise
+            self.membership.misdirected -= 1  # one refusal counts once (below, if it is still one)
+            self.membership.check_key(key)
         if self.moves is not None:
             await self.moves.ensure_key(key)
+
+    async def _reread_description(self) -> bool:
+        """Before refusing a stream with 421: re-read the description, at most every 0.25 s. A
+        router that already follows a newer one (a change that gave us the stream) then waits
+        for one store read, not for our next --cluster-refresh. True when a newer one came."""
+        assert self.membership is not None
+        now = time.monotonic()
+        if now - self._reread_at < 0.25:
+            return False
+        self._reread_at = now
+        return await self.membership.watcher.refresh()
 
     # --- writes ------------------------------------------------------------------------
 

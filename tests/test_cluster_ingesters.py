@@ -138,7 +138,9 @@ def test_fast_lane_appends_are_refused_too(pair: Pair) -> None:
             "Content-Length: 3\r\n\r\nabc").encode()
     [answer] = exchange(b.port, post)
     after = metrics(b)
-    assert metric(after, "ds3_http_fast_lane_appends_total") == (served or 0) + 1  # the lane answered it
+    # the lane leaves an append it may not own to aiohttp's path, which re-reads the description
+    # before refusing (a router may follow a newer one already: docs/architecture.md "Moves")
+    assert metric(after, "ds3_http_fast_lane_appends_total") == (served or 0)
     head, _, body = answer.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 421 Misdirected Request\r\n"), answer
     assert f"DS3-Owner: {a.url}\r\n".encode() in head and b"DS3-Owner-Id: a\r\n" in head
