@@ -469,8 +469,7 @@ class IngesterService:
         try:
             self.membership.check(path)
         except Misdirected:
-            if not await self._reread_description():
-                raise
+            await self._reread_description()
             self.membership.misdirected -= 1  # one refusal counts once (below, if it is still one)
             self.membership.check(path)
         if self.moves is not None and self.moves.needs_pull(path):
@@ -482,23 +481,23 @@ class IngesterService:
         try:
             self.membership.check_key(key)
         except Misdirected:
-            if not await self._reread_description():
-                raise
+            await self._reread_description()
             self.membership.misdirected -= 1  # one refusal counts once (below, if it is still one)
             self.membership.check_key(key)
         if self.moves is not None:
             await self.moves.ensure_key(key)
 
-    async def _reread_description(self) -> bool:
-        """Before refusing a stream with 421: re-read the description, at most every 0.25 s. A
-        router that already follows a newer one (a change that gave us the stream) then waits
-        for one store read, not for our next --cluster-refresh. True when a newer one came."""
+    async def _reread_description(self) -> None:
+        """Before refusing a stream with 421: re-read the description (a read every 0.25 s at
+        most; requests meanwhile share the one in flight). A router that already follows a newer
+        one (a change that gave us the stream) then waits for one store read, not for our next
+        --cluster-refresh."""
         assert self.membership is not None
+        watcher = self.membership.watcher
         now = time.monotonic()
-        if now - self._reread_at < 0.25:
-            return False
-        self._reread_at = now
-        return await self.membership.watcher.refresh()
+        if watcher.refreshing or now - self._reread_at >= 0.25:
+            self._reread_at = now
+            await watcher.refresh()
 
     # --- writes ------------------------------------------------------------------------
 

@@ -195,6 +195,11 @@ class ClusterWatcher:
             self._reading.add_done_callback(self._read_done)
         return await asyncio.shield(self._reading)
 
+    @property
+    def refreshing(self) -> bool:
+        """A read is in flight (a refresh() now shares it)."""
+        return self._reading is not None
+
     def _read_done(self, fut: asyncio.Future[bool]) -> None:
         if self._reading is fut:
             self._reading = None
