@@ -3,8 +3,9 @@
     POST /_ds3/move-out   {"key", "generation", "to"}  the old owner freezes the key and answers
                           200 with its export (shared/moveformat.py), 204 when it holds nothing
     POST /_ds3/move-done  {"key", "generation", "to"}  the new owner holds it: drop the frozen copy
-    POST /_ds3/move-in    {"key", "generation"}        the old owner's sweep: pull the key now;
-                          204 once this ingester holds it
+    POST /_ds3/move-in    {"key", "generation", "from"}  the old owner's sweep: pull the key now
+                          (from the previous owner, else from "from"); 204 once this ingester
+                          holds it or nobody had it
 
 Like every /_ds3/ endpoint they take the internal token when one is configured.
 """
@@ -58,11 +59,18 @@ async def move_done(request: web.Request) -> web.Response:
 
 
 async def move_in(request: web.Request) -> web.Response:
-    mover, body = await _args(request, "key", "generation")
+    mover, body = await _args(request, "key", "generation", "from")
     key, generation = body["key"], body["generation"]
     await mover.membership.watcher.refresh_if_older(generation)
     mover.membership.check_key(key)  # 421 unless this ingester owns it now
-    await mover.ensure_key(key)
+    cluster = mover.membership.cluster
+    assert cluster is not None
+    holder = cluster.get(str(body["from"])) or (cluster.previous.get(str(body["from"]))
+                                                if cluster.previous is not None else None)
+    if holder is None:  # an ingester this description does not know: the usual pull only
+        await mover.ensure_key(key)
+    else:
+        await mover.take_from(key, holder)
     return web.Response(status=204)
 
 

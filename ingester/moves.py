@@ -386,10 +386,22 @@ class Mover:
                 **self._headers, "Content-Type": "application/json"}) as r:
             return r.status, await r.read()
 
-    async def _pull(self, key: str) -> None:
+    async def take_from(self, key: str, holder: Ingester) -> None:
+        """The sweep of `holder` offers `key`, which this ingester owns: once it holds it (the
+        usual pull from the previous owner), or, if that found nothing, straight from `holder`
+        (a holder from before the previous description: a second change overtook the move)."""
+        await self.ensure_key(key)
+        if holder.id != self.me and not self._holds(key):
+            fut = self._pulls.get(key)
+            if fut is None:
+                fut = self._pulls[key] = asyncio.ensure_future(self._pull(key, holder))
+                fut.add_done_callback(functools.partial(self._pull_done, key))
+            await asyncio.shield(fut)
+
+    async def _pull(self, key: str, source: Ingester | None = None) -> None:
         cluster = self._cluster()
         assert cluster is not None
-        source = self._previous_owner(cluster, key)
+        source = source or self._previous_owner(cluster, key)
         if source is None:
             return
         started = time.perf_counter()
@@ -531,7 +543,7 @@ class Mover:
                 owner = cluster.owner_of_key(key)
                 try:
                     status, body = await self._post(f"{owner.url}/_ds3/move-in",
-                                                    {"key": key, "generation": cluster.generation})
+                                                    {"key": key, "generation": cluster.generation, "from": self.me})
                 except (aiohttp.ClientError, TimeoutError, OSError) as e:
                     self._failed(f"asking {owner.id} to take {key!r}: {e!r}")
                     return
