@@ -63,6 +63,7 @@ from ingester.records import (
 from ingester.store import Store
 from shared import moveformat
 from shared.buckets import INTERNAL_PREFIX
+from shared.config import LMDB_MAX_KEY
 from shared.errors import Conflict, DS3Error, Misdirected, Unavailable
 from shared.http.auth import INTERNAL_HEADER
 from shared.http.metrics import LoopHistogram
@@ -323,7 +324,10 @@ class Mover:
             bucket_id = bucket_of(key)
             if bucket_id is not None:
                 return txn.get(bucket_id.encode(), db=wal.buckets) is not None
-            raw = txn.get(key.encode("utf-8", "surrogatepass"), db=wal.streams)
+            k = key.encode("utf-8", "surrogatepass")
+            if not 0 < len(k) <= LMDB_MAX_KEY:  # names no stream (LMDB would refuse to look)
+                return False
+            raw = txn.get(k, db=wal.streams)
             return raw is not None and StreamMeta.decode(raw).moved_to is None
 
     def _previous_owner(self, cluster: Cluster, key: str) -> Ingester | None:

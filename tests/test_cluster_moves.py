@@ -202,6 +202,10 @@ def test_adding_an_ingester_moves_its_streams_with_everything(tmp_path: Path) ->
         for p in everything:
             assert snapshot_of(reader, p, offsets[p]) == seen[p], p
         assert sum(moves(d.ingesters[i])["moved_out"] for i in "ab") == moves(d.ingesters["c"])["moved_in"] == 7
+        text = procs.metrics(d.ingesters["c"])
+        assert procs.metric(text, "ds3_cluster_moved_in_total") == 7
+        assert procs.metric(text, "ds3_cluster_move_seconds_count") == 7
+        assert procs.metric(procs.metrics(d.ingesters["a"]), "ds3_cluster_moves_pending_out") == 0
         # c holds them: the old owners refuse them with 421 naming c
         status, h, _ = request(d.ingesters["a"] if before.owner(unsealed[11:]).id == "a" else d.ingesters["b"],
                                "GET", f"{unsealed}?offset=-1")
