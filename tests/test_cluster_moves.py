@@ -10,6 +10,7 @@ move-done is retried without a duplicate."""
 from __future__ import annotations
 
 import json
+import shutil
 import threading
 import time
 import urllib.error
@@ -38,6 +39,7 @@ class Deployment:
     ports: dict[str, int]
     extra_env: dict[str, dict[str, str]] = field(default_factory=dict)
     refresh: str = "0.2"  # --cluster-refresh of every process
+    extra: tuple[str, ...] = ()  # more ingester options
     ingesters: dict[str, procs.Proc] = field(default_factory=dict)
     reader: procs.Proc | None = None
 
@@ -55,7 +57,7 @@ class Deployment:
         p = self.ingesters.get(i)
         if p is None:
             p = procs.ingester(self.root / i, "--store", self.store_root.as_uri(), *COMMON, "--ingester-id", i,
-                               "--cluster-refresh", self.refresh, port=self.ports[i])
+                               "--cluster-refresh", self.refresh, *self.extra, port=self.ports[i])
             p.env.update(self.extra_env.get(i, {}))
             self.ingesters[i] = p
         return p.start()
@@ -73,8 +75,9 @@ class Deployment:
 
 
 @contextmanager
-def deployment(tmp_path: Path, ids: str, refresh: str = "0.2", **env: dict[str, str]) -> Iterator[Deployment]:
-    d = Deployment(tmp_path, {i: procs.free_port() for i in ids}, dict(env), refresh=refresh)
+def deployment(tmp_path: Path, ids: str, refresh: str = "0.2", extra: tuple[str, ...] = (),
+               **env: dict[str, str]) -> Iterator[Deployment]:
+    d = Deployment(tmp_path, {i: procs.free_port() for i in ids}, dict(env), refresh=refresh, extra=extra)
     try:
         yield d
     finally:
@@ -309,8 +312,11 @@ def test_adding_an_ingester_under_load_loses_and_duplicates_nothing(tmp_path: Pa
         assert pauses[-1] < 5.0
 
 
-def test_removing_an_ingester_hands_its_streams_to_the_rest(tmp_path: Path) -> None:
-    with deployment(tmp_path, "abc") as d:
+@pytest.mark.parametrize("durability", ["local", "store"])
+def test_removing_an_ingester_hands_its_streams_to_the_rest(tmp_path: Path, durability: str) -> None:
+    """With --durability store too: the freeze, the import and the drop are logged commits,
+    each answered only once its segment is in the store."""
+    with deployment(tmp_path, "abc", extra=("--durability", durability)) as d:
         three = d.describe("abc")
         for i in "abc":
             d.start(i)
@@ -331,6 +337,16 @@ def test_removing_an_ingester_hands_its_streams_to_the_rest(tmp_path: Path) -> N
             assert request(d.ingesters[two.owner(s[11:]).id], "HEAD", s)[0] == 200
             assert request(reader, "POST", s, b"after", TEXT)[0] == 204
             assert read_all(reader, s) == seen[s] + b"after"
+        if durability == "store":  # a receiver's disk lost: the store's log gives the moved streams back
+            target = next(i for i in "ab" if moves(d.ingesters[i])["moved_in"])
+            d.ingesters[target].stop()
+            shutil.rmtree(d.root / target)
+            d.start(target)
+            mine = [s for s in on_c if two.owner(s[11:]).id == target]
+            assert mine
+            for s in mine:
+                assert read_all(reader, s) == seen[s] + b"after"
+                assert request(reader, "POST", s, b"!", TEXT)[0] == 204
 
 
 def test_old_owner_killed_then_back_and_lost_answers_retried(tmp_path: Path) -> None:
