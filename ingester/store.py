@@ -182,10 +182,8 @@ class Store:
         self._news = Committed()
         self._expiry: list[tuple[float, str]] = []  # (deadline hint, path) min-heap
         self._aging: list[tuple[float, str]] = []  # (open chunk's first record time, path)
-        # In a cluster: raises Misdirected unless this ingester owns `path` now and the stream
-        # is not frozen for a move (ingester/moves.py). Run by every write, on the writer thread,
-        # so a write that passed the handler's check before a move froze the stream lands
-        # before the export or not at all.
+        # In a cluster, run by every write on the writer thread: Misdirected unless `path` is
+        # ours now and not frozen for a move (ingester/moves.py, "Why nothing is lost").
         self.guard: Callable[[str, StreamMeta | None], None] | None = None
 
     # --- committer hooks -------------------------------------------------------------
