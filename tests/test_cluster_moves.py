@@ -400,3 +400,24 @@ def test_old_owner_killed_then_back_and_lost_answers_retried(tmp_path: Path) -> 
         assert moves(c)["moved_in"] == 2
         for s in (killed, retried):
             assert read_all(reader, s) == b"0;1;2;3;4;"
+
+
+def test_a_stream_with_forks_is_refused_clearly_not_moved(tmp_path: Path) -> None:
+    """Moving streams in a fork relationship is not supported yet: the new owner answers 409
+    naming why, the old owner keeps the data (nothing frozen, nothing lost)."""
+    with deployment(tmp_path, "abc") as d:
+        first = d.describe("ab")
+        three = Cluster.of({i: d.url(i) for i in "abc"})
+        for i in "abc":
+            d.start(i)
+        reader = d.start_reader("a")
+        source = f"/v1/stream/{names('src', lambda s: first.owner(s).id == 'a' and three.owner(s).id == 'c')[0]}"
+        fork = f"/v1/stream/{names('frk', lambda s: first.owner(s).id == 'a' and three.owner(s).id == 'a')[0]}"
+        assert request(reader, "PUT", source, b"data", TEXT)[0] == 201
+        assert request(reader, "PUT", fork, headers={"Stream-Forked-From": source})[0] == 201
+        d.describe("abc")
+        wait_for("a's sweep to try", lambda: moves(d.ingesters["a"])["failures"] > 0)
+        status, _, body = request(reader, "GET", f"{source}?offset=-1")
+        assert status == 409 and b"fork" in body, (status, body)
+        assert moves(d.ingesters["a"])["pending_out"] == 1
+        assert request(reader, "GET", f"{fork}?offset=-1")[2] == b"data"  # the fork stays and reads
