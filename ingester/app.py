@@ -8,7 +8,7 @@ from typing import Final
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
-from ingester import bucket_http, listing
+from ingester import bucket_http, listing, move_http
 from ingester import metrics as ingester_metrics
 from ingester.http import add_routes
 from ingester.service import SERVICE, IngesterService
@@ -47,5 +47,6 @@ def create_app(config: IngesterConfig) -> web.Application:
     app.on_response_prepare.append(common_headers)
     add_routes(app)
     bucket_http.add_routes(app)
+    move_http.add_routes(app)
     listing.add_routes(app)  # GET /ds3/streams, /ds3/buckets (the console's listings)
     return app

@@ -44,7 +44,7 @@ async def handle(request: web.Request) -> web.StreamResponse:
     raw, _endpoint = extensions.split(request.raw_path.split("?", 1)[0])  # {stream}/snapshot...
     bucket_id, stream_id = B.parse_url(raw)
     if svc.membership is not None:  # a bucket and all its streams live on one ingester
-        svc.membership.check_key(bucket_placement_key(bucket_id))
+        await svc.owned_key(bucket_placement_key(bucket_id))
     if stream_id is None:
         return await handle_bucket(request, svc, bucket_id)
     if stream_id == B.RESERVED_STREAM_ID and request.method == "GET":
@@ -65,7 +65,13 @@ def _bucket_sync(svc: IngesterService, bucket_id: str) -> buckets.BucketMeta | N
 async def handle_bucket(request: web.Request, svc: IngesterService, bucket_id: str) -> web.Response:
     method = request.method
     if method == "PUT":
-        meta = await svc.committer.submit(lambda txn: svc.store.buckets.create(txn, bucket_id, time.time()))
+
+        def create(txn: lmdb.Transaction) -> buckets.BucketMeta:
+            if svc.store.guard is not None:  # still ours, on the writer (a move may have taken it)
+                svc.store.guard(B.bucket_key_prefix(bucket_id), None)
+            return svc.store.buckets.create(txn, bucket_id, time.time())
+
+        meta = await svc.committer.submit(create)
         return json_response(201, meta.describe(bucket_id), {"Location": str(request.url.with_query(None))})
     if method in ("GET", "HEAD"):
         found = await svc.reads.run(_bucket_sync, svc, bucket_id)
@@ -75,6 +81,8 @@ async def handle_bucket(request: web.Request, svc: IngesterService, bucket_id: s
     if method == "DELETE":
 
         def delete(txn: lmdb.Transaction) -> None:
+            if svc.store.guard is not None:
+                svc.store.guard(B.bucket_key_prefix(bucket_id), None)
             svc.store.buckets.delete(txn, bucket_id, lambda path: svc.store.expire_due(txn, path))
 
         await svc.committer.submit(delete)

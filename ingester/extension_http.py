@@ -111,7 +111,7 @@ async def parts(request: web.Request) -> web.StreamResponse:
     if path is None or start_text is None or until_text is None:
         raise BadRequest("parts: path, from and until are required")
     if svc.membership is not None:
-        svc.membership.check(path)
+        await svc.owned(path)
     if not extensions.valid_boundary(boundary):
         raise BadRequest("parts: invalid boundary")
     start = parse_position(start_text, "from offset").position

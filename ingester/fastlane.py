@@ -21,6 +21,7 @@ from aiohttp import web
 
 from ingester.http import append_answer, append_request
 from ingester.service import SERVICE, IngesterService
+from shared.errors import DS3Error
 from shared.http.auth import AUTH, INTERNAL_HEADER
 from shared.http.handlers import stream_path_of
 from shared.http.lane import LANE, Lane, LaneHandler, LaneRunner, Message
@@ -52,7 +53,27 @@ class AppendLane(Lane):
 
     def accepts(self, handler: LaneHandler, msg: Message) -> bool:
         presented = msg.headers.get(_INTERNAL)  # a wrong one: aiohttp answers the 401 (and logs it)
-        return presented is None or self.app[AUTH].is_internal(presented.decode("utf-8", "replace"))
+        if presented is not None and not self.app[AUTH].is_internal(presented.decode("utf-8", "replace")):
+            return False
+        svc = self.svc
+        if svc is not None and svc.moves is not None and svc.membership is not None:
+            # A stream moving in (aiohttp's path waits for it), or one we may not own (it re-reads
+            # the description before refusing): not for the lane.
+            try:
+                path = self._path(handler, msg)
+            except DS3Error:
+                return True  # serve() answers the error
+            return svc.membership.owns(path) and not svc.moves.needs_pull(path)
+        return True
+
+    def _path(self, handler: LaneHandler, msg: Message) -> str:
+        assert self.svc is not None
+        url = msg.url
+        if url == handler.path_of[0]:
+            return handler.path_of[1]
+        path = stream_path_of(url.decode("utf-8", "surrogateescape"), self.svc.config.max_path_bytes)
+        handler.path_of = (url, path)
+        return path
 
     def serve(self, handler: LaneHandler, msg: Message, body: bytes, rid: str, started: float) -> None:
         svc, lim = self.svc, self.limits
@@ -61,12 +82,7 @@ class AppendLane(Lane):
             client = handler.client(msg)
             if client is not None:
                 lim.take(lim.writes, client, "writes")
-        url = msg.url
-        if url == handler.path_of[0]:
-            path = handler.path_of[1]
-        else:
-            path = stream_path_of(url.decode("utf-8", "surrogateescape"), svc.config.max_path_bytes)
-            handler.path_of = (url, path)
+        path = self._path(handler, msg)
         if svc.membership is not None:  # another ingester's stream: 421 naming it, like aiohttp's
             svc.membership.check(path)
         req = append_request(msg.header_str, body, path)

@@ -18,7 +18,7 @@ from ingester.store import AppendRequest, AppendResult, CreateRequest
 from shared import extensions, jsonmode, offsets, sse
 from shared import protocol as P
 from shared.buckets import fork_source_path
-from shared.errors import BadRequest, Gone, NotFound
+from shared.errors import BadRequest, Gone, Misdirected, NotFound
 from shared.http.handlers import (
     live_mode,
     method_not_allowed,
@@ -42,8 +42,8 @@ async def handle_stream(request: web.Request) -> web.StreamResponse:
         return preflight()
     raw, endpoint = extensions.split(request.raw_path.split("?", 1)[0])
     path = stream_path_of(raw, svc.config.max_path_bytes)
-    if svc.membership is not None:  # another ingester's stream: 421 naming it
-        svc.membership.check(path)
+    if svc.membership is not None:  # another ingester's stream: 421 naming it; or wait for its move
+        await svc.owned(path)
     if endpoint is not None:
         return await extension_http.handle(request, svc, path, endpoint)
     if method == "GET":
@@ -314,7 +314,7 @@ async def stream_sse(
                 break
             try:
                 res = await svc.read(path, here)
-            except (NotFound, Gone):
+            except (NotFound, Gone, Misdirected):  # Misdirected: it moved to another ingester
                 break
     with contextlib.suppress(Exception):
         await resp.write_eof()
@@ -329,7 +329,7 @@ async def touch(request: web.Request) -> web.Response:
     if path is None:
         raise BadRequest("touch: the path parameter is required")
     if svc.membership is not None:
-        svc.membership.check(path)
+        await svc.owned(path)
     meta = await svc.head(path)  # NotFound / Gone map to 404 / 410
     svc.touch(meta)
     return web.Response(status=204)

@@ -141,6 +141,8 @@ def list_plain_streams(
         if not visible(Target(None, path)):
             return None
         meta = StreamMeta.decode(raw)
+        if meta.moved_to is not None:
+            return None  # a frozen copy: its new owner lists it
         if not meta.soft_deleted and meta.expired(now, touches.get(meta.path)):
             if meta.refcount == 0:
                 return None  # gone: reads answer 404, and the writer removes it shortly

@@ -69,6 +69,16 @@ def _cluster(svc: IngesterService) -> Iterator[Metric]:
                       "ingester (pinned there, inherited history read from the store).", svc.cross_forks.created)
         yield counter("ds3_cluster_fork_pins_released", "Pins of other ingesters' streams released (a remote "
                       "fork removed, or a pin its fork never used).", svc.cross_forks.released)
+    mv = svc.moves
+    if mv is not None:
+        yield gauge("ds3_cluster_moves_pending_out", "Keys (streams, buckets) this ingester holds that another "
+                    "ingester owns, as of its last move sweep: still to move out.", mv.pending_out)
+        yield counter("ds3_cluster_moved_in", "Keys moved in from their previous owner.", mv.moved_in)
+        yield counter("ds3_cluster_moved_out", "Keys moved out (the new owner holds them; the copy here was "
+                      "dropped).", mv.moved_out)
+        yield gauge("ds3_cluster_moves_in_flight", "Pulls waiting for the previous owner's export now.", mv.pulling)
+        yield counter("ds3_cluster_move_failures", "Move steps that failed (each is retried).", mv.failures)
+        yield from mv.move_seconds.collect()
 
 
 def cluster_status(svc: IngesterService | None) -> dict[str, object] | None:
@@ -85,6 +95,7 @@ def cluster_status(svc: IngesterService | None) -> dict[str, object] | None:
         "streams": _streams(svc),
         "source": m.watcher.source.description,
         "error": m.watcher.error,
+        "moves": svc.moves.status() if svc.moves is not None else None,
     }
 
 

@@ -17,7 +17,7 @@ from ingester.records import StreamMeta
 from ingester.wal import WalEnv
 from shared import offsets
 from shared.config import LMDB_MAX_KEY
-from shared.errors import BadRequest, Gone, NotFound, Retained
+from shared.errors import BadRequest, Gone, Misdirected, NotFound, Retained
 from shared.protocol import is_json
 
 T = TypeVar("T")
@@ -82,6 +82,9 @@ class Reads:
             raise NotFound("stream not found")
         if meta.soft_deleted:
             raise Gone("stream was deleted")
+        if meta.moved_to is not None:  # frozen: moved to another ingester (ingester/moves.py)
+            to_id, to_url, generation = meta.moved_to
+            raise Misdirected(str(to_id), str(to_url), int(generation), "this ingester (it moved the stream out)")
         if meta.expired(time.time(), self.touches.get(path)):
             if meta.refcount > 0:
                 raise Gone("stream expired")

@@ -104,6 +104,9 @@ class StreamMeta:
     # Last append with data, as of the last metadata write (plain appends do not rewrite the
     # metadata: the writer keeps newer times in memory, see Store.last_writes). None: never.
     last_write_at: float | None = None
+    # Frozen: [ingester id, url, cluster generation] this stream was exported to (ingester/moves.py).
+    # Nothing writes it any more; the new owner's move-done (or the move sweep) drops it.
+    moved_to: list[str | int] | None = None
 
     @property
     def source_key(self) -> str | None:
@@ -157,6 +160,10 @@ class ChunkInfo:
     closed: bool  # the stream was closed at `end` (the stream's final chunk)
     sealed_at: float
     state: str = SEALING
+    # The sid the chunk object's header names when the chunk was rolled on another ingester
+    # (a moved stream's `sealing` chunk): its re-upload must be byte-identical (readers cache
+    # object heads). None: this WAL's sid.
+    header_sid: int | None = None
 
     def encode(self) -> bytes:
         return orjson.dumps(self)

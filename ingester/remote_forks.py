@@ -131,6 +131,8 @@ def pin(store: Store, txn: lmdb.Transaction, req: CreateRequest, fork_uid: str) 
                          last_access=now, ttl=req.ttl, expires_at=req.expires_at,
                          expires_at_text=req.expires_at_text)
     source = store._fork_source(txn, req, scratch, now)
+    if store.guard is not None:  # still ours, on the writer: a move may have taken it since the check
+        store.guard(source.path, source)
     key = _PIN + fork_uid.encode()
     if txn.get(key, db=store.wal.sys) is None:
         txn.put(key, orjson.dumps({"source": source.path, "uid": source.uid}), db=store.wal.sys)

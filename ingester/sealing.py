@@ -140,7 +140,7 @@ class Sealer:
         info, records = got
         content_type = StreamMeta.decode(meta_raw).content_type if meta_raw is not None else ""
         header = chunks.ChunkHeader(
-            sid=ref.sid, chunk=ref.chunk, start=info.start, end=info.end, content_type=content_type,
+            sid=ref.sid if info.header_sid is None else info.header_sid, chunk=ref.chunk, start=info.start, end=info.end, content_type=content_type,
             records=len(records), closed=info.closed, created_at=info.sealed_at, path=ref.path,
         )
         return keys.chunk_key(ref.uid, ref.chunk), chunks.encode_chunk(header, records)

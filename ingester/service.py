@@ -23,6 +23,7 @@ from ingester import retention
 from ingester.forks_across import CrossForks
 from ingester.live import Notifier
 from ingester.logstore import StartRefused, list_log, restore, wal_is_empty
+from ingester.moves import Mover
 from ingester.reads import ReadResult, Reads
 from ingester.reaper import ObjectReaper
 from ingester.records import FLAG_END_OF_APPEND, StreamMeta
@@ -44,7 +45,7 @@ from shared import offsets
 from shared.chunkstore import ChunkReader
 from shared.cluster import ClusterWatcher, FileSource, Membership, StoreSource
 from shared.config import IngesterConfig
-from shared.errors import BadRequest, ObjectStoreError, OwnedElsewhere, Superseded, Unavailable
+from shared.errors import BadRequest, Misdirected, ObjectStoreError, OwnedElsewhere, Superseded, Unavailable
 from shared.http.metrics import LoopHistogram
 from shared.objectstore import LocalStore, ObjectStore, open_store
 from shared.objectstore.scoped import ScopedStore, ingester_scope
@@ -79,6 +80,8 @@ class IngesterService:
         # (handlers and the fast lane check every stream request against it). None: no cluster.
         self.membership: Membership | None = None
         self.cross_forks: CrossForks | None = None  # forks of other ingesters' streams (a cluster)
+        self.moves: Mover | None = None  # moving streams in and out as the description changes
+        self._reread_at = 0.0
         self._lease_task: asyncio.Task[None] | None = None
         # --standby: why this ingester does not serve yet (None: it owns the prefix and serves),
         # and the owner's record as last read.
@@ -337,6 +340,10 @@ class IngesterService:
         self.membership = Membership(ingester_id, watcher)
         self.cross_forks = CrossForks(self)
         self.cross_forks.start()
+        self.moves = Mover(self)
+        self.store.guard = self.moves.guard  # every write re-checks ownership on the writer thread
+        watcher.on_change(self.moves.changed)
+        self.moves.start()
         why = self.membership.readiness()
         log.info("cluster member %s (description from %s)%s", ingester_id, source.description,
                  f": not ready: {why}" if why else "")
@@ -409,6 +416,8 @@ class IngesterService:
                 await self._standby_task
         if self.cross_forks is not None:
             await self.cross_forks.stop()
+        if self.moves is not None:
+            await self.moves.stop()
         if self.membership is not None:
             await self.membership.watcher.stop()
         if self._lease_task is not None:
@@ -457,6 +466,44 @@ class IngesterService:
             self.sealer.enqueue_removed(news.removed)
             if news.descriptors:
                 self.sealer.enqueue_descriptors(news.descriptors)
+
+    async def owned(self, path: str) -> None:
+        """In a cluster: 421 unless this ingester owns the stream now; wait while it moves in
+        from its previous owner (503 if that one cannot hand it over). Call only with a
+        membership (callers test `membership is not None`, so one ingester pays nothing)."""
+        assert self.membership is not None
+        try:
+            self.membership.check(path)
+        except Misdirected:
+            await self._reread_description()
+            self.membership.misdirected -= 1  # one refusal counts once (below, if it is still one)
+            self.membership.check(path)
+        if self.moves is not None and self.moves.needs_pull(path):
+            await self.moves.ensure(path)
+
+    async def owned_key(self, key: str) -> None:
+        """`owned` for a placement key (a bucket)."""
+        assert self.membership is not None
+        try:
+            self.membership.check_key(key)
+        except Misdirected:
+            await self._reread_description()
+            self.membership.misdirected -= 1  # one refusal counts once (below, if it is still one)
+            self.membership.check_key(key)
+        if self.moves is not None:
+            await self.moves.ensure_key(key)
+
+    async def _reread_description(self) -> None:
+        """Before refusing a stream with 421: re-read the description (a read every 0.25 s at
+        most; requests meanwhile share the one in flight). A router that already follows a newer
+        one (a change that gave us the stream) then waits for one store read, not for our next
+        --cluster-refresh."""
+        assert self.membership is not None
+        watcher = self.membership.watcher
+        now = time.monotonic()
+        if watcher.refreshing or now - self._reread_at >= 0.25:
+            self._reread_at = now
+            await watcher.refresh()
 
     # --- writes ------------------------------------------------------------------------
 

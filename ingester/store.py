@@ -189,6 +189,9 @@ class Store:
         self._expiry: list[tuple[float, str]] = []  # (deadline hint, path) min-heap
         self._aging: list[tuple[float, str]] = []  # (open chunk's first record time, path)
         self.releases_queued = False  # a fork of another ingester's stream was removed (remote_forks)
+        # In a cluster, run by every write on the writer thread: Misdirected unless `path` is
+        # ours now and not frozen for a move (ingester/moves.py, "Why nothing is lost").
+        self.guard: Callable[[str, StreamMeta | None], None] | None = None
 
     # --- committer hooks -------------------------------------------------------------
 
@@ -237,9 +240,12 @@ class Store:
             txn.put(b"pub:" + path.encode(), b"", db=self.wal.sys)
             self._news.descriptors[path] = meta
 
-    def _live(self, txn: lmdb.Transaction, path: str, now: float) -> StreamMeta | None:
-        """The stream at `path`, expiring it first if its time is up (soft-deleted included)."""
+    def _live(self, txn: lmdb.Transaction, path: str, now: float, own: bool = True) -> StreamMeta | None:
+        """The stream at `path`, expiring it first if its time is up (soft-deleted included).
+        `own`: the stream is written (the cluster guard runs), not a fork's source."""
         meta = self._load(txn, path)
+        if own and self.guard is not None:
+            self.guard(path, meta)
         if meta is None or meta.soft_deleted:
             return meta
         if meta.expired(now, self.touches.get(path)):
@@ -355,8 +361,8 @@ class Store:
 
     def _fork_source(self, txn: lmdb.Transaction, req: CreateRequest, meta: StreamMeta, now: float) -> StreamMeta:
         assert req.fork_from is not None
-        source = self._live(txn, req.fork_from, now)
-        if source is None:
+        source = self._live(txn, req.fork_from, now, own=False)
+        if source is None or source.moved_to is not None:
             raise NotFound("fork source stream not found")
         if source.soft_deleted:
             raise Conflict("fork source stream was deleted (forks of it still exist)")
@@ -551,8 +557,8 @@ class Store:
         while self._aging and self._aging[0][0] + self.seal.seal_age <= now:
             _, path = heapq.heappop(self._aging)
             meta = self._load(txn, path)
-            if meta is None or meta.chunk_opened_at is None:
-                continue  # rolled or deleted since
+            if meta is None or meta.chunk_opened_at is None or meta.moved_to is not None:
+                continue  # rolled or deleted since, or frozen for a move (its new owner seals it)
             if meta.chunk_opened_at + self.seal.seal_age > now:  # a younger chunk opened since
                 heapq.heappush(self._aging, (meta.chunk_opened_at, path))
                 continue
@@ -727,7 +733,7 @@ class Store:
         while self._expiry and self._expiry[0][0] <= now and removed < limit:
             _, path = heapq.heappop(self._expiry)
             meta = self._load(txn, path)
-            if meta is None or meta.soft_deleted:
+            if meta is None or meta.soft_deleted or meta.moved_to is not None:  # moved: the new owner expires it
                 continue
             if meta.expired(now, self.touches.get(path)):
                 self._remove(txn, meta)
@@ -743,7 +749,7 @@ class Store:
         n = 0
         for _key, raw in txn.cursor(db=self.wal.streams):
             meta = StreamMeta.decode(raw)
-            if not meta.soft_deleted and meta.deadline() is not None:
+            if not meta.soft_deleted and meta.moved_to is None and meta.deadline() is not None:
                 self._track_expiry(meta)
                 n += 1
         return n

@@ -108,7 +108,9 @@ async def set_cluster(store: ObjectStore, ingesters: Iterable[tuple[str, str]] |
     gen = now.cluster.generation if now is not None else 0
     if expected_generation is not None and expected_generation != gen:
         raise ClusterChanged(f"the cluster description is at generation {gen}, not {expected_generation}", gen)
-    new = Cluster.of(ingesters, gen + 1)
+    # The new description carries the one it replaces: a stream's new owner asks the previous
+    # owner for it (ingester/moves.py), even if it never saw that description itself.
+    new = Cluster.of(ingesters, gen + 1, previous=now.cluster.alone() if now is not None else None)
     await write_cluster(store, new, if_match=now.etag if now is not None else None, key=key)
     return new
 
@@ -192,6 +194,11 @@ class ClusterWatcher:
             self._reading = asyncio.ensure_future(self._refresh())
             self._reading.add_done_callback(self._read_done)
         return await asyncio.shield(self._reading)
+
+    @property
+    def refreshing(self) -> bool:
+        """A read is in flight (a refresh() now shares it)."""
+        return self._reading is not None
 
     def _read_done(self, fut: asyncio.Future[bool]) -> None:
         if self._reading is fut:

@@ -140,6 +140,9 @@ class Cluster:
     _by_id: Mapping[str, Ingester] = field(init=False, repr=False, compare=False)
     # One blake2b state per ingester, keyed with its id: a score is a copy and one update.
     _hashers: list[tuple[Any, Ingester]] = field(init=False, repr=False, compare=False)
+    # The description this one replaced (generation - 1, without a previous of its own): an
+    # ingester that owns a stream now asks that description's owner for it (ingester/moves.py).
+    previous: Cluster | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.generation, bool) or not isinstance(self.generation, int) or self.generation < 1:
@@ -160,6 +163,10 @@ class Cluster:
             if ing.url in urls:
                 raise PlacementError(f"ingesters {urls[ing.url]!r} and {ing.id!r} have the same url {ing.url!r}")
             urls[ing.url] = ing.id
+        prev = self.previous
+        if prev is not None and (prev.generation != self.generation - 1 or prev.previous is not None):
+            raise PlacementError(f"previous: generation {prev.generation} must be {self.generation - 1}, "
+                                 "without a previous of its own")
         ordered = tuple(sorted(self.ingesters, key=lambda i: i.id))
         object.__setattr__(self, "ingesters", ordered)
         object.__setattr__(self, "_by_id", {i.id: i for i in ordered})
@@ -167,10 +174,16 @@ class Cluster:
                                               for i in ordered])
 
     @classmethod
-    def of(cls, ingesters: Iterable[tuple[str, str]] | Mapping[str, str], generation: int = 1) -> Cluster:
+    def of(cls, ingesters: Iterable[tuple[str, str]] | Mapping[str, str], generation: int = 1,
+           previous: Cluster | None = None) -> Cluster:
         """From (id, url) pairs or {id: url}; URLs are normalised (a trailing slash dropped)."""
         pairs = list(ingesters.items()) if isinstance(ingesters, Mapping) else list(ingesters)
-        return cls(generation, tuple(Ingester(validate_id(i), validate_url(u, i)) for i, u in pairs))
+        return cls(generation, tuple(Ingester(validate_id(i), validate_url(u, i)) for i, u in pairs),
+                   previous=previous)
+
+    def alone(self) -> Cluster:
+        """This description without its previous one (what a successor carries)."""
+        return self if self.previous is None else Cluster(self.generation, self.ingesters)
 
     @property
     def ids(self) -> tuple[str, ...]:
@@ -202,14 +215,18 @@ class Cluster:
         return self.owner_of_key(bucket_placement_key(bucket_id))
 
     def with_ingesters(self, ingesters: Iterable[tuple[str, str]] | Mapping[str, str]) -> Cluster:
-        """The next description: these ingesters, generation + 1."""
-        return Cluster.of(ingesters, self.generation + 1)
+        """The next description: these ingesters, generation + 1, carrying this one as its previous."""
+        return Cluster.of(ingesters, self.generation + 1, previous=self.alone())
 
     # --- the stored form ------------------------------------------------------------------
 
     def to_json(self) -> dict[str, Any]:
-        return {"version": FORMAT_VERSION, "generation": self.generation,
-                "ingesters": [{"id": i.id, "url": i.url} for i in self.ingesters]}
+        d: dict[str, Any] = {"version": FORMAT_VERSION, "generation": self.generation,
+                             "ingesters": [{"id": i.id, "url": i.url} for i in self.ingesters]}
+        if self.previous is not None:
+            d["previous"] = {"generation": self.previous.generation,
+                             "ingesters": [{"id": i.id, "url": i.url} for i in self.previous.ingesters]}
+        return d
 
     @classmethod
     def from_json(cls, d: Any) -> Cluster:
@@ -221,12 +238,25 @@ class Cluster:
             raise PlacementError(f"version {version!r} is invalid")
         if version > FORMAT_VERSION:
             raise PlacementError(f"format version {version} is newer than this server's {FORMAT_VERSION}")
-        unknown = set(d) - {"version", "generation", "ingesters"}
+        unknown = set(d) - {"version", "generation", "ingesters", "previous"}
         if unknown:
-            raise PlacementError(f"unknown fields {sorted(unknown)}: expected version, generation, ingesters")
+            raise PlacementError(f"unknown fields {sorted(unknown)}: expected version, generation, ingesters, "
+                                 "previous")
         if "generation" not in d:
             raise PlacementError("generation is missing")
-        raw = d.get("ingesters")
+        previous = None
+        if d.get("previous") is not None:
+            p = d["previous"]
+            if not isinstance(p, dict) or set(p) != {"generation", "ingesters"}:
+                raise PlacementError("previous must be an object with exactly generation and ingesters")
+            try:
+                previous = cls.from_json({"generation": p["generation"], "ingesters": p["ingesters"]})
+            except PlacementError as e:
+                raise PlacementError(f"previous: {e}") from None
+        return cls.of(cls._pairs(d.get("ingesters")), d["generation"], previous=previous)
+
+    @staticmethod
+    def _pairs(raw: Any) -> list[tuple[str, str]]:
         if not isinstance(raw, list):
             raise PlacementError("ingesters must be a list of {\"id\": ..., \"url\": ...}")
         pairs: list[tuple[str, str]] = []
@@ -236,7 +266,7 @@ class Cluster:
             if not isinstance(item["id"], str) or not isinstance(item["url"], str):
                 raise PlacementError(f"ingesters[{n}]: id and url must be strings")
             pairs.append((item["id"], item["url"]))
-        return cls.of(pairs, d["generation"])
+        return pairs
 
     def encode(self) -> bytes:
         return (json.dumps(self.to_json(), indent=2) + "\n").encode("utf-8")

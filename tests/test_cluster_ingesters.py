@@ -138,7 +138,9 @@ def test_fast_lane_appends_are_refused_too(pair: Pair) -> None:
             "Content-Length: 3\r\n\r\nabc").encode()
     [answer] = exchange(b.port, post)
     after = metrics(b)
-    assert metric(after, "ds3_http_fast_lane_appends_total") == (served or 0) + 1  # the lane answered it
+    # the lane leaves an append it may not own to aiohttp's path, which re-reads the description
+    # before refusing (a router may follow a newer one already: docs/architecture.md "Moves")
+    assert metric(after, "ds3_http_fast_lane_appends_total") == (served or 0)
     head, _, body = answer.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 421 Misdirected Request\r\n"), answer
     assert f"DS3-Owner: {a.url}\r\n".encode() in head and b"DS3-Owner-Id: a\r\n" in head
@@ -212,8 +214,8 @@ def test_readyz_and_metrics_say_who_holds_what(pair: Pair) -> None:
 
 
 def test_a_new_description_reaches_running_ingesters(tmp_path: Path) -> None:
-    """Generation 2 drops B: within the refresh interval A owns everything, and B owns
-    nothing (421 naming A, /readyz 503 saying why)."""
+    """Generation 2 drops B: within the refresh interval A owns everything (B's stream moves to
+    it), and B owns nothing (421 naming A, /readyz 503 saying why)."""
     store_root = tmp_path / "objects"
     pa, pb = procs.free_port(), procs.free_port()
     ab = {"a": f"http://127.0.0.1:{pa}", "b": f"http://127.0.0.1:{pb}"}
@@ -239,7 +241,8 @@ def test_a_new_description_reaches_running_ingesters(tmp_path: Path) -> None:
             while readyz(a)[1]["cluster"]["generation"] != 2:  # type: ignore[index]
                 assert time.monotonic() < deadline, "A never read generation 2"
                 time.sleep(0.1)
-            assert request(a, "PUT", f"/v1/stream/{path}")[0] == 201  # A's now (moving data: not yet)
+            # A's now, and B's stream moved in with it: the PUT finds it (200), it creates nothing
+            assert request(a, "PUT", f"/v1/stream/{path}")[0] == 200
         finally:
             b.stop()
     finally:
@@ -349,4 +352,6 @@ def test_cluster_command(tmp_path: Path) -> None:
         finally:
             await s.close()
 
-    assert asyncio.run(stored()) == Cluster.of({"a": "http://127.0.0.1:1"}, 2)
+    # generation 2 carries generation 1 (where moved streams' previous owners are found)
+    first = Cluster.of({"a": "http://127.0.0.1:1", "b": "http://127.0.0.1:2"}, 1)
+    assert asyncio.run(stored()) == Cluster.of({"a": "http://127.0.0.1:1"}, 2, previous=first)

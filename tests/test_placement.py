@@ -173,3 +173,19 @@ def test_decode_errors(data: bytes, message: str) -> None:
     with pytest.raises(PlacementError) as e:
         Cluster.decode(data)
     assert message in str(e.value)
+
+
+def test_a_description_carries_the_one_it_replaced() -> None:
+    """`previous` (issue 15 item 4): the generation before, so a new owner finds a moved
+    stream's previous owner; one level deep, and validated like the rest."""
+    first = Cluster.of({"a": "http://h:1"}, 1)
+    second = first.with_ingesters({"a": "http://h:1", "b": "http://h:2"})
+    assert second.previous == first and second.generation == 2
+    assert Cluster.decode(second.encode()) == second
+    assert second.with_ingesters({"b": "http://h:2"}).previous == second.alone()
+    d = second.to_json()
+    for bad, why in [({"generation": 5, "ingesters": d["previous"]["ingesters"]}, "must be 1"),
+                     ({"generation": 1}, "exactly generation and ingesters"),
+                     ({"generation": 1, "ingesters": [{"id": "a"}]}, "previous: ingesters")]:
+        with pytest.raises(PlacementError, match=why):
+            Cluster.from_json({**d, "previous": bad})

@@ -22,9 +22,25 @@ from tests.wal_harness import Clock, Harness
 HIDDEN = MAX_SKIPPED + 50
 ADMIN = "routing-listing-admin-0123456789"
 INTERNAL = "routing-listing-internal-0123456789"
-# public names on both ingesters, around a's 10,050 private ones ("secret/...")
+# public names on both ingesters, around a's 10,050 private ones ("secret/..."). Each WAL holds
+# only names placed on it (an ingester hands a stream it holds but does not own to its owner,
+# ingester/moves.py): the ids are chosen so that the cluster places these names so.
 ON_A = ["a-public", "m-public", "zz-a"]
 ON_B = ["b-public", "s-public", "secret0-b", "zz-b"]
+
+
+def _ids() -> tuple[str, str]:
+    for n in range(100_000):
+        ids = (f"a{n}", f"b{n}")
+        c = Cluster.of({ids[0]: "http://127.0.0.1:1", ids[1]: "http://127.0.0.1:2"})
+        if all(c.owner(p).id == ids[0] for p in ON_A) and all(c.owner(p).id == ids[1] for p in ON_B):
+            return ids
+    raise AssertionError("no ids place the names as wanted")
+
+
+IDS = _ids()
+PLACED = Cluster.of({IDS[0]: "http://127.0.0.1:1", IDS[1]: "http://127.0.0.1:2"})
+SECRETS = [p for p in (f"secret/user-{i:05d}" for i in range(4 * HIDDEN)) if PLACED.owner(p).id == IDS[0]][:HIDDEN]
 
 
 @dataclass
@@ -35,7 +51,7 @@ class Front:
 @pytest.fixture(scope="module")
 def front(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Front]:
     root = tmp_path_factory.mktemp("routing-listing")
-    fills = {"a": ON_A + [f"secret/user-{i:05d}" for i in range(HIDDEN)], "b": ON_B}
+    fills = {IDS[0]: ON_A + SECRETS, IDS[1]: ON_B}
     for name, paths in fills.items():
         h = Harness(root / name / "wal", Clock())
         try:
@@ -43,7 +59,7 @@ def front(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Front]:
                                             for p in paths])
         finally:
             h.close()
-    ports = {i: procs.free_port() for i in "ab"}
+    ports = {i: procs.free_port() for i in IDS}
     cluster_file = root / "cluster.json"
     cluster_file.write_bytes(Cluster.of({i: f"http://127.0.0.1:{p}" for i, p in ports.items()}).encode())
     (root / "objects").mkdir()
@@ -53,7 +69,7 @@ def front(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Front]:
     access = ["--private", "stream:secret/", "--write-rate", "0"]
     started: list[procs.Proc] = []
     ings = [procs.ingester(root / i, *access, "--store", store, "--ingester-id", i, "--cluster", str(cluster_file),
-                           port=ports[i]) for i in "ab"]
+                           port=ports[i]) for i in IDS]
     rdr = procs.reader(root / "reader", ings[0].url, store, *access, "--cluster", str(cluster_file))
     try:
         for p in (*ings, rdr):
@@ -97,5 +113,5 @@ async def test_a_caller_who_may_read_them_pages_by_name(front: Front) -> None:
     assert len(shown) == HIDDEN + len(ON_A) + len(ON_B) and shown == sorted(shown, key=lambda n: n.encode())
     for page in pages[:-1]:
         assert page["next_cursor"] == page["streams"][-1]["path"]  # the documented cursor: the last name shown
-    after = await _pages(front.reader.url + "/ds3/streams", after="secret/user-09999")
+    after = await _pages(front.reader.url + "/ds3/streams", after=SECRETS[-51])
     assert [s["path"] for page in after for s in page["streams"]] == ["secret0-b", "zz-a", "zz-b"]

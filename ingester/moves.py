@@ -1,0 +1,576 @@
+"""Moving streams when the cluster description changes (issue 15, item 4).
+
+A changed description gives some placement keys (a plain stream's path; a bucket with all its
+streams) to another ingester. The data moves *pull on demand, pushed by a sweep*:
+
+- **Pull.** An ingester asked about a key it owns now but does not hold, while the previous
+  description (carried in the current one, shared/placement.py) gave it to another ingester,
+  first asks that ingester for it (`POST /_ds3/move-out`) and waits: every request for the key,
+  fast lane included (it hands such requests to aiohttp), waits on one pull per key.
+- **Export.** The old owner re-reads the description if the asker's is newer, and in one writer
+  operation freezes the key's streams (StreamMeta.moved_to) and reads everything a new owner
+  needs (shared/moveformat.py): metadata (same uid, positions, chunk ids, closure, Stream-Seq,
+  TTL, snapshot fields), the chunk manifest, producer state and the unsealed records, journal
+  included. Every write runs the cluster guard on the writer thread (Store.guard): a write
+  queued before the freeze is in the export, any later one gets 421, so nothing acknowledged is
+  left behind. A frozen stream is exported again unchanged if asked again (a lost answer is
+  retried safely); "not held" is 204.
+- **Import.** The new owner writes it in one writer operation: a new local sid, everything else
+  as it was; `sealing` chunks are uploaded again under the same key with the same bytes (the
+  manifest keeps the old sid their headers name, ChunkInfo.header_sid). Sealed chunks stay in
+  the store under the uid. Then it tells the old owner (`POST /_ds3/move-done`), which drops its
+  frozen copy without touching the store (no gc of the uid).
+- **Sweep.** After adopting a description (and at start, and again with backoff while anything
+  is left) each ingester lists the keys it holds but no longer owns and asks each key's new
+  owner to pull it (`POST /_ds3/move-in`); once that answers, it drops its copy. So idle streams
+  move too, and a lost move-done is made good.
+
+Both writer operations are ordinary committer operations, so `--durability store` logs them
+and replay (ingester/replay.py) rebuilds them. What is refused rather than risked (409): a
+stream in a fork relationship, and a stream already frozen for another ingester (a second
+change before the first one's moves were done).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import heapq
+import logging
+import os
+import time
+from typing import TYPE_CHECKING, Any, Final
+
+import aiohttp
+import lmdb
+import orjson
+
+from ingester import buckets as bucket_records
+from ingester.chain import stream_records
+from ingester.records import (
+    SEALING,
+    SID,
+    ChunkInfo,
+    ChunkRef,
+    ProducerState,
+    StreamMeta,
+    chunk_key,
+    encode_record,
+    producer_key,
+    record_key,
+)
+from ingester.remote_forks import is_shadow
+from ingester.store import Store
+from shared import moveformat
+from shared.buckets import INTERNAL_PREFIX
+from shared.config import LMDB_MAX_KEY
+from shared.errors import Conflict, DS3Error, Misdirected, Unavailable
+from shared.http.auth import INTERNAL_HEADER
+from shared.http.metrics import LoopHistogram
+from shared.moveformat import MovedStream, MoveExport
+from shared.placement import Cluster, Ingester, placement_key
+
+if TYPE_CHECKING:
+    from ingester.service import IngesterService
+
+log = logging.getLogger("ds3.moves")
+
+MOVE_TIMEOUT: Final = 60.0  # a whole export (a key's unsealed records) in one answer
+CONNECT_TIMEOUT: Final = 2.0
+SWEEP_CONCURRENCY: Final = 4
+SWEEP_RETRY_MAX: Final = 30.0
+_CACHE_MAX: Final = 1 << 20
+MOVE_SECONDS_BUCKETS: Final = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+# Test-only fault injection: never send move-done (the sweep must make it good).
+_LOSE_MOVE_DONE: Final = os.environ.get("DS3_TEST_LOSE_MOVE_DONE") == "1"
+
+
+def bucket_of(key: str) -> str | None:
+    """The bucket id of a bucket's placement key; None for a plain stream's."""
+    if key.startswith(INTERNAL_PREFIX) and key.endswith("/"):
+        return key[len(INTERNAL_PREFIX) : -1]
+    return None
+
+
+def frozen_error(meta: StreamMeta) -> Misdirected:
+    assert meta.moved_to is not None
+    to_id, to_url, generation = meta.moved_to
+    return Misdirected(str(to_id), str(to_url), int(generation), "this ingester (it moved the stream out)")
+
+
+# --- writer operations (on the writer thread, in the group commit) ------------------------------
+
+
+def _paths(txn: lmdb.Transaction, store: Store, key: str) -> list[str]:
+    """The stream paths a placement key covers that this WAL holds."""
+    if bucket_of(key) is None:
+        return [key] if txn.get(key.encode(), db=store.wal.streams) is not None else []
+    prefix = key.encode()
+    out: list[str] = []
+    cur = txn.cursor(store.wal.streams)
+    if cur.set_range(prefix):
+        for k in cur.iternext(keys=True, values=False):
+            if not bytes(k).startswith(prefix):
+                break
+            out.append(bytes(k).decode())
+    return out
+
+
+def freeze_export(store: Store, txn: lmdb.Transaction, key: str, to: Ingester, generation: int,
+                  me: str) -> MoveExport | None:
+    """Freeze the key's streams for `to` and read what it needs; None when nothing is held."""
+    bucket_id = bucket_of(key)
+    bucket = bucket_records.get(txn, store.wal, bucket_id) if bucket_id is not None else None
+    metas = [m for m in (store._load(txn, p) for p in _paths(txn, store, key)) if m is not None]
+    if not metas and bucket is None:
+        return None
+    for meta in metas:
+        if meta.fork_source is not None or meta.refcount > 0 or meta.soft_deleted:
+            raise Conflict(f"stream {meta.path!r} is a fork or has forks: moving streams in a fork relationship "
+                           "between ingesters is not supported yet; it stays where it is (refused)")
+        if meta.moved_to is not None and meta.moved_to[0] != to.id:
+            raise Conflict(f"stream {meta.path!r} was moved to ingester {meta.moved_to[0]} (generation "
+                           f"{meta.moved_to[2]}) and that move is not done; a second description change before "
+                           "the moves of the first are done is not supported")
+    export = MoveExport(key, generation, me, orjson.loads(bucket.encode()) if bucket is not None else None)
+    for meta in metas:
+        data = orjson.loads(meta.encode())
+        data["moved_to"] = None
+        touched = store.touches.get(meta.path)  # TTL renewals not folded into the metadata yet
+        if touched is not None and touched > meta.last_access:
+            data["last_access"] = touched
+        written = store.last_writes.get(meta.path)
+        if written is not None and written > (meta.last_write_at or 0.0):
+            data["last_write_at"] = written
+        prefix = SID.pack(meta.sid)
+        moved = MovedStream(data, meta.sid)
+        cur = txn.cursor(store.wal.chunks)
+        if cur.set_range(prefix):
+            for k, v in cur:
+                if bytes(k[:8]) != prefix:
+                    break
+                moved.chunks.append((SID.unpack(k[8:16])[0], orjson.loads(v)))
+        cur = txn.cursor(store.wal.producers)
+        if cur.set_range(prefix):
+            for k, v in cur:
+                if bytes(k[:8]) != prefix:
+                    break
+                state = ProducerState.decode(v)
+                moved.producers.append((bytes(k[8:]).decode(), state.epoch, state.last_seq, state.updated_at))
+        moved.records = [(r.end, r.chunk, r.flags, r.data) for r in stream_records(txn, store.wal, meta.sid, 0)]
+        export.streams.append(moved)
+        if meta.moved_to is None:
+            meta.moved_to = [to.id, to.url, generation]
+            store._save(meta)  # wakes its long-polls: they re-read and get 421
+    return export
+
+
+def _drop_stream(store: Store, txn: lmdb.Transaction, meta: StreamMeta) -> None:
+    """Forget a stream held here without touching the store: its objects are the new owner's."""
+    prefix = SID.pack(meta.sid)
+    store._drop_prefix(txn, store.wal.records, prefix)
+    store.journal.drop_stream(txn, meta.sid)
+    store._drop_prefix(txn, store.wal.producers, prefix)
+    store._drop_prefix(txn, store.wal.chunks, prefix)
+    txn.delete(b"pub:" + meta.path.encode(), db=store.wal.sys)  # the new owner publishes it
+    txn.delete(meta.path.encode(), db=store.wal.streams)
+    store._metas[meta.path] = None
+    store._dirty.pop(meta.path, None)
+    store.last_writes.pop(meta.path, None)
+    store._producers = {k: v for k, v in store._producers.items() if k[0] != meta.sid}
+    store._news.changed.add(meta.path)
+
+
+def drop_moved(store: Store, txn: lmdb.Transaction, key: str, owned_here: bool) -> int:
+    """The new owner holds the key: drop the frozen copies (and the bucket record when this
+    ingester does not own the key). Returns how many streams were dropped; idempotent."""
+    dropped = 0
+    for path in _paths(txn, store, key):
+        meta = store._load(txn, path)
+        if meta is not None and meta.moved_to is not None:
+            _drop_stream(store, txn, meta)
+            dropped += 1
+    bucket_id = bucket_of(key)
+    if bucket_id is not None and not owned_here and not _paths(txn, store, key):
+        txn.delete(bucket_id.encode(), db=store.wal.buckets)
+    return dropped
+
+
+def import_moved(store: Store, txn: lmdb.Transaction, export: MoveExport) -> int:
+    """Write an export in this (one) transaction; returns the streams imported."""
+    bucket_id = bucket_of(export.key)
+    if export.bucket is not None and bucket_id is not None:
+        meta_b = bucket_records.BucketMeta(**export.bucket)
+        txn.put(bucket_id.encode(), meta_b.encode(), db=store.wal.buckets)
+    for moved in export.streams:
+        meta = StreamMeta(**moved.meta)
+        existing = store._load(txn, meta.path)
+        if existing is not None:
+            if existing.moved_to is None:
+                raise Conflict(f"this ingester already holds a stream at {meta.path!r}: not importing over it")
+            _drop_stream(store, txn, existing)  # our own old frozen copy: the export is newer
+        sid = store._next_sid(txn)
+        meta.sid, meta.moved_to = sid, None
+        for end, chunk, flags, data in moved.records:
+            txn.put(record_key(sid, end), encode_record(chunk, flags, data), db=store.wal.records)
+        for chunk, fields in moved.chunks:
+            info = ChunkInfo(**fields)
+            if info.header_sid is None:
+                info.header_sid = moved.sid
+            txn.put(chunk_key(sid, chunk), info.encode(), db=store.wal.chunks)
+            if info.state == SEALING:
+                store._news.rolled.append(ChunkRef(meta.path, sid, meta.uid, chunk))
+        for pid, epoch, last_seq, updated_at in moved.producers:
+            txn.put(producer_key(sid, pid), ProducerState(epoch, last_seq, updated_at).encode(),
+                    db=store.wal.producers)
+        store._save(meta)
+        store._publish(txn, meta, meta.path)
+        store._track_expiry(meta)
+        if meta.chunk_opened_at is not None and store.seal is not None:
+            heapq.heappush(store._aging, (meta.chunk_opened_at, meta.path))
+        if meta.last_write_at is not None:
+            store.last_writes[meta.path] = meta.last_write_at
+    return len(export.streams)
+
+
+# --- the event loop's side -------------------------------------------------------------------
+
+
+class Mover:
+    """One per cluster member: pulls, exports, drops and the sweep, with their counters."""
+
+    def __init__(self, svc: IngesterService) -> None:
+        assert svc.membership is not None
+        self.svc = svc
+        self.membership = svc.membership
+        self.me = svc.membership.ingester_id
+        token = svc.config.auth.internal_token
+        self._headers = {INTERNAL_HEADER: token} if token else {}
+        self._session: aiohttp.ClientSession | None = None
+        self._gen = 0
+        self._settled: set[str] = set()  # keys owned here that need no pull under generation _gen
+        self._prev_owners: dict[str, str] = {}
+        self._pulls: dict[str, asyncio.Future[None]] = {}
+        self._guard_owners: tuple[Cluster | None, dict[str, Ingester]] = (None, {})  # the writer thread's
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self.moved_in = 0  # keys imported
+        self.moved_out = 0  # keys whose frozen copies were dropped (the new owner holds them)
+        self.pending_out = 0  # keys held here that another ingester owns, as of the last sweep
+        self.pulling = 0
+        self.failures = 0
+        self.last_error: str | None = None
+        self.move_seconds = LoopHistogram(
+            "ds3_cluster_move_seconds", "Time a moved-in key's first request waited: asking the old owner, "
+            "its export, the import (the longest pause a write to a moving stream sees).", MOVE_SECONDS_BUCKETS,
+        )
+
+    # --- lifecycle ---
+
+    def start(self) -> None:
+        self._session = aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=MOVE_TIMEOUT, connect=CONNECT_TIMEOUT))
+        self._task = asyncio.create_task(self._sweep_loop(), name="ds3-move-sweep")
+
+    async def stop(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if self._session is not None:
+            await self._session.close()
+
+    def changed(self, _old: Cluster | None, _new: Cluster) -> None:
+        """A description was adopted: sweep now."""
+        self._wake.set()
+
+    # --- the guard (writer thread) ---
+
+    def guard(self, path: str, meta: StreamMeta | None) -> None:
+        """Store.guard: Misdirected unless this ingester owns `path` under the description current
+        *now*, and the stream is not frozen. Writer thread only, so its owner cache is its own
+        (Membership's belongs to the event loop: shared, a lookup racing a description change
+        could cache an owner of the old description under the new one)."""
+        cluster = self.membership.cluster
+        if cluster is None:
+            self.membership.check(path)  # Unavailable, with the watcher's reason
+            return
+        cached_for, owners = self._guard_owners
+        if cached_for is not cluster or len(owners) >= _CACHE_MAX:
+            owners = {}
+            self._guard_owners = (cluster, owners)
+        key = placement_key(path)
+        owner = owners.get(key)
+        if owner is None:
+            owner = owners[key] = cluster.owner_of_key(key)
+        if owner.id != self.me:
+            raise Misdirected(owner.id, owner.url, cluster.generation, self.me)
+        if meta is not None and meta.moved_to is not None:
+            raise frozen_error(meta)
+
+    # --- pulling (the new owner) ---
+
+    def _cluster(self) -> Cluster | None:
+        cluster = self.membership.cluster
+        if cluster is not None and cluster.generation != self._gen:
+            self._gen, self._settled, self._prev_owners = cluster.generation, set(), {}
+        return cluster
+
+    def _holds(self, key: str) -> bool:
+        """Whether this WAL holds the key (a frozen copy does not count)."""
+        wal = self.svc.wal
+        with wal.env.begin(buffers=False) as txn:
+            bucket_id = bucket_of(key)
+            if bucket_id is not None:
+                return txn.get(bucket_id.encode(), db=wal.buckets) is not None
+            k = key.encode("utf-8", "surrogatepass")
+            if not 0 < len(k) <= LMDB_MAX_KEY:  # names no stream (LMDB would refuse to look)
+                return False
+            raw = txn.get(k, db=wal.streams)
+            return raw is not None and StreamMeta.decode(raw).moved_to is None
+
+    def _previous_owner(self, cluster: Cluster, key: str) -> Ingester | None:
+        """The key's owner under the previous description, when that is another ingester and this
+        one owns it now; None when nothing can be moving in."""
+        previous = cluster.previous
+        if previous is None:
+            return None
+        owner_id = self._prev_owners.get(key)
+        if owner_id is None:
+            if len(self._prev_owners) >= _CACHE_MAX:
+                self._prev_owners = {}
+            owner_id = self._prev_owners[key] = previous.owner_of_key(key).id
+        if owner_id == self.me or cluster.owner_of_key(key).id != self.me:
+            return None
+        return previous.get(owner_id)
+
+    def needs_pull(self, path: str) -> bool:
+        """Sync and cheap (the fast lane asks for every append): whether a request for `path`
+        must wait for a pull first."""
+        return self._needs_pull_key(placement_key(path))
+
+    def _needs_pull_key(self, key: str) -> bool:
+        cluster = self._cluster()
+        if cluster is None or cluster.previous is None or key in self._settled:
+            return False
+        if self._previous_owner(cluster, key) is None or self._holds(key):
+            self._settle(key)
+            return False
+        return True
+
+    def _settle(self, key: str) -> None:
+        if len(self._settled) >= _CACHE_MAX:
+            self._settled = set()
+        self._settled.add(key)
+
+    async def ensure(self, path: str) -> None:
+        await self.ensure_key(placement_key(path))
+
+    async def ensure_key(self, key: str) -> None:
+        """Return once this ingester holds `key` or knows there is nothing to move; raises
+        Unavailable (503) while the old owner cannot hand it over, Conflict (409) if it refuses."""
+        if not self._needs_pull_key(key):
+            return
+        fut = self._pulls.get(key)
+        if fut is None:
+            fut = self._pulls[key] = asyncio.ensure_future(self._pull(key))
+            fut.add_done_callback(functools.partial(self._pull_done, key))
+        await asyncio.shield(fut)
+
+    def _pull_done(self, key: str, fut: asyncio.Future[None]) -> None:
+        if self._pulls.get(key) is fut:
+            del self._pulls[key]
+        if not fut.cancelled() and fut.exception() is not None:
+            fut.exception()  # retrieved: each waiter re-raises it
+
+    async def _post(self, url: str, body: dict[str, Any]) -> tuple[int, bytes]:
+        assert self._session is not None
+        async with self._session.post(url, data=orjson.dumps(body), headers={
+                **self._headers, "Content-Type": "application/json"}) as r:
+            return r.status, await r.read()
+
+    async def take_from(self, key: str, holder: Ingester) -> None:
+        """The sweep of `holder` offers `key`, which this ingester owns: once it holds it (the
+        usual pull from the previous owner), or, if that found nothing, straight from `holder`
+        (a holder from before the previous description: a second change overtook the move)."""
+        await self.ensure_key(key)
+        if holder.id != self.me and not self._holds(key):
+            fut = self._pulls.get(key)
+            if fut is None:
+                fut = self._pulls[key] = asyncio.ensure_future(self._pull(key, holder))
+                fut.add_done_callback(functools.partial(self._pull_done, key))
+            await asyncio.shield(fut)
+
+    async def _pull(self, key: str, source: Ingester | None = None) -> None:
+        cluster = self._cluster()
+        assert cluster is not None
+        source = source or self._previous_owner(cluster, key)
+        if source is None:
+            return
+        started = time.perf_counter()
+        self.pulling += 1
+        try:
+            status, body = await self._post(f"{source.url}/_ds3/move-out",
+                                            {"key": key, "generation": cluster.generation, "to": self.me})
+        except (aiohttp.ClientError, TimeoutError, OSError) as e:
+            self._failed(f"ingester {source.id} at {source.url} does not answer: {e!r}")
+            raise Unavailable(f"this stream is moving here from ingester {source.id} at {source.url}, which does "
+                              f"not answer ({type(e).__name__}); retry shortly", retry_after=1) from None
+        finally:
+            self.pulling -= 1
+        if status == 204:  # it never held the key: nothing to move
+            self._settle(key)
+            return
+        if status != 200:
+            message = _message(body)
+            self._failed(f"moving {key!r} from {source.id}: {status} {message}")
+            if status == 409:
+                raise Conflict(f"this stream cannot move here from ingester {source.id}: {message}")
+            if status == 421:
+                with contextlib.suppress(Exception):
+                    await self.membership.watcher.refresh()
+            raise Unavailable(f"this stream is moving here from ingester {source.id}, which answered {status} "
+                              f"({message}); retry shortly", retry_after=1)
+        try:
+            export = moveformat.decode(body)
+        except moveformat.MoveFormatError as e:
+            self._failed(f"moving {key!r} from {source.id}: {e}")
+            raise Unavailable(f"this stream is moving here from ingester {source.id}: {e}", retry_after=1) from None
+        n = await self.svc.committer.submit(functools.partial(import_moved, self.svc.store, export=export))
+        self._settle(key)
+        self.moved_in += 1
+        took = time.perf_counter() - started
+        self.move_seconds.observe(took)
+        log.info("moved in %r from %s (%d streams, %d bytes of unsealed records) in %.3f s", key, source.id, n,
+                 export.record_bytes, took)
+        if not _LOSE_MOVE_DONE:
+            asyncio.get_running_loop().create_task(self._done(source, key, cluster.generation))
+
+    async def _done(self, source: Ingester, key: str, generation: int) -> None:
+        """Tell the old owner to drop its frozen copy (best effort: its sweep asks again)."""
+        for delay in (0.0, 0.5, 2.0):
+            await asyncio.sleep(delay)
+            try:
+                status, body = await self._post(f"{source.url}/_ds3/move-done",
+                                                {"key": key, "generation": generation, "to": self.me})
+                if status == 204:
+                    return
+                log.warning("move-done of %r to %s: %d %s", key, source.id, status, _message(body))
+            except (aiohttp.ClientError, TimeoutError, OSError) as e:
+                log.warning("move-done of %r to %s failed: %r", key, source.id, e)
+
+    def _failed(self, why: str) -> None:
+        self.failures += 1
+        self.last_error = why
+        log.warning("move: %s", why)
+
+    # --- the old owner ---
+
+    async def _current_at_least(self, generation: int) -> Cluster:
+        watcher = self.membership.watcher
+        await watcher.refresh_if_older(generation)
+        cluster = watcher.current
+        if cluster is None or cluster.generation < generation:
+            raise Unavailable(f"ingester {self.me} cannot read cluster description generation {generation} yet "
+                              f"({watcher.error or 'not published?'})", retry_after=1)
+        return cluster
+
+    async def export(self, key: str, generation: int, to: str) -> bytes | None:
+        """Freeze and export `key` for ingester `to`; None when it is not held here."""
+        cluster = await self._current_at_least(generation)
+        owner = cluster.owner_of_key(key)
+        if owner.id != to:  # the asker is not the owner (any more): it must re-read the description
+            raise Misdirected(owner.id, owner.url, cluster.generation, to)
+        export = await self.svc.committer.submit(functools.partial(
+            freeze_export, self.svc.store, key=key, to=owner, generation=cluster.generation, me=self.me))
+        if export is None:
+            return None
+        # Encoding a big export takes a while: off the event loop.
+        return await asyncio.get_running_loop().run_in_executor(None, moveformat.encode, export)
+
+    async def drop(self, key: str, generation: int) -> int:
+        """The new owner holds `key`: drop what is frozen here."""
+        cluster = await self._current_at_least(generation)
+        owned = cluster.owner_of_key(key).id == self.me
+        dropped = await self.svc.committer.submit(functools.partial(
+            drop_moved, self.svc.store, key=key, owned_here=owned))
+        if dropped:
+            self.moved_out += 1
+            log.info("moved out %r (%d streams): the new owner holds it", key, dropped)
+        return int(dropped)
+
+    # --- the sweep ---
+
+    def _held_elsewhere(self, cluster: Cluster) -> list[str]:
+        """Keys this WAL holds (frozen copies included) that another ingester owns (read thread)."""
+        wal = self.svc.wal
+        keys: set[str] = set()
+        with wal.env.begin(buffers=False) as txn:
+            for k in txn.cursor(db=wal.streams).iternext(keys=True, values=False):
+                path = bytes(k).decode("utf-8", "surrogatepass")
+                if not is_shadow(path):  # another ingester's stream, read by forks here: never moved
+                    keys.add(placement_key(path))
+            for k in txn.cursor(db=wal.buckets).iternext(keys=True, values=False):
+                keys.add(f"{INTERNAL_PREFIX}{bytes(k).decode()}/")
+        return sorted(k for k in keys if cluster.owner_of_key(k).id != self.me)
+
+    async def _sweep_loop(self) -> None:
+        delay, retry = 0.0, 1.0  # at once at start: a restart may have moves left
+        while True:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(delay):
+                    await self._wake.wait()
+            self._wake.clear()
+            try:
+                left = await self.sweep()
+            except Exception as e:  # never let the loop die
+                self._failed(f"sweep failed: {e!r}")
+                left = 1
+            if left == 0:  # a new description wakes it; the hourly pass is a safety net
+                delay, retry = 3600.0, 1.0
+            else:
+                delay, retry = retry, min(SWEEP_RETRY_MAX, retry * 2)
+
+    async def sweep(self) -> int:
+        """Hand every key held here that another ingester owns to that owner; how many are left."""
+        cluster = self.membership.cluster
+        if cluster is None:
+            return 0
+        keys = await self.svc.reads.run(self._held_elsewhere, cluster)
+        self.pending_out = len(keys)
+        if not keys:
+            return 0
+        log.info("moving %d keys out to their new owners (generation %d)", len(keys), cluster.generation)
+        limit = asyncio.Semaphore(SWEEP_CONCURRENCY)
+
+        async def one(key: str) -> None:
+            async with limit:
+                owner = cluster.owner_of_key(key)
+                try:
+                    status, body = await self._post(f"{owner.url}/_ds3/move-in",
+                                                    {"key": key, "generation": cluster.generation, "from": self.me})
+                except (aiohttp.ClientError, TimeoutError, OSError) as e:
+                    self._failed(f"asking {owner.id} to take {key!r}: {e!r}")
+                    return
+                if status != 204:
+                    self._failed(f"asking {owner.id} to take {key!r}: {status} {_message(body)}")
+                    return
+                try:
+                    await self.drop(key, cluster.generation)
+                except DS3Error as e:
+                    self._failed(f"dropping {key!r} after its move: {e}")
+                    return
+                self.pending_out -= 1
+
+        await asyncio.gather(*(one(k) for k in keys))
+        return self.pending_out
+
+    def status(self) -> dict[str, object]:
+        return {"pending_out": self.pending_out, "moved_in": self.moved_in, "moved_out": self.moved_out,
+                "pulling": self.pulling, "failures": self.failures, "last_error": self.last_error}
+
+
+def _message(body: bytes) -> str:
+    return body[:300].decode("utf-8", "replace").strip()
