@@ -148,7 +148,7 @@ async def merged_listing(request: web.Request, links: list[Link], headers: Heade
         q: dict[str, str] = {"limit": str(limit)}
         if prefix is not None:
             q["prefix"] = prefix
-        if start is not None:
+        if start:  # "" in a merged cursor: from the beginning
             q["after"] = start
         up = await link.client.call("GET", request.path + "?" + urlencode(q), headers, None)
         if up.status != 200:
@@ -192,7 +192,9 @@ async def merged_listing(request: web.Request, links: list[Link], headers: Heade
         for n, (link, start, body) in enumerate(pages):
             shown_here = [e[2][name_field] for e in shown if e[1] == n]
             if cut is not None and any(e[0] > cut for e in every if e[1] == n):
-                where[link.ingester_id or link.url] = shown_here[-1] if shown_here else start
+                # it has names past the cut: go on after the last one shown, or from where this
+                # page started ("" for the beginning: None would say it has nothing more)
+                where[link.ingester_id or link.url] = shown_here[-1] if shown_here else (start or "")
             else:
                 where[link.ingester_id or link.url] = body.get("next_cursor") if body.get("has_more") else None
         next_cursor = encode_cursor(where)
