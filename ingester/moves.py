@@ -27,8 +27,16 @@ streams) to another ingester. The data moves *pull on demand, pushed by a sweep*
 
 Both writer operations are ordinary committer operations, so `--durability store` logs them
 and replay (ingester/replay.py) rebuilds them. What is refused rather than risked (409): a
-stream in a fork relationship, and a stream already frozen for another ingester (a second
-change before the first one's moves were done).
+stream already frozen for another ingester (a second change before the first one's moves were
+done).
+
+Forks move with the machinery of forks across ingesters (remote_forks.py): a fork whose source
+does not move with it carries its source's chain below the fork position, and the new owner
+installs it as shadows (a source that stays here gets a pin by the fork's uid, which its
+refcount counted already); a source with forks carries its pins, and the forks that stay here
+are rewired to a shadow of it (each with a pin the new owner now holds). A bucket moves whole,
+so a source and its fork in one bucket stay a local pair. Releases then go to whoever owns the
+source by the current description.
 """
 
 from __future__ import annotations
@@ -47,6 +55,7 @@ import lmdb
 import orjson
 
 from ingester import buckets as bucket_records
+from ingester import remote_forks
 from ingester.chain import stream_records
 from ingester.records import (
     SEALING,
@@ -126,9 +135,6 @@ def freeze_export(store: Store, txn: lmdb.Transaction, key: str, to: Ingester, g
     if not metas and bucket is None:
         return None
     for meta in metas:
-        if meta.fork_source is not None or meta.refcount > 0 or meta.soft_deleted:
-            raise Conflict(f"stream {meta.path!r} is a fork or has forks: moving streams in a fork relationship "
-                           "between ingesters is not supported yet; it stays where it is (refused)")
         if meta.moved_to is not None and meta.moved_to[0] != to.id:
             raise Conflict(f"stream {meta.path!r} was moved to ingester {meta.moved_to[0]} (generation "
                            f"{meta.moved_to[2]}) and that move is not done; a second description change before "
@@ -159,6 +165,9 @@ def freeze_export(store: Store, txn: lmdb.Transaction, key: str, to: Ingester, g
                 state = ProducerState.decode(v)
                 moved.producers.append((bytes(k[8:]).decode(), state.epoch, state.last_seq, state.updated_at))
         moved.records = [(r.end, r.chunk, r.flags, r.data) for r in stream_records(txn, store.wal, meta.sid, 0)]
+        moving = {m.path for m in metas}
+        moved.source = _source_chain(store, txn, meta, moving)
+        moved.pins = _pins(store, txn, meta, moving)
         export.streams.append(moved)
         if meta.moved_to is None:
             meta.moved_to = [to.id, to.url, generation]
@@ -166,9 +175,60 @@ def freeze_export(store: Store, txn: lmdb.Transaction, key: str, to: Ingester, g
     return export
 
 
+def _source_chain(store: Store, txn: lmdb.Transaction, meta: StreamMeta, moving: set[str]) -> list[Any] | None:
+    """A fork whose source does not move with it (it stays here, or lives on another ingester
+    already): the source's chain below the fork position, for the new owner's shadows
+    (remote_forks.py). A source here gets a pin by the fork's uid, so the fork, wherever it
+    goes, releases its share of the source's refcount like any fork of another ingester's
+    stream. None: not a fork, or its source moves along (the fork stays a local one)."""
+    if meta.fork_source is None or (meta.fork_source_key is None and meta.fork_source in moving):
+        return None
+    key = meta.source_key
+    source = store._load(txn, key) if key is not None else None
+    if source is None or source.sid != meta.fork_source_sid:
+        return None  # a broken chain reads as it did here: nothing inherited
+    if meta.fork_source_key is None:
+        remote_forks.add_pin(store, txn, meta.uid, source)  # its refcount counts the fork already
+    cap_chunk = remote_forks.chunk_naming(store, txn, source, meta.fork_position)
+    return remote_forks.levels_to_json(remote_forks.export_levels(store, txn, source, meta.fork_position, cap_chunk))
+
+
+def _pins(store: Store, txn: lmdb.Transaction, meta: StreamMeta, moving: set[str]) -> list[str]:
+    """A stream forks read, moving: the forks that stay here now read a shadow of it (as if
+    they had been forked from another ingester, with a pin each), and every pin of it moves
+    with it (the new owner answers their releases). Returns the pinning fork uids."""
+    if meta.refcount == 0:
+        return []
+    local = [f for f in _local_forks(store, txn, meta) if f.path not in moving]
+    if local:
+        levels = remote_forks.export_levels(store, txn, meta, meta.tail, meta.tail_chunk)
+        for fork in local:
+            shadow = remote_forks.install_shadows(store, txn, levels)
+            fork.fork_source_key, fork.fork_source_sid = shadow.path, shadow.sid
+            store._save(fork)
+            remote_forks.add_pin(store, txn, fork.uid, meta)
+    return remote_forks.pins_of(store, txn, meta.uid)
+
+
+def _local_forks(store: Store, txn: lmdb.Transaction, meta: StreamMeta) -> list[StreamMeta]:
+    """Streams here that fork `meta` directly, reading its records (a scan: moves only)."""
+    out = []
+    for k, raw in txn.cursor(db=store.wal.streams):
+        fields = orjson.loads(raw)
+        if (fields.get("fork_source") == meta.path and fields.get("fork_source_sid") == meta.sid
+                and fields.get("fork_source_key") is None):
+            found = store._load(txn, bytes(k).decode())
+            if found is not None:
+                out.append(found)
+    return out
+
+
 def _drop_stream(store: Store, txn: lmdb.Transaction, meta: StreamMeta) -> None:
     """Forget a stream held here without touching the store: its objects are the new owner's."""
     prefix = SID.pack(meta.sid)
+    if meta.fork_source_key is not None:  # the shadows it read (forks here may still read them)
+        remote_forks.unref_shadows(store, txn, meta.fork_source_key)
+    remote_forks.drop_pins(store, txn, remote_forks.pins_of(store, txn, meta.uid))  # the new owner's now
     store._drop_prefix(txn, store.wal.records, prefix)
     store.journal.drop_stream(txn, meta.sid)
     store._drop_prefix(txn, store.wal.producers, prefix)
@@ -203,6 +263,7 @@ def import_moved(store: Store, txn: lmdb.Transaction, export: MoveExport) -> int
     if export.bucket is not None and bucket_id is not None:
         meta_b = bucket_records.BucketMeta(**export.bucket)
         txn.put(bucket_id.encode(), meta_b.encode(), db=store.wal.buckets)
+    imported: dict[str, tuple[StreamMeta, MovedStream]] = {}
     for moved in export.streams:
         meta = StreamMeta(**moved.meta)
         existing = store._load(txn, meta.path)
@@ -231,6 +292,17 @@ def import_moved(store: Store, txn: lmdb.Transaction, export: MoveExport) -> int
             heapq.heappush(store._aging, (meta.chunk_opened_at, meta.path))
         if meta.last_write_at is not None:
             store.last_writes[meta.path] = meta.last_write_at
+        imported[meta.path] = (meta, moved)
+    for meta, moved in imported.values():  # fork relationships, now that every sid is known
+        if moved.source is not None:
+            shadow = remote_forks.install_shadows(store, txn, remote_forks.levels_from_json(moved.source))
+            meta.fork_source_key, meta.fork_source_sid = shadow.path, shadow.sid
+            store._save(meta)
+        elif meta.fork_source is not None and meta.fork_source_key is None and meta.fork_source in imported:
+            meta.fork_source_sid = imported[meta.fork_source][0].sid
+            store._save(meta)
+        for fork_uid in moved.pins:
+            remote_forks.add_pin(store, txn, fork_uid, meta)
     return len(export.streams)
 
 

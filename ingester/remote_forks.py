@@ -99,23 +99,32 @@ class PinnedSource:
 
     def encode(self) -> bytes:
         d: dict[str, Any] = {k: getattr(self, k) for k in self.__dataclass_fields__ if k != "levels"}
-        d["levels"] = [
-            {**{k: getattr(lv, k) for k in lv.__dataclass_fields__ if k not in ("chunks", "records")},
-             "chunks": [[cid, orjson.loads(info.encode())] for cid, info in lv.chunks],
-             "records": [[r.end, r.chunk, r.flags, base64.b64encode(r.data).decode()] for r in lv.records]}
-            for lv in self.levels
-        ]
+        d["levels"] = levels_to_json(self.levels)
         return orjson.dumps(d)
 
     @staticmethod
     def decode(raw: bytes) -> PinnedSource:
         d = orjson.loads(raw)
-        levels = [
-            Level(**{**lv, "chunks": [(int(cid), ChunkInfo(**info)) for cid, info in lv["chunks"]],
-                     "records": [Record(int(e), int(c), int(f), base64.b64decode(b)) for e, c, f, b in lv["records"]]})
-            for lv in d.pop("levels")
-        ]
+        levels = levels_from_json(d.pop("levels"))
         return PinnedSource(**d, levels=levels)
+
+
+def levels_to_json(levels: list[Level]) -> list[dict[str, Any]]:
+    """Levels as JSON values (records' bytes in base64); also carried by a move (moveformat)."""
+    return [
+        {**{k: getattr(lv, k) for k in lv.__dataclass_fields__ if k not in ("chunks", "records")},
+         "chunks": [[cid, orjson.loads(info.encode())] for cid, info in lv.chunks],
+         "records": [[r.end, r.chunk, r.flags, base64.b64encode(r.data).decode()] for r in lv.records]}
+        for lv in levels
+    ]
+
+
+def levels_from_json(raw: list[dict[str, Any]]) -> list[Level]:
+    return [
+        Level(**{**lv, "chunks": [(int(cid), ChunkInfo(**info)) for cid, info in lv["chunks"]],
+                 "records": [Record(int(e), int(c), int(f), base64.b64decode(b)) for e, c, f, b in lv["records"]]})
+        for lv in raw
+    ]
 
 
 # --- on the source's owner -----------------------------------------------------------------
@@ -147,9 +156,20 @@ def export(store: Store, txn: lmdb.Transaction, source_path: str, source_uid: st
     meta = store._load(txn, source_path)
     if meta is None or meta.uid != source_uid:
         raise NotFound("fork source stream not found (deleted while the fork was being created)")
+    return PinnedSource(
+        source_path=source_path, source_uid=source_uid, position=scratch.fork_position,
+        tail_chunk=scratch.tail_chunk, content_type=scratch.content_type, ttl=scratch.ttl,
+        expires_at=scratch.expires_at, expires_at_text=scratch.expires_at_text,
+        snapshot_offset=scratch.snapshot_offset, snapshot_type=scratch.snapshot_type,
+        snapshot_size=scratch.snapshot_size, snapshot_key=scratch.snapshot_key,
+        levels=export_levels(store, txn, meta, scratch.fork_position, scratch.tail_chunk),
+    )
+
+
+def export_levels(store: Store, txn: lmdb.Transaction, meta: StreamMeta, cap: int, cap_chunk: int) -> list[Level]:
+    """`meta`'s chain below `cap` (a stream or a shadow), level by level from `meta` down."""
     lookup = store._lookup(txn)
     levels: list[Level] = []
-    cap, cap_chunk = scratch.fork_position, scratch.tail_chunk
     for _ in range(64):
         chunks = _manifest(txn, store, meta.sid, cap)
         records = _records(txn, store, meta, cap)
@@ -159,20 +179,17 @@ def export(store: Store, txn: lmdb.Transaction, source_path: str, source_uid: st
         levels.append(Level(meta.uid, meta.content_type, meta.first_chunk, cap, cap_chunk, meta.fork_position,
                             has_source, chunks, records))
         if source is None or not has_source:
-            break
+            return levels
         if cap > meta.fork_position:
             cap = meta.fork_position
             cap_chunk = chunk_at(txn, store.wal, source, lookup, cap)
         meta = source
-    else:
-        raise Conflict("fork chain too deep")
-    return PinnedSource(
-        source_path=source_path, source_uid=source_uid, position=scratch.fork_position,
-        tail_chunk=scratch.tail_chunk, content_type=scratch.content_type, ttl=scratch.ttl,
-        expires_at=scratch.expires_at, expires_at_text=scratch.expires_at_text,
-        snapshot_offset=scratch.snapshot_offset, snapshot_type=scratch.snapshot_type,
-        snapshot_size=scratch.snapshot_size, snapshot_key=scratch.snapshot_key, levels=levels,
-    )
+    raise Conflict("fork chain too deep")
+
+
+def chunk_naming(store: Store, txn: lmdb.Transaction, meta: StreamMeta, position: int) -> int:
+    """The chunk id naming `position` in `meta`'s stream (its chain included)."""
+    return chunk_at(txn, store.wal, meta, store._lookup(txn), position)
 
 
 def _records(txn: lmdb.Transaction, store: Store, meta: StreamMeta, cap: int) -> list[Record]:
@@ -204,6 +221,34 @@ def _manifest(txn: lmdb.Transaction, store: Store, sid: int, cap: int) -> list[t
     return out
 
 
+def add_pin(store: Store, txn: lmdb.Transaction, fork_uid: str, source: StreamMeta) -> bool:
+    """Record that fork `fork_uid` reads `source` (counted in its refcount by the caller, or
+    already). False: it was recorded already."""
+    key = _PIN + fork_uid.encode()
+    if txn.get(key, db=store.wal.sys) is not None:
+        return False
+    txn.put(key, orjson.dumps({"source": source.path, "uid": source.uid}), db=store.wal.sys)
+    return True
+
+
+def pins_of(store: Store, txn: lmdb.Transaction, source_uid: str) -> list[str]:
+    """The fork uids pinning the stream `source_uid` here (a scan: moves only)."""
+    out = []
+    cur = txn.cursor(store.wal.sys)
+    if cur.set_range(_PIN):
+        for key, raw in cur:
+            if not bytes(key).startswith(_PIN):
+                break
+            if orjson.loads(raw)["uid"] == source_uid:
+                out.append(bytes(key[len(_PIN):]).decode())
+    return out
+
+
+def drop_pins(store: Store, txn: lmdb.Transaction, fork_uids: list[str]) -> None:
+    for uid in fork_uids:
+        txn.delete(_PIN + uid.encode(), db=store.wal.sys)
+
+
 def release(store: Store, txn: lmdb.Transaction, fork_uid: str) -> bool:
     """Uncount fork `fork_uid` as a reader of its source (idempotent); remove a soft-deleted
     source nothing reads any more. False: there was no such pin."""
@@ -230,12 +275,7 @@ def install(store: Store, txn: lmdb.Transaction, meta: StreamMeta, pinned: Pinne
     the pin is in use from now on (its queued release is dropped)."""
     assert meta.uid
     released(store, txn, meta.uid)
-    below: StreamMeta | None = None
-    for level in reversed(pinned.levels):  # the root first: each shadow names the one below
-        below = _shadow(store, txn, level, below)
-    assert below is not None
-    below.refcount += 1
-    store._save(below)
+    below = install_shadows(store, txn, pinned.levels)
     meta.content_type = pinned.content_type
     meta.fork_source, meta.fork_source_key = pinned.source_path, below.path
     meta.fork_source_sid, meta.fork_source_uid = below.sid, pinned.source_uid
@@ -246,6 +286,17 @@ def install(store: Store, txn: lmdb.Transaction, meta: StreamMeta, pinned: Pinne
         meta.ttl, meta.expires_at, meta.expires_at_text = pinned.ttl, pinned.expires_at, pinned.expires_at_text
     meta.tail = meta.chunk_start = pinned.position
     meta.tail_chunk = pinned.tail_chunk
+
+
+def install_shadows(store: Store, txn: lmdb.Transaction, levels: list[Level]) -> StreamMeta:
+    """Shadows for a chain (new or grown), the top one counted once more as read; returns it."""
+    below: StreamMeta | None = None
+    for level in reversed(levels):  # the root first: each shadow names the one below
+        below = _shadow(store, txn, level, below)
+    assert below is not None
+    below.refcount += 1
+    store._save(below)
+    return below
 
 
 def _shadow(store: Store, txn: lmdb.Transaction, level: Level, below: StreamMeta | None) -> StreamMeta:
@@ -285,7 +336,11 @@ def forget(store: Store, txn: lmdb.Transaction, meta: StreamMeta) -> None:
     if not is_shadow(meta.path) and meta.fork_source is not None:
         queue_release(store, txn, meta.uid, meta.fork_source, None)
         store.releases_queued = True
-    key = meta.fork_source_key
+    unref_shadows(store, txn, meta.fork_source_key)
+
+
+def unref_shadows(store: Store, txn: lmdb.Transaction, key: str | None) -> None:
+    """One reader of shadow `key` fewer; drop shadows nothing reads any more, down the chain."""
     for _ in range(64):
         if key is None:
             return

@@ -18,7 +18,14 @@ with this body (Content-Type application/vnd.ds3.move); ingester/moves.py builds
                            "sid": the stream's sid on the old owner (named in its chunk headers),
                            "chunks": [[chunk id, ChunkInfo fields], ...]   (the manifest),
                            "producers": [[producer id, epoch, last seq, updated at], ...],
-                           "records": how many records follow}, ...]}
+                           "records": how many records follow,
+                           "source": null, or (a fork whose source stays behind or lives on a
+                                     third ingester) the source's chain below the fork position
+                                     as ingester/remote_forks.py exports it for a pin: a list of
+                                     levels (uid, first chunk, cap, sealed manifest entries,
+                                     unsealed records in base64),
+                           "pins": [fork uid, ...] (forks elsewhere that read this stream: its
+                                   refcount's share the new owner must be able to release)}, ...]}
 
 Only the records not yet sealed are in it (the WAL's, journal included): sealed chunks stay in
 the store under the stream's uid, which does not change. Chunks still `sealing` travel with
@@ -52,6 +59,8 @@ class MovedStream:
     chunks: list[tuple[int, dict[str, Any]]] = field(default_factory=list)
     producers: list[tuple[str, int, int, float]] = field(default_factory=list)
     records: list[tuple[int, int, int, bytes]] = field(default_factory=list)  # (end, chunk, flags, data)
+    source: list[dict[str, Any]] | None = None  # a fork's source chain, as remote_forks.levels_to_json
+    pins: list[str] = field(default_factory=list)  # fork uids pinning this stream
 
 
 @dataclass(slots=True)
@@ -72,7 +81,8 @@ def encode(export: MoveExport) -> bytes:
         "version": VERSION, "key": export.key, "generation": export.generation, "source": export.source,
         "bucket": export.bucket,
         "streams": [{"meta": s.meta, "sid": s.sid, "chunks": [[c, info] for c, info in s.chunks],
-                     "producers": [list(p) for p in s.producers], "records": len(s.records)}
+                     "producers": [list(p) for p in s.producers], "records": len(s.records),
+                     "source": s.source, "pins": s.pins}
                     for s in export.streams],
     })
     parts = [MAGIC, _U32.pack(len(header)), header]
@@ -103,6 +113,7 @@ def decode(body: bytes) -> MoveExport:
             export.streams.append(MovedStream(
                 dict(s["meta"]), int(s["sid"]), [(int(c), dict(info)) for c, info in s["chunks"]],
                 [(str(p), int(e), int(q), float(t)) for p, e, q, t in s["producers"]],
+                source=s.get("source"), pins=[str(u) for u in s.get("pins", [])],
             ))
             counts.append(int(s["records"]))
     except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as e:

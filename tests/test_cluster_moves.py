@@ -402,22 +402,49 @@ def test_old_owner_killed_then_back_and_lost_answers_retried(tmp_path: Path) -> 
             assert read_all(reader, s) == b"0;1;2;3;4;"
 
 
-def test_a_stream_with_forks_is_refused_clearly_not_moved(tmp_path: Path) -> None:
-    """Moving streams in a fork relationship is not supported yet: the new owner answers 409
-    naming why, the old owner keeps the data (nothing frozen, nothing lost)."""
+def test_streams_in_fork_relationships_move_too(tmp_path: Path) -> None:
+    """Adding ingester c moves: a source whose fork stays on a (the fork then reads a shadow of
+    it, with a pin at c), a fork whose source stays on a (pinned there), and a fork of a's
+    stream that lived on b (its pin at a is untouched). Everything reads the same before and
+    after, each takes its own appends, and deleting sources and forks still releases in order:
+    a deleted source is 410 while a fork reads it, 404 once the last fork is gone."""
     with deployment(tmp_path, "abc") as d:
         first = d.describe("ab")
         three = Cluster.of({i: d.url(i) for i in "abc"})
         for i in "abc":
             d.start(i)
         reader = d.start_reader("a")
-        source = f"/v1/stream/{names('src', lambda s: first.owner(s).id == 'a' and three.owner(s).id == 'c')[0]}"
-        fork = f"/v1/stream/{names('frk', lambda s: first.owner(s).id == 'a' and three.owner(s).id == 'a')[0]}"
-        assert request(reader, "PUT", source, b"data", TEXT)[0] == 201
-        assert request(reader, "PUT", fork, headers={"Stream-Forked-From": source})[0] == 201
+
+        def on(prefix: str, before: str, after: str) -> str:
+            return "/v1/stream/" + names(prefix, lambda s: first.owner(s).id == before and three.owner(s).id == after)[0]
+
+        src, src_fork = on("src", "a", "c"), on("srcfork", "a", "a")  # the source moves, its fork stays
+        stay, moving_fork = on("stay", "a", "a"), on("mvfork", "a", "c")  # the fork moves, its source stays
+        far, far_fork = on("far", "a", "a"), on("farfork", "b", "c")  # a fork of a's stream moves from b to c
+        for source in (src, stay, far):
+            assert request(reader, "PUT", source, headers=TEXT)[0] == 201
+            for n in range(12):  # 1 KiB chunks: some of it sealed, the rest in the WAL
+                assert request(reader, "POST", source, f"{source[-8:]}:{n:03d};".encode() * 8, TEXT)[0] == 204
+        for fork, source in ((src_fork, src), (moving_fork, stay), (far_fork, far)):
+            assert request(reader, "PUT", fork, headers={"Stream-Forked-From": source})[0] == 201
+            assert request(reader, "POST", fork, b"own-before;", TEXT)[0] == 204
+        every = (src, src_fork, stay, moving_fork, far, far_fork)
+        before = {s: read_all(reader, s) for s in every}
+
         d.describe("abc")
-        wait_for("a's sweep to try", lambda: moves(d.ingesters["a"])["failures"] > 0)
-        status, _, body = request(reader, "GET", f"{source}?offset=-1")
-        assert status == 409 and b"fork" in body, (status, body)
-        assert moves(d.ingesters["a"])["pending_out"] == 1
-        assert request(reader, "GET", f"{fork}?offset=-1")[2] == b"data"  # the fork stays and reads
+        wait_for("the moves", lambda: all(moves(d.ingesters[i])["pending_out"] == 0 for i in "ab")
+                 and moves(d.ingesters["c"])["moved_in"] >= 3)
+        for s in every:
+            assert read_all(reader, s) == before[s], s
+        for s in every:
+            assert request(reader, "POST", s, b"after;", TEXT)[0] == 204
+            assert read_all(reader, s) == before[s] + b"after;", s
+        assert request(d.ingesters["c"], "HEAD", src)[0] == 200 and request(d.ingesters["a"], "HEAD", src)[0] == 421
+
+        # deletions still release in order, across the moved relationships
+        for source, fork in ((src, src_fork), (stay, moving_fork), (far, far_fork)):
+            assert request(reader, "DELETE", source)[0] == 204
+            assert request(reader, "HEAD", source)[0] == 410, source  # a fork still reads it
+            assert read_all(reader, fork) == before[fork] + b"after;"
+            assert request(reader, "DELETE", fork)[0] == 204
+            wait_for(f"{source} to be gone", lambda source=source: request(reader, "HEAD", source)[0] == 404)

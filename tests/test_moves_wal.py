@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from ingester import remote_forks
 from ingester.moves import drop_moved, freeze_export, frozen_error, import_moved
 from ingester.records import SEALING, ChunkInfo, StreamMeta
 from ingester.store import SealPolicy
@@ -79,7 +80,7 @@ def test_freeze_export_import_drop_keeps_everything(tmp_path: Path, clock: Clock
         b.close()
 
 
-def test_buckets_move_whole_and_forks_are_refused(tmp_path: Path, clock: Clock) -> None:
+def test_buckets_move_whole_and_forks_move_with_their_pins(tmp_path: Path, clock: Clock) -> None:
     a = Harness(tmp_path / "a", clock, on_logged=ShadowLog())
     b = Harness(tmp_path / "b", clock, on_logged=ShadowLog())
     try:
@@ -96,13 +97,41 @@ def test_buckets_move_whole_and_forks_are_refused(tmp_path: Path, clock: Clock) 
             assert txn.get(b"bk", db=a.wal.buckets) is None
         with b.wal.env.begin() as txn:
             assert txn.get(b"bk", db=b.wal.buckets) is not None
-        # a fork (or a forked source) does not move: refused, nothing frozen
+        # a bucket holding a source and its fork moves whole: they stay a local pair there
+        a.run(lambda txn: a.store.buckets.create(txn, "pair", clock.now))
+        a.create("\x00b/pair/src")
+        a.append("\x00b/pair/src", b"S")
+        a.create("\x00b/pair/fork", None, fork_from="\x00b/pair/src")
+        a.append("\x00b/pair/fork", b"F")
+        export = a.run(functools.partial(freeze_export, a.store, key="\x00b/pair/", to=B, generation=2, me="a"))
+        assert export is not None and all(m.source is None for m in export.streams)
+        b.run(functools.partial(import_moved, b.store, export=moveformat.decode(moveformat.encode(export))))
+        assert b.contents("\x00b/pair/fork") == b"SF"
+        fork_b, src_b = b.meta("\x00b/pair/fork"), b.meta("\x00b/pair/src")
+        assert fork_b is not None and src_b is not None
+        assert fork_b.fork_source_key is None and fork_b.fork_source_sid == src_b.sid and src_b.refcount == 1
+        # a source moving alone: the fork staying here then reads a shadow of it, and the new
+        # owner holds the fork's pin (its release goes there)
         a.create("src")
-        a.create("fork", fork_from="src")
-        for key in ("src", "fork"):
-            with pytest.raises(Conflict, match="fork"):
-                a.run(functools.partial(freeze_export, a.store, key=key, to=B, generation=2, me="a"))
-        assert a.meta("src").moved_to is None  # type: ignore[union-attr]
+        a.append("src", b"S1")
+        a.create("fork", None, fork_from="src")
+        a.append("fork", b"F1")
+        src_uid, fork_uid = a.meta("src").uid, a.meta("fork").uid  # type: ignore[union-attr]
+        export = a.run(functools.partial(freeze_export, a.store, key="src", to=B, generation=2, me="a"))
+        assert export is not None and export.streams[0].pins == [fork_uid]
+        b.run(functools.partial(import_moved, b.store, export=moveformat.decode(moveformat.encode(export))))
+        a.run(functools.partial(drop_moved, a.store, key="src", owned_here=False))
+        assert a.meta("src") is None and a.contents("fork") == b"S1F1"
+        assert a.meta("fork").fork_source_key == remote_forks.shadow_key(src_uid)  # type: ignore[union-attr]
+        assert b.meta("src").refcount == 1  # type: ignore[union-attr]
+        assert b.run(lambda txn: remote_forks.pins_of(b.store, txn, src_uid)) == [fork_uid]
+        # ... and the fork moving after it: it takes the shadow's chain along, a drops its shadow
+        export = a.run(functools.partial(freeze_export, a.store, key="fork", to=B, generation=2, me="a"))
+        assert export is not None and export.streams[0].source is not None
+        b.run(functools.partial(import_moved, b.store, export=moveformat.decode(moveformat.encode(export))))
+        a.run(functools.partial(drop_moved, a.store, key="fork", owned_here=False))
+        assert b.contents("fork") == b"S1F1"
+        assert a.meta(remote_forks.shadow_key(src_uid)) is None
         # nothing held: None (the new owner goes on as usual)
         assert a.run(functools.partial(freeze_export, a.store, key="nope", to=B, generation=2, me="a")) is None
     finally:
