@@ -251,26 +251,27 @@ def _service(request: web.Request) -> IngesterService:
     return request.app[SERVICE]
 
 
-async def fork_pin(request: web.Request) -> web.Response:
+async def _asked(request: web.Request) -> tuple[CrossForks, dict[str, Any]]:
+    """The body of an internal fork call, checked: this ingester owns its source (421 if not)."""
     svc = _service(request)
     body = await _json(request)
     if svc.membership is not None:
         svc.membership.check(str(body.get("source", "")))
     if svc.cross_forks is None:
         raise Unavailable("this ingester is not part of a cluster", 5)
-    pinned = await svc.cross_forks.pin(body)
+    return svc.cross_forks, body
+
+
+async def fork_pin(request: web.Request) -> web.Response:
+    cross, body = await _asked(request)
+    pinned = await cross.pin(body)
     return web.Response(body=pinned.encode(), content_type="application/json",
                         headers={"Cache-Control": "no-store"})
 
 
 async def fork_release(request: web.Request) -> web.Response:
-    svc = _service(request)
-    body = await _json(request)
-    if svc.membership is not None:
-        svc.membership.check(str(body.get("source", "")))
-    if svc.cross_forks is None:
-        raise Unavailable("this ingester is not part of a cluster", 5)
-    await svc.cross_forks.release(body)
+    cross, body = await _asked(request)
+    await cross.release(body)
     return web.Response(status=204)
 
 

@@ -63,7 +63,12 @@ def log(msg: str) -> None:
 
 def tree_cpu_seconds(proc: psutil.Process) -> float:
     """User + system CPU seconds of a process and its live descendants (and the children it reaped)."""
-    total = 0.0
+    return sum(t.user + t.system + t.children_user + t.children_system for _p, t in tree_cpu_times(proc))
+
+
+def tree_cpu_times(proc: psutil.Process) -> list[tuple[psutil.Process, Any]]:
+    """(process, its cpu_times()) for a process and its live descendants (gone ones skipped)."""
+    out = []
     procs = [proc]
     try:
         procs += proc.children(recursive=True)
@@ -71,11 +76,10 @@ def tree_cpu_seconds(proc: psutil.Process) -> float:
         pass
     for p in procs:
         try:
-            t = p.cpu_times()
+            out.append((p, p.cpu_times()))
         except psutil.Error:
             continue
-        total += t.user + t.system + t.children_user + t.children_system
-    return total
+    return out
 
 
 def machine_busy() -> tuple[float, float]:

@@ -43,6 +43,7 @@ from bench_run import (
     log,
     run_load,
     scenario_args,
+    tree_cpu_times,
 )
 
 _ID = re.compile(r"--ingester-id[= ](\S+)")
@@ -65,16 +66,7 @@ def role_of(proc: psutil.Process) -> str | None:
 
 def cpu_by_role(root: psutil.Process) -> dict[str, float]:
     out: dict[str, float] = {}
-    procs = [root]
-    try:
-        procs += root.children(recursive=True)
-    except psutil.Error:
-        pass
-    for p in procs:
-        try:
-            t = p.cpu_times()
-        except psutil.Error:
-            continue
+    for p, t in tree_cpu_times(root):
         role = role_of(p) or "other"
         out[role] = out.get(role, 0.0) + t.user + t.system
     return out
