@@ -94,14 +94,27 @@ def _supervise(children: list[subprocess.Popen[bytes]], stopping: Callable[[], b
 
 
 def write_cluster_file(path: Path, ingesters: list[tuple[str, str]]) -> Cluster:
-    """The description naming `ingesters`, at a generation above the one in `path` (if any)."""
-    generation = 1
+    """The description naming `ingesters`, at a generation above the one in `path` (if any).
+
+    It carries the last run's as its `previous`, with this run's URLs (the ids are stable, the
+    ports are not): with another `--ingesters N`, a stream's new owner then asks the ingester
+    that held it (ingester/moves.py) instead of answering 404 until the sweeps have moved it."""
+    generation, previous = 1, None
     if path.exists():
         try:
-            generation = load_cluster_file(path).generation + 1
+            old = load_cluster_file(path)
+            generation = old.generation + 1
+            urls = dict(ingesters)
+            gone = [i.id for i in old.ingesters if i.id not in urls]
+            if gone:
+                log.warning("ingesters %s of the last run are not started now: the streams they hold stay in "
+                            "their data dirs, unreachable, until they run again", ", ".join(gone))
+            kept = [(i.id, urls[i.id]) for i in old.ingesters if i.id in urls]
+            if kept:
+                previous = Cluster.of(kept, old.generation)
         except PlacementError as e:
             log.warning("%s; writing a new one", e)
-    cluster = Cluster.of(ingesters, generation)
+    cluster = Cluster.of(ingesters, generation, previous=previous)
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_bytes(cluster.encode())
     os.replace(tmp, path)  # readers of the file never see half of it

@@ -235,26 +235,37 @@ def test_a_new_description_is_picked_up_without_a_restart(tier: Tier) -> None:
 
 def test_dev_runs_several_ingesters_behind_its_reader(tmp_path: Path) -> None:
     """`ds3 dev --ingesters 2`: two ingesters (i1, i2) with their own WALs, one store, the
-    description in DATA_DIR/cluster.json, and the reader routing over them."""
+    description in DATA_DIR/cluster.json, and the reader routing over them. Started again with
+    `--ingesters 3` on the same data dir, every stream reads the same at once (i3's streams
+    move to it: the description carries the last run's, with this run's URLs)."""
     import os
     import signal
     import subprocess
+    from contextlib import contextmanager
 
     port = procs.free_port()
-    log = tmp_path / "dev.log"
     data = tmp_path / "d"
     env = {k: v for k, v in os.environ.items() if not k.startswith("DS3_")}
-    with open(log, "wb") as out:
-        proc = subprocess.Popen([procs.DS3, "dev", "--ingesters", "2", "--workers", "1", "--port", str(port),
-                                 "--data-dir", str(data)], stdout=out, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True)
-    try:
-        wait_for(lambda: "ds3 dev ready" in log.read_text() or proc.poll() is not None, 40, "ds3 dev to start")
-        assert proc.poll() is None, log.read_text()
+
+    @contextmanager
+    def dev(n: int) -> Iterator[procs.Proc]:
+        log = tmp_path / f"dev-{n}.log"
+        with open(log, "wb") as out:
+            proc = subprocess.Popen([procs.DS3, "dev", "--ingesters", str(n), "--workers", "1", "--port", str(port),
+                                     "--data-dir", str(data)], stdout=out, stderr=subprocess.STDOUT, env=env,
+                                    start_new_session=True)
+        try:
+            wait_for(lambda: "ds3 dev ready" in log.read_text() or proc.poll() is not None, 40, "ds3 dev to start")
+            assert proc.poll() is None, log.read_text()
+            yield procs.Proc([], port, log)
+        finally:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(20)
+
+    with dev(2) as front:
         cluster = Cluster.decode((data / "cluster.json").read_bytes())
         assert cluster.ids == ("i1", "i2") and (data / "i1" / "wal").is_dir() and (data / "i2" / "wal").is_dir()
-        front = procs.Proc([], port, log)
-        owners = {}
+        owners: dict[str, int] = {}
         for n in range(12):
             url = f"/v1/stream/dev-{n}"
             assert request(front, "PUT", url, headers=TEXT)[0] == 201
@@ -268,11 +279,12 @@ def test_dev_runs_several_ingesters_behind_its_reader(tmp_path: Path) -> None:
             assert held == owners[ing.id]
         m = metrics(front)
         assert metric(m, "ds3_reader_cluster_ingesters") == 2 and metric(m, "ds3_reader_cluster_generation") == 1
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(20)
-    # a restart writes the next generation (the ports change; the ids, and so placement, do not)
-    from ds3.supervise import write_cluster_file
-
-    again = write_cluster_file(data / "cluster.json", [("i1", "http://127.0.0.1:1"), ("i2", "http://127.0.0.1:2")])
-    assert again.generation == 2 and again.ids == cluster.ids
+    with dev(3) as front:
+        three = Cluster.decode((data / "cluster.json").read_bytes())
+        assert three.generation == 2 and three.ids == ("i1", "i2", "i3")
+        assert three.previous is not None and three.previous.ids == ("i1", "i2")
+        assert {i.url for i in three.previous.ingesters} <= {i.url for i in three.ingesters}  # this run's ports
+        assert any(three.owner(f"dev-{n}").id == "i3" for n in range(12))
+        for n in range(12):
+            assert request(front, "GET", f"/v1/stream/dev-{n}?offset=-1")[2] == b"x", n
+            assert request(front, "POST", f"/v1/stream/dev-{n}", b"y", TEXT)[0] == 204
