@@ -241,3 +241,28 @@ def test_the_fork_outlives_its_source_ingester(tmp_path: Path) -> None:
         rdr.stop()
         b.stop()
         a.stop()
+
+
+def test_a_fork_inherits_its_remote_sources_snapshot_and_bootstraps(setup: Setup) -> None:
+    """The source's snapshot (on a) is the fork's (on b): reads before it are 410 naming it,
+    `/snapshot` redirects to it and `/bootstrap` is the snapshot plus every message after it."""
+    r = setup.reader
+    source, fork = setup.path_on("a", "snap-src"), setup.path_on("b", "snap-fork")
+    assert put(r, source)[0] == 201
+    offsets = [append(r, source, f"e{n};".encode()) for n in range(6)]
+    at = offsets[2]
+    status, _, body = request(r, "PUT", f"/v1/stream/{source}/snapshot/{at}", b"STATE", {"Content-Type": "text/plain"})
+    assert status == 204, body
+    assert put(r, fork, {"Stream-Forked-From": f"/v1/stream/{source}"})[0] == 201
+    append(r, fork, b"own;")
+    status, h, body = request(r, "GET", f"/v1/stream/{fork}?offset=-1")
+    assert status == 410 and at.encode() in body, (status, body)
+    status, h, _ = request(r, "GET", f"/v1/stream/{fork}/snapshot")
+    assert status == 307 and h["location"].endswith(f"/snapshot/{at}")
+    status, h, body = request(r, "GET", f"/v1/stream/{fork}/bootstrap")
+    assert status == 200 and h["content-type"].startswith("multipart/mixed"), (status, body)
+    boundary = h["content-type"].split("boundary=", 1)[1].strip('"').encode()
+    parts = [p.split(b"\r\n\r\n", 1)[1].removesuffix(b"\r\n")
+             for p in body.split(b"--" + boundary)[1:-1]]
+    assert parts == [b"STATE", b"e3;", b"e4;", b"e5;", b"own;"]
+    assert catch_up(r, fork, at)[0] == b"e3;e4;e5;own;"
