@@ -128,6 +128,34 @@ def wal_is_empty(wal_dir: Path) -> bool:
     return not (wal_dir / "data.mdb").exists()
 
 
+async def drop_wal_behind_log(objects: ObjectStore, wal_dir: Path, map_size: int) -> bool:
+    """Store mode, at start: if the store's log reaches further than this data dir's WAL,
+    delete the WAL (the caller restores it from the store) and return True.
+
+    In store mode a segment's upload starts before LMDB commits it (ingester/shipper.py), so
+    a process killed between the two leaves the log one or a few commits ahead of the WAL:
+    commits that were never acknowledged, made on exactly the WAL's last state. (Or another
+    ingester owned the prefix since and wrote more.) Either way the store holds every
+    acknowledged commit, and the log is the history to continue: what the local WAL has
+    beyond a hole in it was never acknowledged in store mode. Local mode keeps refusing such a
+    WAL (shipper.StoreAhead): there, its unshipped commits were acknowledged."""
+    if wal_is_empty(wal_dir):
+        return False
+    wal = WalEnv(wal_dir, map_size)
+    try:
+        with wal.env.begin() as txn:
+            local = wal.commit_seq(txn)
+    finally:
+        wal.close()
+    shipped = (await list_log(objects)).shipped_seq
+    if local >= shipped:
+        return False
+    log.warning("the store's log reaches commit %d, this data dir's WAL only %d: restoring the WAL from the store "
+                "(everything acknowledged in store mode is there)", shipped, local)
+    shutil.rmtree(wal_dir)
+    return True
+
+
 async def restore(objects: ObjectStore, wal_dir: Path, map_size: int, listing: LogListing | None = None) -> int:
     """Rebuild an empty WAL dir from the store's latest checkpoint and the segments after it;
     returns the seq restored to. Raises RestoreError (and leaves no WAL behind) on a gap."""
