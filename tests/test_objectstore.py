@@ -676,3 +676,34 @@ async def test_s3_reads_reuse_presigned_urls_and_refresh_a_refused_one(s3_server
         assert store.counters.errors == 0
         with pytest.raises(ObjectNotFound):
             await store.get("missing")
+
+
+async def test_s3_put_urls_are_signed_as_botocore_signs_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The presigned PUT URL (signed with botocore's SigV4 query signer, without the client's
+    request machinery) is the very URL the client's generate_presigned_url makes: moto does not
+    check signatures, so this is what tells a URL S3 would refuse."""
+    import datetime
+
+    import botocore.auth
+
+    from tests.s3server import aws_test_env
+
+    fixed = datetime.datetime(2026, 1, 2, 3, 4, 5)
+    monkeypatch.setattr(botocore.auth, "get_current_datetime", lambda: fixed)
+    with aws_test_env():
+        for endpoint, prefix in (("http://127.0.0.1:9", "pre/fix"), (None, "")):
+            store = S3Store("bucket-1", prefix, endpoint=endpoint, region="eu-west-1")
+            try:
+                s3 = await store._client()
+                for key in ("log/00000000000000000001-00000000000000000002.seg", "a b/ü+~x=y&z"):
+                    k = store._key(key)
+                    params = {"Bucket": "bucket-1", "Key": k, "ContentMD5": "bWQ1", "ContentType": "application/x",
+                              "IfNoneMatch": "*"}
+                    headers = {"Content-MD5": "bWQ1", "Content-Type": "application/x", "If-None-Match": "*",
+                               "Accept-Encoding": "identity"}
+                    ours = await store._presign_put(s3, k, params, headers)
+                    theirs = await s3.generate_presigned_url("put_object", Params=params, ExpiresIn=900)
+                    assert str(ours) == theirs
+                assert store._put_base is not None and store._put_base[0]  # (not the fallback)
+            finally:
+                await store.close()
