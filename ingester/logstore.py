@@ -26,13 +26,14 @@ from typing import Final
 
 from ingester.replay import ReplayGap, replay
 from ingester.wal import WalEnv
-from shared.logsegment import LOG_DIR, PRELUDE_SIZE, decode, parse_prelude, parse_segment_key
+from shared.logsegment import LOG_DIR, PRELUDE_SIZE, Commit, decode, parse_prelude, parse_segment_key
 from shared.objectstore import ObjectStore
 
 log = logging.getLogger("ds3.logstore")
 
 CHECKPOINT_DIR: Final = "checkpoint/"
 FETCH_CONCURRENCY: Final = 16  # segment GETs in flight while restoring
+REPLAY_BATCH: Final = 256  # segments replayed in one transaction while restoring
 # Segments of the log's epoch that may follow a hole (a failed upload): the shipper's uploads
 # in flight (ingester/shipper.py UPLOADS_IN_FLIGHT) minus the failed one.
 ORPHANS_MAX: Final = 3
@@ -190,6 +191,21 @@ async def restore(objects: ObjectStore, wal_dir: Path, map_size: int, listing: L
                 raise RestoreError(f"checkpoint {cp[2] if cp else '-'} holds commit seq {seq}, its key says {base_seq}")
             epoch = base_epoch
             applied = 0
+            # Commits chosen but not yet applied: replayed REPLAY_BATCH segments' worth at a
+            # time, in one durable transaction (one per segment was an fsync per segment: 2 s
+            # for 480 segments on a busy disk, while a standby's new lease runs).
+            pending: list[Commit] = []
+            batched = 0
+
+            def flush() -> int:
+                nonlocal pending, batched
+                try:
+                    n = replay(wal, pending)
+                except ReplayGap as e:
+                    raise RestoreError(str(e)) from e
+                pending, batched = [], 0
+                return n
+
             while True:
                 nxt = seq + 1
                 candidates = []
@@ -198,20 +214,25 @@ async def restore(objects: ObjectStore, wal_dir: Path, map_size: int, listing: L
                     if segment.epoch >= epoch:  # an older epoch's: a superseded owner's late write
                         candidates.append((segment.epoch, ref.last, ref, segment))
                 if not candidates:
+                    applied += flush()
                     await _drop_orphans(objects, listing, nxt, epoch, seq)
                     break
                 # Highest epoch first, then the one reaching furthest.
                 candidates.sort(key=lambda c: (c[0], c[1]))
                 chosen = candidates[-1]
                 epoch = chosen[0]
-                try:
-                    applied += replay(wal, chosen[3].commits)
-                except ReplayGap as e:
-                    raise RestoreError(str(e)) from e
-                with wal.env.begin() as txn:
-                    seq = wal.commit_seq(txn)
-                if seq < nxt:  # pragma: no cover - the chosen segment holds nxt
+                # (what of it follows seq: segments may overlap; replay checks it is contiguous)
+                pending.extend(c for c in chosen[3].commits if c.seq > seq)
+                batched += 1
+                if pending and pending[-1].seq > seq:
+                    seq = pending[-1].seq
+                else:  # pragma: no cover - the chosen segment holds nxt
                     raise RestoreError(f"segment {chosen[2].key} did not advance the log past {seq}")
+                if batched >= REPLAY_BATCH:
+                    applied += flush()
+            with wal.env.begin() as txn:
+                if wal.commit_seq(txn) != seq:  # pragma: no cover - replay applies what it is given
+                    raise RestoreError(f"replayed to commit {wal.commit_seq(txn)}, expected {seq}")
             log.info("restored the WAL from the store: checkpoint at %d, %d commits replayed, now at commit %d",
                      base_seq, applied, seq)
             return seq

@@ -551,6 +551,9 @@ class Shipper:
             if self._need_checkpoint:
                 with self._lock:  # the queue was dropped for this checkpoint: it covers them
                     self._queue.clear()
+                    # ... but not a commit handed over before LMDB commits it, if that happens
+                    # after the copy below: its on_logged must queue it again.
+                    self._early_seq = 0
                     self._queued_bytes = 0
                     self._oldest_at = None
                     gates = [entry[1] for entry in self._gates]
