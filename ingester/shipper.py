@@ -24,7 +24,7 @@ Two modes (--durability):
   the shipper, so the WAL never carries on from a different commit of that seq; (2) the
   process died between the PUT and the fsync: the commit was never acknowledged, and it is
   exactly the one that follows the WAL's last commit; a restart on that data dir finds the
-  log ahead of the WAL and restores from the store (logstore.wal_behind_log), which holds
+  log ahead of the WAL and restores from the store (logstore.drop_wal_behind_log), which holds
   every acknowledged commit (in store mode nothing is acknowledged before it is there).
   Either way the commit's effect is one a client was never promised and may see: as with a
   503 from a failed gate, a retry of an idempotent producer is deduplicated.

@@ -122,7 +122,7 @@ Delivery = Callable[[Any, bool], None]
 #   worked. Only if that fails too does the WAL lack what the log may hold: then
 # - commit_failed(commit, exc) is called, and the committer refuses every write from then on
 #   (503): the WAL may never diverge from the log and carry on. A restart finds the store's
-#   log ahead of the WAL and restores from the store (ingester/logstore.py wal_behind_log).
+#   log ahead of the WAL and restores from the store (ingester/logstore.py drop_wal_behind_log).
 OnLogged = Callable[[Commit], "ConcurrentFuture[None] | None"]
 BeforeCommit = Callable[[Commit], bool]
 CommitFailed = Callable[[Commit, BaseException], None]
@@ -252,8 +252,7 @@ class GroupCommitter:
                     stop = True
                     continue
                 batch.append(item)
-            if batch and (self.refusal is not None or self.broken is not None):
-                refusal = self.broken or self.refusal
+            if batch and (refusal := self.broken or self.refusal) is not None:
                 self._deliver_in_order(None, [(p, refusal, False) for p in batch], None)
             elif batch:
                 self._run_batch(batch)
