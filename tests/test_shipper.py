@@ -508,3 +508,20 @@ async def test_a_handed_over_commit_that_cannot_be_written_stops_acknowledging(
     finally:
         w.close()
     assert not await drop_wal_behind_log(objects, wal_dir, 64 * 1024 * 1024)  # caught up: kept
+
+
+async def test_a_commit_whose_segment_landed_while_lmdb_synced_needs_our_lease_still(
+        wal: WalEnv, objects: FlakyStore) -> None:
+    """Handed over before its LMDB commit, a commit's segment may land first: it is
+    acknowledged when LMDB returns, no gate, but only if the lease still holds then (a process
+    frozen during the fsync must not answer once another ingester may own the prefix)."""
+    own = Ownership(objects, "me", lease_seconds=5)
+    await own.acquire()
+    s = Shipper(wal, objects, asyncio.get_running_loop(), durability="store", ownership=own)
+    assert s.before_commit(commit(1)) and s.before_commit(commit(2))
+    assert await s.ship_once() == 2 and s.shipped_seq == 2
+    assert s.on_logged(commit(1)) is None  # landed, lease held: deliver now
+    await own.release()  # our lease is over from here on
+    late = s.on_logged(commit(2))
+    assert late is not None and isinstance(late.exception(), Superseded)
+    assert s.queued == 0 and objects.put_keys.count(segment_key(1, 2)) == 1  # queued once, not again
