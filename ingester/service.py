@@ -22,7 +22,7 @@ from aiohttp import web
 from ingester import retention
 from ingester.forks_across import CrossForks
 from ingester.live import Notifier
-from ingester.logstore import StartRefused, list_log, restore, wal_is_empty
+from ingester.logstore import StartRefused, drop_wal_behind_log, list_log, restore, wal_is_empty
 from ingester.moves import Mover
 from ingester.reads import ReadResult, Reads
 from ingester.reaper import ObjectReaper
@@ -146,6 +146,8 @@ class IngesterService:
                                "--standby to take over when the lease lapses)") from None
         except ObjectStoreError as e:
             raise StartRefused(f"not starting: cannot take ownership of {config.store}: {e}") from None
+        if config.durability == "store" and self.own_objects is not None:  # (see drop_wal_behind_log)
+            await drop_wal_behind_log(self.own_objects, config.wal_dir, config.wal_map_size)
         if wal_is_empty(config.wal_dir):
             await self._restore_wal()
 

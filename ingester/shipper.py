@@ -13,6 +13,21 @@ Two modes (--durability):
   upload keeps failing (GATE_ATTEMPTS attempts or GATE_SECONDS), the waiting gates fail:
   those writes answer 503 (they are in the local WAL but nothing is promised); the commits
   stay queued and are shipped once the store answers again.
+  The segment's upload starts before LMDB commits (the committer's before_commit hook,
+  ingester/wal.py OnLogged): the PUT and LMDB's fsyncs run at the same time, and the
+  outcomes wait for both. Why this is safe: the write-set handed over is final (it is what
+  the transaction holds, the seq write included), commits are handed over in seq order on
+  the one writer thread, and nothing is acknowledged before both the LMDB commit and the
+  segment (and every one before it) are durable. What remains is a segment in the store
+  whose commit the WAL lacks: (1) LMDB's commit failed: the committer applies the same
+  write-set again; if that fails too it acknowledges nothing more and commit_failed() fences
+  the shipper, so the WAL never carries on from a different commit of that seq; (2) the
+  process died between the PUT and the fsync: the commit was never acknowledged, and it is
+  exactly the one that follows the WAL's last commit; a restart on that data dir finds the
+  log ahead of the WAL and restores from the store (logstore.drop_wal_behind_log), which holds
+  every acknowledged commit (in store mode nothing is acknowledged before it is there).
+  Either way the commit's effect is one a client was never promised and may see: as with a
+  503 from a failed gate, a retry of an idempotent producer is deduplicated.
 - local: no gate (acknowledged after the local fsync) while our lease holds (a failed gate,
   503, once it does not: ownership.valid() is checked after every commit, before its
   outcomes go out); the queue is shipped at most about --ship-interval after its oldest
@@ -100,6 +115,7 @@ class Shipper:
         ownership: Ownership | None = None,
         shipped_seq: int = 0,
         uploads: int = UPLOADS_IN_FLIGHT,
+        early: bool = True,
     ) -> None:
         self.wal = wal
         self.objects = objects
@@ -109,6 +125,7 @@ class Shipper:
         self.checkpoint_interval = checkpoint_interval
         self.ownership = ownership
         self.uploads = min(max(1, uploads), UPLOADS_IN_FLIGHT)  # store mode: segment uploads in flight
+        self.early = early  # store mode: upload a commit's segment while LMDB syncs it (before_commit)
         self._lock = threading.Lock()
         # Guarded by the lock (the writer thread appends, the loop takes):
         self._queue: deque[Commit] = deque()
@@ -117,6 +134,8 @@ class Shipper:
         self._gates: deque[list[object]] = deque()  # [last seq, gate], in seq order
         self._open_gate: list[object] | None = None  # the entry commits join until the next take
         self._taken_upto = 0  # queued commits up to this seq are in an upload in flight
+        self._early_seq = 0  # commits up to this seq were queued before their LMDB commit
+        self._landed_seq = 0  # commits up to this seq are in the store (_advance)
         self._need_checkpoint = False
         # Loop side:
         self._wake = asyncio.Event()
@@ -139,22 +158,63 @@ class Shipper:
         self.checkpoint_bytes = 0
         self.objects_deleted = 0
         self.last_checkpoint_seq = 0
+        self.early_commits = 0  # commits whose upload started before LMDB committed them
+        # The committer's hook (wal.OnLogged): a callable with before_commit and commit_failed.
+        self.on_logged = LogHook(self)
 
     # --- writer thread ---------------------------------------------------------------------
 
-    def on_logged(self, commit: Commit) -> ConcurrentFuture[None] | None:
-        """The committer's hook (wal.OnLogged): queue the commit; in store mode, its gate."""
+    def before_commit(self, commit: Commit) -> bool:
+        """Store mode: queue the commit (and wake the uploads) before LMDB commits it, so the
+        PUT runs while LMDB syncs. False (on_logged queues it after the commit) in local mode,
+        fenced, or while the store keeps failing (on_logged answers 503 at once then)."""
+        if self.durability != "store" or not self.early:
+            return False
+        with self._lock:
+            if self._fenced is not None or self._failures >= GATE_ATTEMPTS:
+                return False
+            self._enqueue(commit)
+            self._early_seq = commit.seq
+            self.early_commits += 1
+        with contextlib.suppress(RuntimeError):  # the loop closed during shutdown
+            self.loop.call_soon_threadsafe(self._wake.set)
+        return True
+
+    def commit_failed(self, commit: Commit, exc: BaseException) -> None:
+        """LMDB could not commit what before_commit queued (not even a second time): the log
+        may hold a commit the WAL lacks, so ship nothing more (see the module docstring)."""
+        why = f"the write-ahead log could not commit {commit.seq}, whose log segment may be in the store: {exc!r}"
+        with contextlib.suppress(RuntimeError):
+            self.loop.call_soon_threadsafe(self.fence, why)
+
+    def _enqueue(self, commit: Commit) -> bool:
+        """Under the lock: append to the queue; whether it was empty."""
+        first = not self._queue
+        self._queue.append(commit)
+        self._queued_bytes += _size(commit)
+        if first:
+            self._oldest_at = time.monotonic()
+        return first
+
+    def _logged(self, commit: Commit) -> ConcurrentFuture[None] | None:
+        """After LMDB committed: queue the commit (unless before_commit did); in store mode,
+        its gate."""
         gate: ConcurrentFuture[None] | None = None
         with self._lock:
             if self._fenced is not None:
                 failed: ConcurrentFuture[None] = ConcurrentFuture()
                 failed.set_exception(Superseded(self._fenced, self._epoch()))
                 return failed
-            first = not self._queue
-            self._queue.append(commit)
-            self._queued_bytes += _size(commit)
-            if first:
-                self._oldest_at = time.monotonic()
+            early = commit.seq <= self._early_seq
+            first = False if early else self._enqueue(commit)
+            if early and commit.seq <= self._landed_seq:
+                # Its segment landed (our lease held then) while LMDB synced. Our lease must
+                # still hold now (a process frozen during the fsync: as in local mode below).
+                if self.ownership is None or self.ownership.valid():
+                    return None
+                lapsed: ConcurrentFuture[None] = ConcurrentFuture()
+                lapsed.set_exception(Superseded("the lease on the store prefix ran out", self._epoch()))
+                return lapsed
             if self.durability == "store" and self._failures >= GATE_ATTEMPTS:
                 # The store is failing: answer 503 now rather than after the next attempt (the
                 # commit is queued all the same, and shipped once the store answers).
@@ -166,6 +226,12 @@ class Shipper:
                 # ingester may own the prefix by now. 503 (the commit is in this WAL only).
                 gate = ConcurrentFuture()
                 gate.set_exception(Superseded("the lease on the store prefix ran out", self._epoch()))
+            elif self.durability == "store" and early:
+                # A gate of its own: its segment may be cut already (the next commit's may not).
+                own: list[object] = [commit.seq, ConcurrentFuture()]
+                self._gates.append(own)
+                self._open_gate = None
+                gate = own[1]  # type: ignore[assignment]
             elif self.durability == "store":
                 entry = self._open_gate
                 if entry is None:
@@ -173,7 +239,7 @@ class Shipper:
                     self._gates.append(entry)
                 entry[0] = commit.seq
                 gate = entry[1]  # type: ignore[assignment]
-            wake = first or self.durability == "store" or self._queued_bytes >= MAX_SEGMENT_BYTES
+            wake = not early and (first or self.durability == "store" or self._queued_bytes >= MAX_SEGMENT_BYTES)
         if wake:
             with contextlib.suppress(RuntimeError):  # the loop closed during shutdown
                 self.loop.call_soon_threadsafe(self._wake.set)
@@ -455,6 +521,7 @@ class Shipper:
                 self._oldest_at = None
             else:
                 self._oldest_at = time.monotonic()  # approximate: when the rest started waiting
+            self._landed_seq = max(self._landed_seq, seq)
             while self._gates and self._gates[0][0] <= seq:  # type: ignore[operator]
                 entry = self._gates.popleft()
                 if entry is self._open_gate:
@@ -484,6 +551,9 @@ class Shipper:
             if self._need_checkpoint:
                 with self._lock:  # the queue was dropped for this checkpoint: it covers them
                     self._queue.clear()
+                    # ... but not a commit handed over before LMDB commits it, if that happens
+                    # after the copy below: its on_logged must queue it again.
+                    self._early_seq = 0
                     self._queued_bytes = 0
                     self._oldest_at = None
                     gates = [entry[1] for entry in self._gates]
@@ -563,6 +633,20 @@ class Shipper:
             log.info("the store's log ends at commit %d, the local WAL at %d: checkpointing first",
                      listing.shipped_seq, local_seq)
             await self.checkpoint()
+
+
+class LogHook:
+    """What the committer calls (wal.OnLogged): the shipper's hooks on the writer thread."""
+
+    __slots__ = ("before_commit", "commit_failed", "logged")
+
+    def __init__(self, shipper: Shipper) -> None:
+        self.logged = shipper._logged
+        self.before_commit = shipper.before_commit
+        self.commit_failed = shipper.commit_failed
+
+    def __call__(self, commit: Commit) -> ConcurrentFuture[None] | None:
+        return self.logged(commit)
 
 
 class StoreAhead(StartRefused):

@@ -9,6 +9,8 @@ With a log configured (`on_logged`), operations get a LoggedTxn (logged_txn.py) 
 every write; a commit that wrote anything gets the next commit seq, persisted in `sys` by
 the same transaction, and its write-set goes to `on_logged` (a shipper: object store log
 segments, shared/logsegment.py) after the LMDB commit and before any outcome is delivered.
+A hook may also take the write-set just before LMDB commits it (`before_commit`, see
+OnLogged): store mode uploads the segment while LMDB syncs, and the outcomes wait for both.
 Without one, operations get the raw transaction and no seq is kept.
 """
 
@@ -108,7 +110,25 @@ Delivery = Callable[[Any, bool], None]
 # durability mode: done when the segment holding the commit is uploaded). A gate that fails
 # or is cancelled turns the commit's successes into 503s (nothing is promised). Keep it
 # quick: the next batch cannot start before it returns.
+#
+# Optionally, the hook object also has (looked up with getattr, so a plain function is a hook
+# too):
+# - before_commit(commit) -> bool: called with the final write-set (the seq write included)
+#   just before LMDB commits it; True if the hook took it (the shipper in store mode starts
+#   uploading it while LMDB syncs). From then on the log may hold a commit the WAL has not:
+#   so if LMDB's commit then fails, the committer applies the very same write-set again in a
+#   new transaction (the state it starts from is the one the write-set was made on: the
+#   failed transaction left nothing), and the batch goes on as if the first commit had
+#   worked. Only if that fails too does the WAL lack what the log may hold: then
+# - commit_failed(commit, exc) is called, and the committer refuses every write from then on
+#   (503): the WAL may never diverge from the log and carry on. A restart finds the store's
+#   log ahead of the WAL and restores from the store (ingester/logstore.py drop_wal_behind_log).
 OnLogged = Callable[[Commit], "ConcurrentFuture[None] | None"]
+BeforeCommit = Callable[[Commit], bool]
+CommitFailed = Callable[[Commit, BaseException], None]
+WAL_BROKEN_MESSAGE: Final = ("the write-ahead log could not commit a write whose log segment was already on its way "
+                             "to the object store; this ingester acknowledges nothing more (restart it: it restores "
+                             "from the store)")
 
 
 @dataclass(slots=True)
@@ -146,6 +166,9 @@ class GroupCommitter:
         self._on_durable = on_durable
         self._max_batch = max_batch
         self._on_logged = on_logged
+        self._before_commit: BeforeCommit | None = getattr(on_logged, "before_commit", None)
+        self._commit_failed: CommitFailed | None = getattr(on_logged, "commit_failed", None)
+        self.recommits = 0  # commits that failed after before_commit and were applied again
         # The last logged commit's seq (read here, advanced by the writer thread only).
         with wal.env.begin() as txn:
             self.seq = wal.commit_seq(txn)
@@ -157,6 +180,9 @@ class GroupCommitter:
         # Set (from any thread) when this process may acknowledge nothing more (fenced by a new
         # owner of the store prefix): every operation submitted or queued from then on gets it.
         self.refusal: DS3Error | None = None
+        # Set for good when a handed-over commit could not reach the WAL (see OnLogged); unlike
+        # `refusal`, which a regained ownership clears, nothing clears it.
+        self.broken: DS3Error | None = None
         self._thread = threading.Thread(target=self._run, name="ds3-wal-writer", daemon=True)
         self.batches = 0
         self.ops = 0
@@ -187,8 +213,8 @@ class GroupCommitter:
     def submit(self, op: Callable[[lmdb.Transaction], T]) -> asyncio.Future[T]:
         if self._stopping:
             raise Unavailable("the ingester is shutting down")
-        if self.refusal is not None:
-            raise self.refusal
+        if (refusal := self.broken or self.refusal) is not None:
+            raise refusal
         fut: asyncio.Future[T] = self.loop.create_future()
         self._queue.put(_Pending(op, fut))
         return fut
@@ -198,8 +224,8 @@ class GroupCommitter:
         (no future, no extra loop iteration before the answer is written)."""
         if self._stopping:
             raise Unavailable("the ingester is shutting down")
-        if self.refusal is not None:
-            raise self.refusal
+        if (refusal := self.broken or self.refusal) is not None:
+            raise refusal
         self._queue.put(_Pending(op, deliver))
 
     def run_sync(self, op: Callable[[lmdb.Transaction], T]) -> T:
@@ -226,8 +252,7 @@ class GroupCommitter:
                     stop = True
                     continue
                 batch.append(item)
-            if batch and self.refusal is not None:
-                refusal = self.refusal
+            if batch and (refusal := self.broken or self.refusal) is not None:
                 self._deliver_in_order(None, [(p, refusal, False) for p in batch], None)
             elif batch:
                 self._run_batch(batch)
@@ -245,34 +270,50 @@ class GroupCommitter:
             failed_at: int | None = None
             outcome: list[tuple[_Pending[Any], Any, bool]] = []
             commit: Commit | None = None
+            handed = False  # the write-set went to before_commit: it must reach the WAL now
             try:
-                with self.wal.env.begin(write=True) as raw:
-                    # A new recorder per attempt: an aborted attempt's writes go with it.
-                    recorder = LoggedTxn(raw, self.wal.log_ids) if self._on_logged is not None else None
-                    txn = raw if recorder is None else cast(lmdb.Transaction, recorder)
-                    for i, p in enumerate(todo):
-                        try:
-                            outcome.append((p, p.op(txn), True))
-                        except DS3Error as e:
-                            outcome.append((p, e, False))
-                        except lmdb.MapFullError:
-                            failed_at = i
-                            raise _MapFull from None
-                        except Exception as e:
-                            log.exception("write operation failed; aborting its batch")
-                            failed_at = i
-                            outcome.append((p, e, False))
-                            raise _AbortBatch from e
-                    news = self._on_commit(txn)
-                    if recorder is not None and recorder.writes:  # a commit that wrote nothing has no seq
-                        commit = Commit(self.seq + 1, recorder.writes)
-                        recorder.put(COMMIT_SEQ, SEQ.pack(commit.seq), db=self.wal.sys)
-                # the `with` committed: durable now. (Not before: what a failed commit would
-                # have changed must not reach on_durable, e.g. objects of a delete to remove.)
+                try:
+                    with self.wal.env.begin(write=True) as raw:
+                        # A new recorder per attempt: an aborted attempt's writes go with it.
+                        recorder = LoggedTxn(raw, self.wal.log_ids) if self._on_logged is not None else None
+                        txn = raw if recorder is None else cast(lmdb.Transaction, recorder)
+                        for i, p in enumerate(todo):
+                            try:
+                                outcome.append((p, p.op(txn), True))
+                            except DS3Error as e:
+                                outcome.append((p, e, False))
+                            except lmdb.MapFullError:
+                                failed_at = i
+                                raise _MapFull from None
+                            except Exception as e:
+                                log.exception("write operation failed; aborting its batch")
+                                failed_at = i
+                                outcome.append((p, e, False))
+                                raise _AbortBatch from e
+                        news = self._on_commit(txn)
+                        if recorder is not None and recorder.writes:  # a commit that wrote nothing has no seq
+                            commit = Commit(self.seq + 1, recorder.writes)
+                            recorder.put(COMMIT_SEQ, SEQ.pack(commit.seq), db=self.wal.sys)
+                            if self._before_commit is not None:
+                                handed = True  # (even if it raises: it may have taken the commit)
+                                handed = self._before_commit(commit)
+                except Exception as e:
+                    if not handed:
+                        raise
+                    assert commit is not None
+                    if not self._recommit(commit, e):
+                        raise _WalBroken from e
+                # the `with` committed (or the write-set again): durable now. (Not before: what
+                # a failed commit would have changed must not reach on_durable, e.g. objects of
+                # a delete to remove.)
                 changed = news
                 if commit is not None:
                     self.seq, logged = commit.seq, commit
                 results.extend(outcome)
+                todo = []
+            except _WalBroken:
+                self._on_abort()
+                results.extend((p, Unavailable(WAL_BROKEN_MESSAGE, 30), False) for p in todo)
                 todo = []
             except _AbortBatch:
                 self._on_abort()
@@ -313,6 +354,29 @@ class GroupCommitter:
         self.batch_sizes.observe(len(batch))
         gate = self._log(logged) if logged is not None else None
         self._deliver_in_order(gate, results, changed)
+
+    def _recommit(self, commit: Commit, exc: BaseException) -> bool:
+        """LMDB failed to commit a write-set the log already took (before_commit): apply the
+        same writes in a new transaction, so the WAL holds exactly what the log may. False if
+        that fails too: the committer then refuses everything (see OnLogged)."""
+        from ingester.replay import apply  # (replay imports this module)
+
+        log.error("write-ahead log commit %d failed after its log segment was handed over (%r); applying its "
+                  "writes again", commit.seq, exc)
+        try:
+            with self.wal.env.begin(write=True) as txn:
+                apply(txn, self.wal, commit)
+            self.recommits += 1
+            return True
+        except Exception as again:
+            log.critical("write-ahead log commit %d failed again (%r): acknowledging nothing more", commit.seq, again)
+            self.broken = Unavailable(WAL_BROKEN_MESSAGE, 30)
+            if self._commit_failed is not None:
+                try:
+                    self._commit_failed(commit, again)
+                except Exception:
+                    log.exception("the commit log hook failed on commit %d", commit.seq)
+            return False
 
     def _log(self, commit: Commit) -> ConcurrentFuture[None] | None:
         assert self._on_logged is not None
@@ -415,3 +479,7 @@ class _AbortBatch(Exception):
 
 class _MapFull(Exception):
     pass
+
+
+class _WalBroken(Exception):
+    """A handed-over commit could not be written to the WAL, even again."""

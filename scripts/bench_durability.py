@@ -11,7 +11,9 @@ data dir) takes scripts/bench_load.mjs's load (the same generator as scripts/ben
   a. 32 writers of 100-byte appends, each on its own stream;
   b. 32 writers on one stream;
 
-appends/s and ack p50/p99 (ms, from the load generator: request sent -> answer). Before the
+appends/s and ack p50/p99 (ms, from the load generator: request sent -> answer), the ingester's
+CPU per 1,000 appends, moto's ("store CPU": a real S3 costs us none), and how many of the
+machine's cores were busy meanwhile (all processes: on a shared machine, what else ran). Before the
 loads, the PUT latency of a small object (1 KiB, If-None-Match: *, as a log segment is written)
 is measured against the same store: p50/p99 over --put-samples sequential PUTs.
 
@@ -33,6 +35,8 @@ from contextlib import ExitStack
 from pathlib import Path
 from types import FrameType
 from typing import Any
+
+import psutil  # type: ignore[import-untyped, unused-ignore]
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -79,8 +83,13 @@ def put_latency(url: str, endpoint: str | None, samples: int) -> dict[str, float
             "samples": len(t)}
 
 
+def _busy_cores() -> float:
+    t = psutil.cpu_times()
+    return float(t.user + t.system + t.nice + t.irq + t.softirq)
+
+
 def bench_mode(store_url: str, endpoint: str | None, mode: str, p: argparse.Namespace,
-               work: Path) -> dict[str, Any]:
+               work: Path, store_pid: int | None) -> dict[str, Any]:
     durability, _, uploads = mode.partition("/")
     extra = ["--store", store_url, "--durability", durability, "--log-level", "warning"]
     if uploads:
@@ -95,10 +104,19 @@ def bench_mode(store_url: str, endpoint: str | None, mode: str, p: argparse.Name
     prefix = f"bench-{durability}{uploads}-{int(time.time())}"
     try:
         for kind, label in KINDS:
+            # (whole load, warmup included: the shares of what else ran, not exact per-append costs)
+            store_proc = psutil.Process(store_pid) if store_pid is not None else None
+            store_cpu0 = sum(store_proc.cpu_times()[:2]) if store_proc is not None else 0.0
+            busy0, t0 = _busy_cores(), time.monotonic()
             r = run_load(scenario_args(kind, server.url, p, f"{prefix}-{kind}"), server,
                          timeout=p.warmup + p.duration + 120)
+            elapsed = time.monotonic() - t0
             out[kind] = throughput_summary(r)
             s = out[kind]
+            s["machine_busy_cores"] = (_busy_cores() - busy0) / elapsed
+            total = int(r.data.get("appends", 0)) + int(r.data.get("warmup_appends", 0))
+            s["store_cpu_s_per_1000_appends"] = (
+                (sum(store_proc.cpu_times()[:2]) - store_cpu0) / total * 1000 if store_proc is not None and total else None)
             log(f"bench:   {label}: {s['appends_per_s']:.0f} appends/s, ack p50 {fmt(s['ack_p50_ms'], 2)} ms, "
                 f"p99 {fmt(s['ack_p99_ms'], 2)} ms, {s['errors']} errors")
     finally:
@@ -116,12 +134,13 @@ def report(results: dict[str, Any], p: argparse.Namespace) -> list[tuple[str, bo
               f"max {fmt(put['max_ms'], 2)} ms over {put['samples']})")
         modes = [m for m in r if m != "put"]
         print(f"  {'scenario':<26}{'mode':<10}{'appends/s':>11}{'ack p50':>9}{'ack p99':>9}{'errors':>8}"
-              f"{'CPU-s/1000':>12}")
+              f"{'CPU-s/1000':>12}{'store CPU':>11}{'busy cores':>12}")
         for kind, label in KINDS:
             for mode in modes:
                 s = r[mode][kind]
                 print(f"  {label:<26}{mode:<10}{fmt(s['appends_per_s'], 0):>11}{fmt(s['ack_p50_ms'], 2):>9}"
-                      f"{fmt(s['ack_p99_ms'], 2):>9}{s['errors']:>8}{fmt(s['cpu_s_per_1000_appends'], 3):>12}")
+                      f"{fmt(s['ack_p99_ms'], 2):>9}{s['errors']:>8}{fmt(s['cpu_s_per_1000_appends'], 3):>12}"
+                      f"{fmt(s.get('store_cpu_s_per_1000_appends'), 3):>11}{fmt(s.get('machine_busy_cores'), 2):>12}")
             loc = r["local"][kind]
             for mode in modes[1:]:
                 sto = r[mode][kind]
@@ -175,17 +194,19 @@ def main(argv: list[str]) -> int:
                     stack.callback(moto.stop)
                     bucket = moto.new_bucket()
                     base, endpoint, label = f"s3://{bucket}", moto.endpoint, f"moto S3 ({moto.endpoint})"
+                    store_pid: int | None = moto._proc.pid
                 elif name == "file":
                     root = work / "objects"
                     root.mkdir()
                     base, endpoint, label = f"file://{root}", None, f"local directory ({root})"
+                    store_pid = None
                 else:
                     raise BenchError(f"unknown store {name!r} (s3, file)")
                 log(f"bench: {label}: PUT latency, {p.put_samples} samples ...")
                 r: dict[str, Any] = {"put": put_latency(f"{base}/put-probe", endpoint, p.put_samples)}
                 modes = ["local"] + [f"store/{n}" for n in p.log_uploads.split(",")]
                 for mode in modes:
-                    r[mode] = bench_mode(f"{base}/{mode.replace('/', '-')}", endpoint, mode, p, work)
+                    r[mode] = bench_mode(f"{base}/{mode.replace('/', '-')}", endpoint, mode, p, work, store_pid)
                 results[label] = r
         checks = report(results, p)
         if p.json is not None:

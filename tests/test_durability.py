@@ -8,6 +8,8 @@ writers, lose its data dir, start a new one on an empty dir with the same store.
   intervals (the measured RPO is printed).
 - a restart on the same disk after SIGKILL (local seq ahead of the shipped log: a
   checkpoint first), then an empty-disk recovery: still complete.
+- store mode, a restart on a disk whose WAL is behind the store's log (a kill between a
+  segment's PUT and its LMDB commit): restored from the store, complete.
 - two ingesters on one store: the second refuses to start while the first's lease is live.
 - a fenced ingester (its ownership record taken over) answers 503 to writes and uploads no
   further segment.
@@ -292,6 +294,34 @@ def test_restart_on_same_disk_then_empty_disk(tmp_path: Path, file_store: StoreV
     try:
         _, lost = _check_acked(b.url, first + second)
         assert lost == 0
+    finally:
+        b.stop()
+
+
+def test_store_mode_restart_with_a_wal_behind_the_log_restores_it(tmp_path: Path, file_store: StoreView) -> None:
+    """In store mode a segment's PUT starts before its LMDB commit, so a kill between the two
+    leaves the log ahead of the WAL; a restart on that disk restores from the store (before:
+    it refused to start). Made certain here with a copy of the data dir from an earlier kill."""
+    a = _ingester(tmp_path / "a", file_store, "--durability", "store").start()
+    try:
+        for s in STREAMS:
+            _req("PUT", f"{a.url}/v1/stream/{s}", headers={"Content-Type": "text/plain"})
+        first, _ = _load_then_kill(a, 1.0)
+    finally:
+        a.kill()
+    shutil.copytree(tmp_path / "a", tmp_path / "old")
+    a2 = _ingester(tmp_path / "a", file_store, "--durability", "store").start()  # same disk: carries on
+    try:
+        second, _ = _load_then_kill(a2, 1.0, first_wid=WRITERS)
+    finally:
+        a2.kill()
+    b = _ingester(tmp_path / "old", file_store, "--durability", "store").start()  # its WAL: before `second`
+    try:
+        assert "restoring the WAL from the store" in b.log_path.read_text()
+        acked, lost = _check_acked(b.url, first + second)
+        assert lost == 0 and acked > 50
+        assert _req("POST", f"{b.url}/v1/stream/s0", b"after\n", {"Content-Type": "text/plain"})[0] == 204
+        assert _read_all(b.url, "s0").endswith(b"after\n")
     finally:
         b.stop()
 

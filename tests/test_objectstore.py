@@ -526,9 +526,80 @@ async def test_s3_conflicts_are_retried_then_lost(monkeypatch: pytest.MonkeyPatc
     assert await store.put("k", b"x", if_match="old") == "abc"  # the third try went through
     store._s3 = fake = _ConflictingS3(conflicts=99)  # type: ignore[assignment]
     with pytest.raises(PreconditionFailed) as e:
-        await store.put("k", b"x", if_absent=True)
+        await store.put("k", b"x" * (s3_module._PRESIGNED_PUT_MAX + 1), if_absent=True)  # botocore's path
     assert fake.calls == 3 and "concurrent" in e.value.message
     assert store.counters.errors == 0
+
+
+class _FakeS3Puts:
+    """An HTTP server answering PUTs as S3 would: `answers` (status, error code) in turn, then
+    200 with an ETag; it keeps what each request carried."""
+
+    def __init__(self, answers: list[tuple[int, str]]) -> None:
+        self.answers = answers
+        self.requests: list[tuple[str, dict[str, str], bytes]] = []
+        self.url = ""
+        self._runner: Any = None
+
+    async def __aenter__(self) -> _FakeS3Puts:
+        from aiohttp import web
+
+        async def put(request: web.Request) -> web.Response:
+            self.requests.append((str(request.rel_url), dict(request.headers), await request.read()))
+            if self.answers:
+                status, code = self.answers.pop(0)
+                return web.Response(status=status, content_type="application/xml",
+                                    text=f"<Error><Code>{code}</Code><Message>test</Message></Error>")
+            return web.Response(status=200, headers={"ETag": '"e1"'})
+
+        app = web.Application()
+        app.router.add_put("/{tail:.*}", put)
+        self._runner = web.AppRunner(app)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        self.url = f"http://127.0.0.1:{port}"
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self._runner.cleanup()
+
+
+async def test_s3_small_puts_go_to_a_presigned_url_that_signs_the_condition(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Small writes (log segments) take the presigned path: If-None-Match, the content type and
+    the body's MD5 are signed (S3 refuses the request without them), 409 conflicts are retried
+    and then lost, 5xx retried, 412 is PreconditionFailed."""
+    from tests.s3server import aws_test_env
+
+    monkeypatch.setattr(s3_module, "_CONFLICT_RETRIES", 2)
+    with aws_test_env():
+        async with _FakeS3Puts([(409, "ConditionalRequestConflict"), (503, "SlowDown")]) as fake:
+            store = S3Store("bucket", "pre", endpoint=fake.url)
+            try:
+                assert await store.put("log/1.seg", b"segment", content_type="application/octet-stream",
+                                       if_absent=True) == "e1"
+                assert len(fake.requests) == 3  # the conflict and the 503 retried
+                url, headers, body = fake.requests[-1]
+                assert url.startswith("/bucket/pre/log/1.seg?") and body == b"segment"
+                signed = url.split("X-Amz-SignedHeaders=")[1].split("&")[0].replace("%3B", ";").split(";")
+                assert {"if-none-match", "content-md5", "content-type", "host"} <= set(signed)
+                assert headers["If-None-Match"] == "*" and headers["Content-Type"] == "application/octet-stream"
+                assert headers["Content-MD5"] == "/dMrkGFoHttSxVS9m78HEg=="  # base64(md5(b"segment"))
+                fake.answers = [(412, "PreconditionFailed")]
+                with pytest.raises(PreconditionFailed):
+                    await store.put("log/1.seg", b"segment", if_absent=True)
+                fake.answers = [(409, "ConditionalRequestConflict")] * 3
+                with pytest.raises(PreconditionFailed) as e:
+                    await store.put("log/2.seg", b"segment", if_absent=True)
+                assert "concurrent" in e.value.message
+                assert "Content-Type" not in fake.requests[-1][1]  # none given: none sent (as botocore)
+                fake.answers = [(500, "InternalError")] * 3
+                with pytest.raises(ObjectStoreUnavailable):
+                    await store.put("log/3.seg", b"segment", if_absent=True)
+                assert store.counters.errors == 1
+            finally:
+                await store.close()
 
 
 async def test_s3_one_client_per_store(s3_server: MotoS3, s3_bucket: str) -> None:
@@ -605,3 +676,34 @@ async def test_s3_reads_reuse_presigned_urls_and_refresh_a_refused_one(s3_server
         assert store.counters.errors == 0
         with pytest.raises(ObjectNotFound):
             await store.get("missing")
+
+
+async def test_s3_put_urls_are_signed_as_botocore_signs_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The presigned PUT URL (signed with botocore's SigV4 query signer, without the client's
+    request machinery) is the very URL the client's generate_presigned_url makes: moto does not
+    check signatures, so this is what tells a URL S3 would refuse."""
+    import datetime
+
+    import botocore.auth
+
+    from tests.s3server import aws_test_env
+
+    fixed = datetime.datetime(2026, 1, 2, 3, 4, 5)
+    monkeypatch.setattr(botocore.auth, "get_current_datetime", lambda: fixed)
+    with aws_test_env():
+        for endpoint, prefix in (("http://127.0.0.1:9", "pre/fix"), (None, "")):
+            store = S3Store("bucket-1", prefix, endpoint=endpoint, region="eu-west-1")
+            try:
+                s3 = await store._client()
+                for key in ("log/00000000000000000001-00000000000000000002.seg", "a b/ü+~x=y&z"):
+                    k = store._key(key)
+                    params = {"Bucket": "bucket-1", "Key": k, "ContentMD5": "bWQ1", "ContentType": "application/x",
+                              "IfNoneMatch": "*"}
+                    headers = {"Content-MD5": "bWQ1", "Content-Type": "application/x", "If-None-Match": "*",
+                               "Accept-Encoding": "identity"}
+                    ours = await store._presign_put(s3, k, params, headers)
+                    theirs = await s3.generate_presigned_url("put_object", Params=params, ExpiresIn=900)
+                    assert str(ours) == theirs
+                assert store._put_base is not None and store._put_base[0]  # (not the fallback)
+            finally:
+                await store.close()

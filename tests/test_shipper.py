@@ -4,15 +4,17 @@ backoff, harmless re-uploads, fencing, checkpoints, and restoring (ingester/logs
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Callable
 from concurrent.futures import Future as ConcurrentFuture
 from pathlib import Path
 from typing import Any
 
+import lmdb
 import pytest
 
 from ingester import shipper as shipper_mod
-from ingester.logstore import ORPHANS_MAX, RestoreError, list_log, restore
+from ingester.logstore import ORPHANS_MAX, RestoreError, drop_wal_behind_log, list_log, restore
 from ingester.shipper import GATE_ATTEMPTS, Shipper, StoreAhead
 from ingester.wal import GroupCommitter, WalEnv
 from shared.errors import ObjectStoreUnavailable, Superseded, Unavailable
@@ -313,10 +315,10 @@ async def test_the_loop_checkpoints_periodically(tmp_path: Path, objects: FlakyS
         for i in range(3):
             await committer.submit(lambda txn, i=i: txn.put(b"s%d" % i, b"x", db=wal.streams))
         for _ in range(100):
-            if s.last_checkpoint_seq == 3:
+            listing = await list_log(objects)  # (what it covers is deleted after the upload)
+            if s.last_checkpoint_seq == 3 and len(listing.checkpoints) == 1 and not listing.segments:
                 break
             await asyncio.sleep(0.05)
-        listing = await list_log(objects)
         assert [c[0] for c in listing.checkpoints] == [3] and listing.segments == []
         assert s.checkpoints_uploaded == 2 and s.objects_deleted >= 2  # the one at start, then this
     finally:
@@ -355,3 +357,171 @@ async def test_resume_after_a_fence_checkpoints_what_the_log_missed(tmp_path: Pa
         assert dump(again) == before
     finally:
         again.close()
+
+
+# --- store mode: the segment is uploaded while LMDB commits (before_commit) ------------------
+
+
+class _Commits:
+    """An LMDB environment whose write transactions' commits can be held (until `release` is
+    set) or fail (the first `fail` of them, as with EIO from fdatasync: LMDB aborts the
+    transaction, nothing it did is stored)."""
+
+    def __init__(self, env: Any, fail: int = 0) -> None:
+        self._env = env
+        self.fail = fail
+        self.release = threading.Event()
+        self.release.set()
+        self.holding = threading.Event()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._env, name)
+
+    def begin(self, write: bool = False, **kw: Any) -> Any:
+        txn = self._env.begin(write=write, **kw)
+        return _HeldCommit(txn, self) if write else txn
+
+
+class _HeldCommit:
+    def __init__(self, txn: Any, env: _Commits) -> None:
+        self.txn, self.env = txn, env
+
+    def __enter__(self) -> Any:
+        return self.txn
+
+    def __exit__(self, exc_type: object, *rest: object) -> None:
+        if exc_type is not None:
+            self.txn.abort()
+            return
+        self.env.holding.set()
+        self.env.release.wait(10)
+        if self.env.fail > 0:
+            self.env.fail -= 1
+            self.txn.abort()
+            raise lmdb.DiskError("injected: the commit failed")
+        self.txn.commit()
+
+
+async def _early_setup(tmp_path: Path, objects: FlakyStore, env_fail: int = 0) -> tuple[WalEnv, Shipper, GroupCommitter,
+                                                                                       _Commits]:
+    wal = WalEnv(tmp_path / "wal", 64 * 1024 * 1024)
+    loop = asyncio.get_running_loop()
+    s = Shipper(wal, objects, loop, durability="store")
+    committer = GroupCommitter(wal, loop, on_abort=lambda: None, on_commit=lambda txn: None,
+                               on_durable=lambda news: None, on_logged=s.on_logged)
+    committer.start()
+    await s.prepare(committer.seq)
+    s.start()
+    held = _Commits(wal.env, env_fail)
+    wal.env = held  # type: ignore[assignment]
+    return wal, s, committer, held
+
+
+async def _teardown(wal: WalEnv, s: Shipper, committer: GroupCommitter, held: _Commits) -> None:
+    held.release.set()
+    await s.stop()
+    await asyncio.get_running_loop().run_in_executor(None, committer.stop)
+    wal.env = held._env
+    wal.close()
+
+
+async def test_store_mode_uploads_the_segment_while_lmdb_commits(tmp_path: Path, objects: FlakyStore) -> None:
+    """The segment of a commit is in the store before LMDB's commit returns (the two run at
+    once); the write is acknowledged only once both are done."""
+    wal, s, committer, held = await _early_setup(tmp_path, objects)
+    try:
+        held.release.clear()
+        fut = committer.submit(lambda txn: txn.put(b"a", b"1", db=wal.streams))
+        await asyncio.get_running_loop().run_in_executor(None, held.holding.wait, 5)
+        for _ in range(200):  # the PUT lands while the commit is held
+            if s.shipped_seq == 1:
+                break
+            await asyncio.sleep(0.01)
+        assert segment_key(1, 1) in objects.put_keys and s.shipped_seq == 1
+        await asyncio.sleep(0.05)
+        assert not fut.done()  # not acknowledged: LMDB has not committed it yet
+        held.release.set()
+        await asyncio.wait_for(fut, 5)
+        assert committer.seq == 1 and s.early_commits == 1
+        with wal.env.begin() as txn:
+            assert txn.get(b"a", db=wal.streams) == b"1"
+    finally:
+        await _teardown(wal, s, committer, held)
+
+
+async def test_a_commit_failing_after_its_upload_began_is_applied_again(tmp_path: Path, objects: FlakyStore) -> None:
+    """LMDB fails to commit a write-set the log already took: the committer writes the same
+    write-set again, the write is acknowledged, and the WAL matches the log."""
+    wal, s, committer, held = await _early_setup(tmp_path, objects, env_fail=1)
+    try:
+        await asyncio.wait_for(committer.submit(lambda txn: txn.put(b"a", b"1", db=wal.streams)), 5)
+        await asyncio.wait_for(committer.submit(lambda txn: txn.put(b"b", b"2", db=wal.streams)), 5)
+        assert committer.recommits == 1 and committer.seq == 2 and not s.fenced
+        wal.env = held._env
+        restored = tmp_path / "restored"
+        assert await restore(objects, restored, 64 * 1024 * 1024) == 2
+        again = WalEnv(restored, 64 * 1024 * 1024)
+        try:
+            assert dump(again) == dump(wal)
+        finally:
+            again.close()
+    finally:
+        await _teardown(wal, s, committer, held)
+
+
+async def test_a_handed_over_commit_that_cannot_be_written_stops_acknowledging(
+        tmp_path: Path, objects: FlakyStore) -> None:
+    """The commit fails, and so does writing its write-set again: the log may hold a commit
+    the WAL lacks, so the write answers 503, every later one too, and the shipper stops. A
+    restart on that data dir finds the store's log ahead of its WAL and restores from the
+    store (the commit's effect then shows: it was never acknowledged, as after any 503)."""
+    wal, s, committer, held = await _early_setup(tmp_path, objects, env_fail=2)
+    try:
+        held.release.clear()  # the commit fails only once its segment landed
+        fut = committer.submit(lambda txn: txn.put(b"a", b"1", db=wal.streams))
+        for _ in range(200):
+            if s.shipped_seq == 1:
+                break
+            await asyncio.sleep(0.01)
+        held.release.set()
+        with pytest.raises(Unavailable) as e:
+            await asyncio.wait_for(fut, 5)
+        assert "acknowledges nothing more" in e.value.message
+        with pytest.raises(Unavailable):
+            committer.submit(lambda txn: txn.put(b"b", b"2", db=wal.streams))
+        for _ in range(100):
+            if s.fenced:
+                break
+            await asyncio.sleep(0.01)
+        assert s.fenced and committer.seq == 0
+    finally:
+        await _teardown(wal, s, committer, held)
+    # The segment of commit 1 landed (the shipper began before LMDB failed): the log is ahead.
+    assert (await list_log(objects)).shipped_seq == 1
+    wal_dir = tmp_path / "wal"
+    assert await drop_wal_behind_log(objects, wal_dir, 64 * 1024 * 1024)
+    assert not wal_dir.exists()
+    assert await restore(objects, wal_dir, 64 * 1024 * 1024) == 1
+    w = WalEnv(wal_dir, 64 * 1024 * 1024)
+    try:
+        assert [k for k, _ in dump(w)["streams"]] == [b"a"]
+    finally:
+        w.close()
+    assert not await drop_wal_behind_log(objects, wal_dir, 64 * 1024 * 1024)  # caught up: kept
+
+
+async def test_a_commit_whose_segment_landed_while_lmdb_synced_needs_our_lease_still(
+        wal: WalEnv, objects: FlakyStore) -> None:
+    """Handed over before its LMDB commit, a commit's segment may land first: it is
+    acknowledged when LMDB returns, no gate, but only if the lease still holds then (a process
+    frozen during the fsync must not answer once another ingester may own the prefix)."""
+    own = Ownership(objects, "me", lease_seconds=5)
+    await own.acquire()
+    s = Shipper(wal, objects, asyncio.get_running_loop(), durability="store", ownership=own)
+    assert s.before_commit(commit(1)) and s.before_commit(commit(2))
+    assert await s.ship_once() == 2 and s.shipped_seq == 2
+    assert s.on_logged(commit(1)) is None  # landed, lease held: deliver now
+    await own.release()  # our lease is over from here on
+    late = s.on_logged(commit(2))
+    assert late is not None and isinstance(late.exception(), Superseded)
+    assert s.queued == 0 and objects.put_keys.count(segment_key(1, 2)) == 1  # queued once, not again
