@@ -221,8 +221,8 @@ class IngesterService:
             # The local WAL may be stale (an earlier takeover, a previous life as owner): the
             # store's log is the truth. Start from a fresh WAL dir: checkpoint + segments.
             shutil.rmtree(self.config.wal_dir, ignore_errors=True)
-            await self._restore_wal()
-        except (ObjectStoreError, StartRefused, OSError) as e:
+            await self._restore_keeping_the_lease(own)
+        except (ObjectStoreError, StartRefused, OSError, Superseded) as e:
             log.error("standby: restoring from %s failed (%s); releasing the prefix and watching again",
                       own.store.url, e)
             with contextlib.suppress(Exception):
@@ -235,6 +235,26 @@ class IngesterService:
         log.warning("standby: took over %s at epoch %d; serving (%.3f s after the lease lapsed)", own.store.url,
                     own.epoch, time.monotonic() - lapsed_at)
         return True
+
+    async def _restore_keeping_the_lease(self, own: Ownership) -> None:
+        """Restore while renewing the lease just taken: a restore may outlast it (a long log, a
+        slow store), and a lapsed lease would let another standby take the prefix meanwhile.
+        Superseded if the lease is lost before the restore is done."""
+        keeper = asyncio.create_task(LeaseKeeper(own).run(), name="ds3-lease-restoring")
+        restoring = asyncio.create_task(self._restore_wal(), name="ds3-restore")
+        try:
+            await asyncio.wait({keeper, restoring}, return_when=asyncio.FIRST_COMPLETED)
+            if not restoring.done():  # the keeper stopped: the lease is lost
+                restoring.cancel()
+                await asyncio.gather(restoring, return_exceptions=True)
+                error = keeper.exception() if not keeper.cancelled() else None
+                raise error if isinstance(error, Superseded) else Superseded(
+                    f"the ownership lease was lost while restoring ({error!r})", own.epoch)
+            restoring.result()
+        finally:
+            for task in (keeper, restoring):
+                task.cancel()
+            await asyncio.gather(keeper, restoring, return_exceptions=True)
 
     def _own_store(self, objects: ObjectStore) -> ObjectStore:
         """Where this ingester's commit log, checkpoints and ownership record live: the store's

@@ -276,6 +276,40 @@ def test_store_cut_mid_segment_loses_nothing_acknowledged(
         b.stop()
 
 
+def test_a_restore_longer_than_the_lease_keeps_it(
+        tmp_path: Path, gated_s3: tuple[StoreView, TcpGate]) -> None:
+    """The standby renews the lease it took while it restores: a log that takes longer to
+    fetch than the lease (here: 300 segments through a store slowed to 0.2 s a request) is
+    restored without the lease lapsing (which would let another standby take the prefix) and
+    without the new owner fencing itself once it starts."""
+    store, gate = gated_s3
+    a = _node(tmp_path / "a", store, "--durability", "store", "--owner-id", "node-a",
+              "--checkpoint-interval", "3600").start()
+    b = _node(tmp_path / "b", store, "--durability", "store", "--owner-id", "node-b", "--standby",
+              endpoint=gate.url).start()
+    try:
+        assert _req("PUT", f"{a.url}/v1/stream/s0", headers=TEXT)[0] == 201
+        for n in range(300):  # sequential: a segment each
+            assert _req("POST", f"{a.url}/v1/stream/s0", b"%04d;" % n, TEXT)[0] == 204
+        gate.delay = 0.2
+        a.kill()
+        killed = time.monotonic()
+        while _req("POST", f"{b.url}/v1/stream/s0", b"after;", TEXT)[0] not in (200, 204):
+            assert time.monotonic() - killed < 90, b.log_path.read_text()[-3000:]
+            time.sleep(0.2)
+        took = time.monotonic() - killed
+        gate.delay = 0.0
+        log = b.log_path.read_text()
+        assert "took over" in log and "fenced" not in log and "lease was lost" not in log, log[-3000:]
+        assert _read_all(b.url, "s0") == b"".join(b"%04d;" % n for n in range(300)) + b"after;"
+        print(f"\ntakeover with a slow restore: {took:.1f} s (lease {LEASE} s)")
+        assert took > LEASE + 1  # the restore did outlast the lease (else this proves nothing)
+    finally:
+        gate.delay = 0.0
+        b.stop()
+        a.stop()
+
+
 def test_a_clean_shutdown_hands_over_at_once(tmp_path: Path) -> None:
     """The owner releases its lease when it stops: the standby need not wait for it to lapse,
     only for its next read of the record (every third of its lease)."""
