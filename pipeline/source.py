@@ -94,7 +94,7 @@ def plan_partitions(
         target = target_of(plan, b)
         items += [(target, ref) for ref in plan.chunks
                   if ref.end > b.lo and (b.hi is None or ref.start < b.hi)]
-    parts: list[InputPartition] = [ChunkGroup(store, g) for g in balanced(items, partition_bytes)]
+    parts: list[InputPartition] = [ChunkGroup(store, g) for g in grouped(items, partition_bytes)]
     for plan in plans:
         stop = (tail_ends or {}).get(plan.url_path)
         b = bounds.get(plan.url_path, Bounds())
@@ -110,24 +110,21 @@ def plan_partitions(
     return parts
 
 
-def balanced(items: list[tuple[rows.Target, ChunkRef]],
-             partition_bytes: int) -> list[list[tuple[rows.Target, ChunkRef]]]:
-    """`items` (in order) cut into n = ceil(total / partition_bytes) runs of consecutive items
-    of about equal size (an item goes to the run its middle byte falls in; a chunk is never
-    split): 2.2 x partition_bytes makes three tasks of 0.73 each, not two full ones and a
-    straggler. Fewer runs when items are few or lumpy; never an empty one."""
-    total = sum(ref.object_size for _, ref in items)
-    n = max(1, -(-total // partition_bytes))
+def grouped(items: list[tuple[rows.Target, ChunkRef]],
+            partition_bytes: int) -> list[list[tuple[rows.Target, ChunkRef]]]:
+    """`items` (in order) cut into runs of consecutive items of at most `partition_bytes` (a
+    bigger chunk is a run of its own: never split), each run as long as it can be. Greedy from
+    the start, so a read over a longer range of the same streams has the same first runs: the
+    writer's producer ids are per input partition (pipeline/writer.py), and a job re-run over a
+    stream that grew meanwhile sends the same rows again under the same ids."""
     groups: list[list[tuple[rows.Target, ChunkRef]]] = []
-    last, before = -1, 0
+    size = 0
     for item in items:
-        size = item[1].object_size
-        k = min(n - 1, int((before + size / 2) * n / total)) if total else 0
-        if k != last:
+        if not groups or size + item[1].object_size > partition_bytes:
             groups.append([])
-            last = k
+            size = 0
         groups[-1].append(item)
-        before += size
+        size += item[1].object_size
     return groups
 
 

@@ -263,23 +263,33 @@ def test_a_bad_declared_schema_names_the_column(pipeline_env: PipelineEnv, spark
 
 
 def test_partitions_and_an_early_stop(pipeline_env: PipelineEnv, spark: Any) -> None:
-    """Small partitions (a few chunks each, about equal) give the rows of one big partition, in
-    the same order; a LIMIT stops a task that is fetching its next chunk ahead."""
+    """Partitions are runs of consecutive chunks of at most partition_bytes, cut greedily (a
+    read over less of the stream has the same first partitions); small partitions give the
+    rows of one big partition, in the same order; a LIMIT stops a task that is fetching its
+    next chunk ahead."""
     from pipeline.catalog import Catalog, resolve
     from pipeline.source import ChunkGroup, DS3BatchReader
 
     env = pipeline_env
     write_closed(env, "/v1/stream/parts", "parts", JSON, json_bodies(150, 15))
-    reader = DS3BatchReader(ReadOptions.parse(env.source_options(stream="parts", partition_bytes="20000")))
-    parts = reader.partitions()
-    assert len(parts) > 3 and all(isinstance(p, ChunkGroup) for p in parts)
-    sizes = [sum(ref.object_size for _, ref in p.items) for p in parts]  # type: ignore[attr-defined]
-    biggest_chunk = max(ref.object_size for p in parts for _, ref in p.items)  # type: ignore[attr-defined]
-    share = sum(sizes) / -(-sum(sizes) // 20000)  # each about an equal share, off by a chunk at most
-    assert all(abs(size - share) <= biggest_chunk for size in sizes), (sizes, share)
-    catalog = Catalog(reader.opts.store)
+
+    def partitions(**extra: str) -> list[ChunkGroup]:
+        parts = DS3BatchReader(ReadOptions.parse(env.source_options(stream="parts", **extra))).partitions()
+        assert all(isinstance(p, ChunkGroup) for p in parts)
+        return parts  # type: ignore[return-value]
+
+    parts = partitions(partition_bytes="20000")
+    catalog = Catalog(parts[0].store)
     refs = catalog.plans(resolve(catalog, ("parts",), None))[0].chunks
-    assert [ref for p in parts for _, ref in p.items] == list(refs)  # type: ignore[attr-defined]
+    assert len(parts) > 3 and [ref for p in parts for _, ref in p.items] == list(refs)
+    for p, after in itertools.pairwise(parts):
+        size = sum(ref.object_size for _, ref in p.items)
+        assert size <= 20000 < size + after.items[0][1].object_size  # as long as it can be
+    shorter = partitions(partition_bytes="20000", end_offset=refs[len(refs) // 2].end_offset)
+    def chunk_runs(ps: list[ChunkGroup]) -> list[list[int]]:
+        return [[ref.chunk for _, ref in p.items] for p in ps]
+
+    assert len(shorter) > 1 and chunk_runs(shorter[:-1]) == chunk_runs(parts[:len(shorter) - 1])
 
     small = env.read(spark, stream="parts", partition_bytes="20000").collect()
     one = env.read(spark, stream="parts").collect()  # 128 MiB: every chunk in one partition
