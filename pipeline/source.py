@@ -14,6 +14,7 @@ is one more partition that reads it through a ds3 reader or ingester.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -157,22 +158,22 @@ def read_partition(partition: InputPartition, columns: Sequence[str] = rows.COLU
         raise TypeError(f"not a ds3 partition: {partition!r}")
 
 
-def prefetched(group: ChunkGroup) -> Iterator[tuple[tuple[rows.Target, ChunkRef], bytes]]:
-    """The group's items with their objects, in order; the next object's GET runs (in a
-    thread: boto3 waits on the socket without the GIL) while the caller decodes this one and
-    Spark takes its rows, so a task's time is about the larger of the two, not their sum. One
-    object ahead at most: a task holds two objects in memory."""
+def prefetched(group: ChunkGroup, ahead: int = 1) -> Iterator[tuple[tuple[rows.Target, ChunkRef], bytes]]:
+    """The group's items with their objects, in order; the next objects' GETs run (in threads:
+    boto3 waits on the socket without the GIL) while the caller decodes this one and Spark
+    takes its rows, so a task's time is about the larger of the two, not their sum. `ahead`
+    objects ahead at most: a task holds ahead + 1 objects in memory."""
     if len(group.items) < 2:
         for item in group.items:
             yield item, group.store.get(item[1].key)
         return
-    pool = ThreadPoolExecutor(1, thread_name_prefix="ds3-prefetch")
+    pool = ThreadPoolExecutor(ahead, thread_name_prefix="ds3-prefetch")
     try:
-        ahead = pool.submit(group.store.get, group.items[0][1].key)
+        pending = deque(pool.submit(group.store.get, ref.key) for _, ref in group.items[:ahead])
         for i, item in enumerate(group.items):
-            obj = ahead.result()
-            if i + 1 < len(group.items):
-                ahead = pool.submit(group.store.get, group.items[i + 1][1].key)
+            obj = pending.popleft().result()
+            if i + ahead < len(group.items):
+                pending.append(pool.submit(group.store.get, group.items[i + ahead][1].key))
             yield item, obj
     finally:  # (also when Spark stops early, e.g. for a LIMIT)
         pool.shutdown(wait=False, cancel_futures=True)
