@@ -168,7 +168,7 @@ class ReadOptions:
         return cls(
             store=store, selection=selection, include_tail=include_tail, url=url, token=opts.get("token"),
             # as Spark's file sources (spark.sql.files.maxPartitionBytes): each task costs a
-            # Python hand-over on both sides, about 60 ms of CPU, so tasks should be large
+            # Python hand-over on both sides, about 0.1 s of CPU, so tasks should be large
             partition_bytes=_positive(opts, "partition_bytes", 128 * MiB) or 128 * MiB,
             max_chunks_per_trigger=_positive(opts, "max_chunks_per_trigger", None),
             start=start, end=end,

@@ -7,8 +7,9 @@ tail over HTTP), the streaming reader (pipeline/streaming.py) and the writer
     df = spark.read.format("ds3").option("store", "s3://bucket/ds3").option("stream", "orders").load()
 
 Planning runs on the driver (descriptors, chunk listings, chunk headers: pipeline/catalog.py);
-each input partition is one chunk object, or a group of small consecutive ones, read by the
-executor with one GET and decoded with shared/chunks.py. The tail of a stream, when asked for,
+each input partition is a run of consecutive chunk objects (partition_bytes), each read by the
+executor with one GET (the next one's running while this one is decoded) and decoded into the
+columns the read's schema asks for (pipeline/columnar.py). The tail of a stream, when asked for,
 is one more partition that reads it through a ds3 reader or ingester.
 """
 
