@@ -167,7 +167,9 @@ class ReadOptions:
             raise OptionError("url", "include_tail=true needs the url of a ds3 reader or ingester")
         return cls(
             store=store, selection=selection, include_tail=include_tail, url=url, token=opts.get("token"),
-            partition_bytes=_positive(opts, "partition_bytes", 32 * MiB) or 32 * MiB,
+            # as Spark's file sources (spark.sql.files.maxPartitionBytes): each task costs a
+            # Python hand-over on both sides, about 0.1 s of CPU, so tasks should be large
+            partition_bytes=_positive(opts, "partition_bytes", 128 * MiB) or 128 * MiB,
             max_chunks_per_trigger=_positive(opts, "max_chunks_per_trigger", None),
             start=start, end=end,
         )

@@ -9,9 +9,9 @@ record batches: Spark takes them without a per-row Python conversion.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
 import numpy as np
 import pyarrow as pa  # type: ignore[import-untyped]
@@ -30,6 +30,8 @@ ARROW_SCHEMA = pa.schema([
     ("chunk", pa.int64()), ("position", pa.int64()), ("bucket", pa.string()),
     ("sealed_at", pa.timestamp("us", tz="UTC")),
 ])
+COLUMNS: Final = tuple(ARROW_SCHEMA.names)
+SPARK_TYPES: Final = dict(column.split(" ") for column in SCHEMA_DDL.split(", "))
 
 
 def has_text(content_type: str) -> bool:
@@ -87,30 +89,47 @@ class _Columns:
         return pa.RecordBatch.from_arrays(arrays, schema=ARROW_SCHEMA)
 
 
-def chunk_batch(target: Target, ref: ChunkRef, obj: bytes) -> pa.RecordBatch:
-    """The wanted messages of one chunk object (`obj`: the whole object): columnar
-    (pipeline/columnar.py) where it applies, else message by message (chunk_batch_rows)."""
+def chunk_batch(target: Target, ref: ChunkRef, obj: bytes, columns: Sequence[str] = COLUMNS) -> pa.RecordBatch:
+    """The wanted messages of one chunk object (`obj`: the whole object), with `columns` (a
+    projection of the schema, in that order): columnar (pipeline/columnar.py) where it applies,
+    building only those columns, else message by message (chunk_batch_rows)."""
+    wanted = frozenset(columns)
+    text = has_text(target.content_type) and "value" in wanted
     cols = columnar.chunk_columns(
         obj, chunk=ref.chunk, start_offset=ref.start_offset, cap=ref.end, lo=target.lo, hi=target.hi,
-        json_mode=protocol.is_json(target.content_type), text=has_text(target.content_type))
+        json_mode=protocol.is_json(target.content_type), text=text,
+        offsets=not wanted.isdisjoint(("offset", "next_offset")), data=not wanted.isdisjoint(("message", "value")))
     if cols is None:
-        return chunk_batch_rows(target, ref, obj)
+        return project(chunk_batch_rows(target, ref, obj), columns)
     head = chunks.parse_prelude(obj)
     header = chunks.ChunkHeader.from_json(bytes(obj[chunks.PRELUDE_SIZE:chunks.PRELUDE_SIZE + head.header_length]))
     if header.chunk != ref.chunk or header.start != ref.start:
         raise chunks.ChunkFormatError(f"{ref.key}: header names chunk {header.chunk} at "
                                       f"{header.start}, expected {ref.chunk} at {ref.start}")
     n = len(cols)
-    sealed_us = int(header.created_at * 1_000_000)
-    arrays = [
-        pa.repeat(pa.scalar(target.stream, pa.string()), n), cols.offset, cols.next_offset, cols.message,
-        cols.value if cols.value is not None else pa.nulls(n, pa.string()),
-        pa.repeat(pa.scalar(target.content_type, pa.string()), n),
-        pa.array(np.full(n, ref.chunk, dtype=np.int64)), pa.array(cols.position),
-        pa.repeat(pa.scalar(target.bucket, pa.string()), n),
-        pa.array(np.full(n, sealed_us, dtype=np.int64)).cast(pa.timestamp("us", tz="UTC")),
-    ]
-    return pa.RecordBatch.from_arrays(arrays, schema=ARROW_SCHEMA)
+    build: dict[str, Callable[[], pa.Array]] = {
+        "stream": lambda: pa.repeat(pa.scalar(target.stream, pa.string()), n),
+        "offset": lambda: cols.offset,
+        "next_offset": lambda: cols.next_offset,
+        "message": lambda: cols.message,
+        "value": lambda: cols.value if text else pa.nulls(n, pa.string()),
+        "content_type": lambda: pa.repeat(pa.scalar(target.content_type, pa.string()), n),
+        "chunk": lambda: pa.array(np.full(n, ref.chunk, dtype=np.int64)),
+        "position": lambda: pa.array(cols.position),
+        "bucket": lambda: pa.repeat(pa.scalar(target.bucket, pa.string()), n),
+        "sealed_at": lambda: pa.array(np.full(n, int(header.created_at * 1_000_000), dtype=np.int64))
+        .cast(pa.timestamp("us", tz="UTC")),
+    }
+    return pa.RecordBatch.from_arrays([build[c]() for c in columns], schema=schema_of(columns))
+
+
+def project(batch: pa.RecordBatch, columns: Sequence[str]) -> pa.RecordBatch:
+    """`batch` (every column) with only `columns`, in that order."""
+    return batch if tuple(columns) == COLUMNS else batch.select(list(columns))
+
+
+def schema_of(columns: Sequence[str]) -> pa.Schema:
+    return ARROW_SCHEMA if tuple(columns) == COLUMNS else pa.schema([ARROW_SCHEMA.field(c) for c in columns])
 
 
 def chunk_batch_rows(target: Target, ref: ChunkRef, obj: bytes) -> pa.RecordBatch:

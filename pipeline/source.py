@@ -7,14 +7,17 @@ tail over HTTP), the streaming reader (pipeline/streaming.py) and the writer
     df = spark.read.format("ds3").option("store", "s3://bucket/ds3").option("stream", "orders").load()
 
 Planning runs on the driver (descriptors, chunk listings, chunk headers: pipeline/catalog.py);
-each input partition is one chunk object, or a group of small consecutive ones, read by the
-executor with one GET and decoded with shared/chunks.py. The tail of a stream, when asked for,
+each input partition is a run of consecutive chunk objects (partition_bytes), each read by the
+executor with one GET (the next one's running while this one is decoded) and decoded into the
+columns the read's schema asks for (pipeline/columnar.py). The tail of a stream, when asked for,
 is one more partition that reads it through a ds3 reader or ingester.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import pyarrow as pa  # type: ignore[import-untyped]
@@ -37,7 +40,7 @@ from pyspark.sql.types import StructType
 from pipeline import rows
 from pipeline.catalog import Catalog, ChunkRef, StreamPlan, display_name, resolve
 from pipeline.http import Client
-from pipeline.options import ReadOptions, WriteOptions
+from pipeline.options import OptionError, ReadOptions, WriteOptions
 from pipeline.store import LocalSyncStore, S3SyncStore
 from shared import offsets
 
@@ -86,23 +89,14 @@ def plan_partitions(
     """Chunk groups (about partition_bytes each) for every stream's sealed chunks inside its
     bounds, then, where tail_ends gives a stream's tail position, a TailRead for what lies
     between its sealed end and that position."""
-    parts: list[InputPartition] = []
-    group: list[tuple[rows.Target, ChunkRef]] = []
-    size = 0
     bounds = {p.url_path: _retained(p, bounds.get(p.url_path, Bounds())) for p in plans}
+    items: list[tuple[rows.Target, ChunkRef]] = []
     for plan in plans:
         b = bounds[plan.url_path]
         target = target_of(plan, b)
-        for ref in plan.chunks:
-            if ref.end <= b.lo or (b.hi is not None and ref.start >= b.hi):
-                continue
-            if group and size + ref.object_size > partition_bytes:
-                parts.append(ChunkGroup(store, group))
-                group, size = [], 0
-            group.append((target, ref))
-            size += ref.object_size
-    if group:
-        parts.append(ChunkGroup(store, group))
+        items += [(target, ref) for ref in plan.chunks
+                  if ref.end > b.lo and (b.hi is None or ref.start < b.hi)]
+    parts: list[InputPartition] = [ChunkGroup(store, g) for g in grouped(items, partition_bytes)]
     for plan in plans:
         stop = (tail_ends or {}).get(plan.url_path)
         b = bounds.get(plan.url_path, Bounds())
@@ -118,6 +112,24 @@ def plan_partitions(
     return parts
 
 
+def grouped(items: list[tuple[rows.Target, ChunkRef]],
+            partition_bytes: int) -> list[list[tuple[rows.Target, ChunkRef]]]:
+    """`items` (in order) cut into runs of consecutive items of at most `partition_bytes` (a
+    bigger chunk is a run of its own: never split), each run as long as it can be. Greedy from
+    the start, so a read over a longer range of the same streams has the same first runs: the
+    writer's producer ids are per input partition (pipeline/writer.py), and a job re-run over a
+    stream that grew meanwhile sends the same rows again under the same ids."""
+    groups: list[list[tuple[rows.Target, ChunkRef]]] = []
+    size = 0
+    for item in items:
+        if not groups or size + item[1].object_size > partition_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(item)
+        size += item[1].object_size
+    return groups
+
+
 def _retained(plan: StreamPlan, b: Bounds) -> Bounds:
     """Reads start no earlier than the earliest retained position (after a snapshot)."""
     if b.lo >= plan.earliest:
@@ -125,11 +137,11 @@ def _retained(plan: StreamPlan, b: Bounds) -> Bounds:
     return Bounds(plan.earliest, b.hi, plan.earliest_offset)
 
 
-def read_partition(partition: InputPartition) -> Iterator[pa.RecordBatch]:
-    """Executor side: the rows of one partition, as Arrow record batches."""
+def read_partition(partition: InputPartition, columns: Sequence[str] = rows.COLUMNS) -> Iterator[pa.RecordBatch]:
+    """Executor side: the rows of one partition, as Arrow record batches with `columns`."""
     if isinstance(partition, ChunkGroup):
-        for target, ref in partition.items:
-            batch = rows.chunk_batch(target, ref, partition.store.get(ref.key))
+        for (target, ref), obj in prefetched(partition):
+            batch = rows.chunk_batch(target, ref, obj, columns)
             if batch.num_rows:
                 yield batch
     elif isinstance(partition, TailRead):
@@ -142,9 +154,50 @@ def read_partition(partition: InputPartition) -> Iterator[pa.RecordBatch]:
                                             partition.target.content_type, partition.target.lo,
                                             partition.stop), pages)
         if batch.num_rows:
-            yield batch
+            yield rows.project(batch, columns)
     else:
         raise TypeError(f"not a ds3 partition: {partition!r}")
+
+
+def prefetched(group: ChunkGroup, ahead: int = 1) -> Iterator[tuple[tuple[rows.Target, ChunkRef], bytes]]:
+    """The group's items with their objects, in order; the next objects' GETs run (in threads:
+    boto3 waits on the socket without the GIL) while the caller decodes this one and Spark
+    takes its rows, so a task's time is about the larger of the two, not their sum. `ahead`
+    objects ahead at most: a task holds ahead + 1 objects in memory."""
+    if len(group.items) < 2:
+        for item in group.items:
+            yield item, group.store.get(item[1].key)
+        return
+    pool = ThreadPoolExecutor(ahead, thread_name_prefix="ds3-prefetch")
+    try:
+        pending = deque(pool.submit(group.store.get, ref.key) for _, ref in group.items[:ahead])
+        for i, item in enumerate(group.items):
+            obj = pending.popleft().result()
+            if i + ahead < len(group.items):
+                pending.append(pool.submit(group.store.get, group.items[i + ahead][1].key))
+            yield item, obj
+    finally:  # (also when Spark stops early, e.g. for a LIMIT)
+        pool.shutdown(wait=False, cancel_futures=True)
+
+
+def columns_of(schema: StructType) -> tuple[str, ...]:
+    """The columns a read builds: Spark's read schema is the full row schema, or a projection
+    of it the user gave (`spark.read.format("ds3").schema("offset string, message binary")`):
+    Python data sources are not told which columns a query uses, so declaring fewer is how a
+    read skips building the others. Each must be a row column with its type, nullable."""
+    from pyspark.sql.pandas.types import to_arrow_schema
+
+    columns = []
+    for field in to_arrow_schema(schema, timezone="UTC"):
+        if field.name not in rows.ARROW_SCHEMA.names:
+            raise OptionError("schema", f"no column {field.name!r} in ds3 rows ({rows.SCHEMA_DDL})")
+        want = rows.ARROW_SCHEMA.field(field.name)
+        if not field.type.equals(want.type) or not field.nullable:
+            raise OptionError("schema", f"column {field.name!r} is {rows.SPARK_TYPES[field.name]} (nullable) in "
+                              f"ds3 rows, not {schema[field.name].dataType.simpleString()}"
+                              f"{'' if field.nullable else ' not null'}")
+        columns.append(field.name)
+    return tuple(columns)
 
 
 def bounds_for(opts: ReadOptions, plans: Sequence[StreamPlan]) -> dict[str, Bounds]:
@@ -208,8 +261,9 @@ class OffsetRange:
 
 
 class DS3BatchReader(DataSourceReader):
-    def __init__(self, opts: ReadOptions) -> None:
+    def __init__(self, opts: ReadOptions, columns: Sequence[str] = rows.COLUMNS) -> None:
         self.opts = opts
+        self.columns = tuple(columns)
         self.offset_range = OffsetRange()
 
     def partitions(self) -> Sequence[InputPartition]:
@@ -228,7 +282,7 @@ class DS3BatchReader(DataSourceReader):
         return pruned or [ChunkGroup(o.store, [])]
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
-        return read_partition(partition)
+        return read_partition(partition, self.columns)
 
 
 class DS3DataSource(DataSource):
@@ -242,12 +296,12 @@ class DS3DataSource(DataSource):
         return rows.SCHEMA_DDL
 
     def reader(self, schema: StructType) -> DataSourceReader:
-        return DS3BatchReader(ReadOptions.parse(self.options))
+        return DS3BatchReader(ReadOptions.parse(self.options), columns_of(schema))
 
     def streamReader(self, schema: StructType) -> DataSourceStreamReader:
         from pipeline.streaming import DS3StreamReader
 
-        return DS3StreamReader(ReadOptions.parse(self.options))
+        return DS3StreamReader(ReadOptions.parse(self.options), columns_of(schema))
 
     def writer(self, schema: StructType, overwrite: bool) -> DataSourceWriter:
         from pipeline.writer import DS3Writer
@@ -274,7 +328,7 @@ class DS3PruningDataSource(DS3DataSource):
     """`format("ds3")` where the session allows Python filter pushdown."""
 
     def reader(self, schema: StructType) -> DataSourceReader:
-        return DS3PruningReader(ReadOptions.parse(self.options))
+        return DS3PruningReader(ReadOptions.parse(self.options), columns_of(schema))
 
 
 PUSHDOWN_CONF = "spark.sql.python.filterPushdown.enabled"

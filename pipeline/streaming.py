@@ -31,6 +31,7 @@ from pyspark.sql.streaming.datasource import (
     SupportsTriggerAvailableNow,
 )
 
+from pipeline import rows
 from pipeline.catalog import Catalog, StreamPlan, resolve
 from pipeline.http import Client
 from pipeline.options import ReadOptions
@@ -45,8 +46,9 @@ def _position(offset: str | None) -> int:
 
 
 class DS3StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
-    def __init__(self, opts: ReadOptions) -> None:
+    def __init__(self, opts: ReadOptions, columns: Sequence[str] = rows.COLUMNS) -> None:
         self.opts = opts
+        self.columns = tuple(columns)
         self.catalog = Catalog(opts.store)
         self._target: dict[str, str] | None = None  # availableNow: where the query stops
         self._plans: dict[str, StreamPlan] = {}
@@ -142,7 +144,7 @@ class DS3StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         return parts or [ChunkGroup(self.opts.store, [])]
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
-        return read_partition(partition)
+        return read_partition(partition, self.columns)
 
     def commit(self, end: SparkOffset) -> None:
         """Nothing to release: the store keeps every chunk until the stream is deleted."""

@@ -228,3 +228,70 @@ def test_offset_filters_prune_chunks_at_planning(pipeline_env: PipelineEnv, spar
     middle = chunks_planned(GreaterThanOrEqual(("offset",), lo), LessThan(("offset",), hi))
     assert whole > 3 and 0 < middle < whole * 0.6, (whole, middle)
     assert chunks_planned(GreaterThanOrEqual(("offset",), "9" * 33)) == 0
+
+
+def test_a_declared_schema_is_a_projection(pipeline_env: PipelineEnv, spark: Any) -> None:
+    """`.schema("...")` with some of the row columns, in any order: the rows are those columns of
+    the full read (JSON, byte and tail rows alike), and no other column is built."""
+    env = pipeline_env
+    write_closed(env, "/v1/stream/proj/json", "proj/json", JSON, json_bodies(60, 11))
+    write_closed(env, "/v1/stream/proj/bytes", "proj/bytes", OCTET, byte_bodies(40, 12, False))
+    env.create("/v1/stream/proj/tail", JSON)
+    env.append_all("/v1/stream/proj/tail", json_bodies(20, 13), JSON)
+    opts = env.source_options(prefix="proj/", include_tail="true", url=env.url)
+    full = spark.read.format("ds3").options(**opts).load()
+    assert full.count() > 100
+    for schema in ("message binary", "position long, value string, stream string",
+                   "sealed_at timestamp, next_offset string, offset string, chunk long, bucket string, content_type string"):
+        names = [c.split(" ")[0] for c in schema.split(", ")]
+        df = spark.read.format("ds3").options(**opts).schema(schema).load()
+        assert df.columns == names
+        # the same partitions in the same order, so the same rows in the same order
+        assert df.collect() == full.select(*names).collect()
+
+
+def test_a_bad_declared_schema_names_the_column(pipeline_env: PipelineEnv, spark: Any) -> None:
+    write_closed(pipeline_env, "/v1/stream/badschema", "badschema", OCTET, byte_bodies(3, 14, False))
+    for schema, complaint in (
+        ("colour string", "no column 'colour'"),
+        ("offset long", "column 'offset' is string"),
+        ("message binary not null", "column 'message' is binary"),
+    ):
+        with pytest.raises(Exception, match=f"option 'schema'.*{complaint}"):
+            spark.read.format("ds3").options(**pipeline_env.source_options(stream="badschema")).schema(schema) \
+                .load().collect()
+
+
+def test_partitions_and_an_early_stop(pipeline_env: PipelineEnv, spark: Any) -> None:
+    """Partitions are runs of consecutive chunks of at most partition_bytes, cut greedily (a
+    read over less of the stream has the same first partitions); small partitions give the
+    rows of one big partition, in the same order; a LIMIT stops a task that is fetching its
+    next chunk ahead."""
+    from pipeline.catalog import Catalog, resolve
+    from pipeline.source import ChunkGroup, DS3BatchReader
+
+    env = pipeline_env
+    write_closed(env, "/v1/stream/parts", "parts", JSON, json_bodies(150, 15))
+
+    def partitions(**extra: str) -> list[ChunkGroup]:
+        parts = DS3BatchReader(ReadOptions.parse(env.source_options(stream="parts", **extra))).partitions()
+        assert all(isinstance(p, ChunkGroup) for p in parts)
+        return parts  # type: ignore[return-value]
+
+    parts = partitions(partition_bytes="20000")
+    catalog = Catalog(parts[0].store)
+    refs = catalog.plans(resolve(catalog, ("parts",), None))[0].chunks
+    assert len(parts) > 3 and [ref for p in parts for _, ref in p.items] == list(refs)
+    for p, after in itertools.pairwise(parts):
+        size = sum(ref.object_size for _, ref in p.items)
+        assert size <= 20000 < size + after.items[0][1].object_size  # as long as it can be
+    shorter = partitions(partition_bytes="20000", end_offset=refs[len(refs) // 2].end_offset)
+    def chunk_runs(ps: list[ChunkGroup]) -> list[list[int]]:
+        return [[ref.chunk for _, ref in p.items] for p in ps]
+
+    assert len(shorter) > 1 and chunk_runs(shorter[:-1]) == chunk_runs(parts[:len(shorter) - 1])
+
+    small = env.read(spark, stream="parts", partition_bytes="20000").collect()
+    one = env.read(spark, stream="parts").collect()  # 128 MiB: every chunk in one partition
+    assert small == one and [r.position for r in one] == sorted(r.position for r in one)
+    assert env.read(spark, stream="parts").limit(3).collect() == one[:3]
