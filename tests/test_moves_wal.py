@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from ingester import remote_forks
-from ingester.moves import drop_moved, freeze_export, frozen_error, import_moved
+from ingester.move_ops import drop_moved, freeze_export, frozen_error, import_moved
 from ingester.records import SEALING, ChunkInfo, StreamMeta
 from ingester.store import SealPolicy
 from shared import moveformat
