@@ -35,7 +35,7 @@ from aiohttp import web
 
 from ingester import remote_forks
 from ingester.remote_forks import PinnedSource
-from ingester.store import CreateRequest, CreateResult, SubOffsetSealed
+from ingester.writes import CreateRequest, CreateResult, SubOffsetSealed
 from shared.errors import (
     BadRequest,
     Conflict,

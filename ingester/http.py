@@ -14,7 +14,7 @@ from aiohttp import web
 from ingester import extension_http, forks_across
 from ingester.reads import ReadResult
 from ingester.service import SERVICE, IngesterService
-from ingester.store import AppendRequest, AppendResult, CreateRequest
+from ingester.writes import AppendRequest, AppendResult, CreateRequest
 from shared import extensions, jsonmode, offsets, sse
 from shared import protocol as P
 from shared.buckets import fork_source_path

@@ -46,7 +46,8 @@ from ingester.records import SEALED, SID, ChunkInfo, Record, StreamMeta, chunk_k
 from shared.errors import Conflict, NotFound
 
 if TYPE_CHECKING:
-    from ingester.store import CreateRequest, Store
+    from ingester.store import Store
+    from ingester.writes import CreateRequest
 
 SHADOW_PREFIX: Final = "\x00f/"
 _PIN: Final = b"pin:"  # pin:<fork uid> -> {"source": path, "uid": source uid} (on the source's owner)

@@ -30,17 +30,17 @@ from ingester.records import FLAG_END_OF_APPEND, StreamMeta
 from ingester.sealing import Sealer
 from ingester.shipper import Durability, Shipper, StoreAhead
 from ingester.snapshots import Snapshots
-from ingester.store import (
+from ingester.store import Store
+from ingester.wal import GroupCommitter, WalEnv
+from ingester.writes import (
     AppendRequest,
     AppendResult,
     Committed,
     CreateRequest,
     CreateResult,
     SealPolicy,
-    Store,
     SubOffsetSealed,
 )
-from ingester.wal import GroupCommitter, WalEnv
 from shared import offsets
 from shared.chunkstore import ChunkReader
 from shared.cluster import ClusterWatcher, FileSource, Membership, StoreSource

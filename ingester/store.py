@@ -11,24 +11,18 @@ from __future__ import annotations
 
 import heapq
 import secrets
-import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import lmdb
 
 from ingester import remote_forks
 from ingester.buckets import Buckets
 from ingester.chain import (
-    Sealed,
-    chain_records,
-    chunk_at,
-    is_message_boundary,
-    record_at,
     refresh_tail,
     stream_records,
 )
+from ingester.fork_source import fork_source
 from ingester.journal import FOLD_RECORDS, JournalWriter
 from ingester.records import (
     FLAG_END_OF_APPEND,
@@ -44,16 +38,24 @@ from ingester.records import (
     producer_key,
     record_key,
 )
-from ingester.remote_forks import PinnedSource
 from ingester.wal import WalEnv
-from shared import jsonmode, offsets
+from ingester.writes import (  # the operations' vocabulary; imported from here by the callers too
+    AppendRequest,
+    AppendResult,
+    Committed,
+    CreateRequest,
+    CreateResult,
+    SealPolicy,
+    Touches,
+    _view,
+)
+from shared import jsonmode
 from shared.errors import (
     BadRequest,
     Conflict,
     Gone,
     NotFound,
     ProducerSeqGap,
-    Retained,
     StaleProducerEpoch,
     StreamClosed,
     Unavailable,
@@ -61,111 +63,6 @@ from shared.errors import (
 from shared.protocol import DEFAULT_CONTENT_TYPE, ProducerHeaders, is_json, media_type
 
 PRODUCER_STATE_TTL_S = 7 * 24 * 3600
-
-
-class SubOffsetSealed(BadRequest):
-    """The chunk a fork sub-offset points into was sealed between the service resolving it
-    against the WAL and the writer applying it: resolve it again, with the chunk's index."""
-
-
-@dataclass(frozen=True, slots=True)
-class CreateRequest:
-    path: str
-    content_type: str | None  # None: the default, or the source's for a fork
-    ttl: int | None = None
-    expires_at: float | None = None
-    expires_at_text: str | None = None
-    closed: bool = False
-    body: bytes = b""
-    fork_from: str | None = None
-    fork_offset: str | None = None
-    fork_sub_offset: int | None = None
-    # The sub-offset already resolved against a sealed chunk's index (see service.create):
-    # the writer cannot read the object store, and sealed data never changes.
-    fork_sub_position: int | None = None
-    # A fork of a source on another ingester (ingester/forks_across.py): the new stream's uid
-    # (its pin at the source's owner is named by it) and the source's pinned, sealed chain.
-    uid: str | None = None
-    remote_source: PinnedSource | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class AppendRequest:
-    path: str
-    content_type: str | None
-    body: bytes
-    messages: list[bytes] | None  # JSON messages split on the loop, when the request is JSON
-    close: bool = False
-    stream_seq: str | None = None
-    producer: ProducerHeaders | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class StreamView:
-    """What a write response reports about the stream after the write."""
-
-    content_type: str
-    tail_offset: str
-    closed: bool
-
-
-@dataclass(frozen=True, slots=True)
-class CreateResult:
-    created: bool
-    stream: StreamView
-
-
-@dataclass(frozen=True, slots=True)
-class AppendResult:
-    stream: StreamView
-    duplicate: bool = False  # idempotent producer retry, or close of a closed stream
-    producer_epoch: int | None = None
-    producer_seq: int | None = None
-
-
-def _view(meta: StreamMeta) -> StreamView:
-    return StreamView(meta.content_type, meta.tail_offset, meta.closed)
-
-
-@dataclass(frozen=True, slots=True)
-class SealPolicy:
-    """When open chunks roll. None: never (no object store; the WAL keeps everything)."""
-
-    seal_bytes: int
-    seal_age: float
-    wal_max_bytes: int  # past this many bytes of unsealed records, appends get 503
-
-
-class Touches(dict[str, float]):
-    """TTL renewals by path: set on the event loop, forgotten by the writer thread. The lock
-    makes "forget it unless renewed since" one step (a get, then a del, lost a renewal the
-    loop made between them); reads on other threads only get()."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._lock = threading.Lock()
-
-    def __setitem__(self, path: str, at: float) -> None:
-        with self._lock:
-            super().__setitem__(path, at)
-
-    def forget(self, path: str, at: float) -> None:
-        with self._lock:
-            if self.get(path) == at:
-                del self[path]
-
-
-@dataclass(slots=True)
-class Committed:
-    """What one durable commit changed, for the event loop to act on."""
-
-    changed: set[str] = field(default_factory=set)  # stream paths: wake their readers
-    rolled: list[ChunkRef] = field(default_factory=list)  # chunks to upload
-    removed: list[tuple[str, str]] = field(default_factory=list)  # (uid, path): delete objects
-    descriptors: dict[str, StreamMeta | None] = field(default_factory=dict)  # to publish
-
-    def __bool__(self) -> bool:
-        return bool(self.changed or self.rolled or self.removed or self.descriptors)
 
 
 class Store:
@@ -360,79 +257,7 @@ class Store:
         return CreateResult(True, _view(meta))
 
     def _fork_source(self, txn: lmdb.Transaction, req: CreateRequest, meta: StreamMeta, now: float) -> StreamMeta:
-        assert req.fork_from is not None
-        source = self._live(txn, req.fork_from, now, own=False)
-        if source is None or source.moved_to is not None:
-            raise NotFound("fork source stream not found")
-        if source.soft_deleted:
-            raise Conflict("fork source stream was deleted (forks of it still exist)")
-        if req.content_type is None:
-            meta.content_type = source.content_type
-        elif media_type(req.content_type) != media_type(source.content_type):
-            raise Conflict("fork content type does not match the source stream's")
-        lookup = self._lookup(txn)
-        db = self.wal
-        if req.fork_offset is not None:
-            try:
-                position = offsets.parse(req.fork_offset).position
-            except offsets.OffsetSyntaxError as e:
-                raise BadRequest(f"invalid Stream-Fork-Offset: {e}") from e
-            if position > source.tail:
-                raise BadRequest("Stream-Fork-Offset is beyond the end of the source stream")
-            if is_json(source.content_type) and is_message_boundary(txn, db, source, lookup, position) is False:
-                raise BadRequest("Stream-Fork-Offset is not at a message boundary")
-        else:
-            position = source.tail
-        sub = req.fork_sub_offset or 0
-        if sub > 0:
-            if req.fork_offset is None:
-                raise BadRequest("Stream-Fork-Sub-Offset > 0 requires Stream-Fork-Offset")
-            if req.fork_sub_position is not None:
-                if not position < req.fork_sub_position <= source.tail:
-                    raise BadRequest("invalid Stream-Fork-Sub-Offset")
-                position = req.fork_sub_position
-            else:
-                position = self._resolve_sub_offset(txn, source, position, sub)
-        if source.snapshot_offset is not None:  # the fork's history starts at the same snapshot
-            if position < source.earliest:
-                raise Retained(source.snapshot_offset, "the fork offset is before the source's earliest retained offset")
-            meta.snapshot_offset, meta.snapshot_type = source.snapshot_offset, source.snapshot_type
-            meta.snapshot_size, meta.snapshot_key = source.snapshot_size, source.snapshot_key
-        if req.ttl is None and req.expires_at is None:
-            meta.ttl, meta.expires_at, meta.expires_at_text = source.ttl, source.expires_at, source.expires_at_text
-        meta.fork_source = source.path
-        meta.fork_source_sid = source.sid
-        meta.fork_source_uid = source.uid
-        meta.fork_position = position
-        meta.fork_offset = req.fork_offset
-        meta.fork_sub_offset = sub
-        meta.tail = position
-        meta.tail_chunk = chunk_at(txn, db, source, lookup, position)
-        meta.first_chunk = new_first_chunk(after=meta.tail_chunk)  # after every inherited chunk
-        meta.chunk = meta.first_chunk
-        meta.chunk_start = position
-        return source
-
-    def _resolve_sub_offset(self, txn: lmdb.Transaction, source: StreamMeta, position: int, sub: int) -> int:
-        """Sub-offset N past `position`: N bytes of the append there, or N of its JSON messages."""
-        lookup = self._lookup(txn)
-        first = record_at(txn, self.wal, source, lookup, position)
-        if first is None:
-            raise BadRequest("invalid Stream-Fork-Sub-Offset: the source has no message at that offset")
-        if isinstance(first, Sealed):
-            raise SubOffsetSealed("the fork sub-offset lies in a chunk sealed since it was resolved")
-        if not is_json(source.content_type):
-            if sub > first.end - position:
-                raise BadRequest("invalid Stream-Fork-Sub-Offset: larger than the append at that offset")
-            return position + sub
-        for count, rec in enumerate(chain_records(txn, self.wal, source, lookup, position, source.tail), 1):
-            if isinstance(rec, Sealed):
-                raise SubOffsetSealed("the fork sub-offset lies in a chunk sealed since it was resolved")
-            if count == sub:
-                return rec.end
-            if rec.flags & FLAG_END_OF_APPEND:
-                break
-        raise BadRequest("invalid Stream-Fork-Sub-Offset: more messages than the append at that offset")
+        return fork_source(self, txn, req, meta, now)
 
     @staticmethod
     def _same_config(meta: StreamMeta, req: CreateRequest) -> bool:

@@ -32,8 +32,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from ingester.store import AppendRequest, CreateRequest, SealPolicy, Store
+from ingester.store import Store
 from ingester.wal import GroupCommitter, OnLogged, WalEnv
+from ingester.writes import AppendRequest, CreateRequest, SealPolicy
 from shared.logsegment import Commit, encode
 
 MiB = 1 << 20

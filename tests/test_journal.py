@@ -13,7 +13,7 @@ import pytest
 from ingester.chain import Sealed
 from ingester.journal import FOLD_RECORDS, HEADER, JOURNAL_MAX_MESSAGE
 from ingester.records import SID, ChunkRef, Record, decode_record, encode_record, record_key
-from ingester.store import AppendRequest, SealPolicy
+from ingester.writes import AppendRequest, SealPolicy
 from shared import offsets
 from shared.errors import BadRequest, Unavailable
 from tests.wal_harness import JSON, Clock, Harness, fork

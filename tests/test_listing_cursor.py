@@ -14,7 +14,7 @@ import aiohttp
 import pytest
 
 from ingester.listing import MAX_SKIPPED
-from ingester.store import CreateRequest
+from ingester.writes import CreateRequest
 from tests.procs import Proc, ingester
 from tests.wal_harness import Clock, Harness
 

@@ -21,8 +21,8 @@ import pytest
 
 from ingester.logged_txn import LoggedTxn, UnloggedDatabase
 from ingester.replay import apply
-from ingester.store import AppendRequest, AppendResult, CreateRequest
 from ingester.wal import COMMIT_SEQ, WalEnv
+from ingester.writes import AppendRequest, AppendResult, CreateRequest
 from shared.config import MiB
 from shared.errors import Conflict, NotFound, Unavailable
 from shared.logsegment import CLEAR, DB_IDS, DELETE, PUT, Commit, Write

@@ -13,7 +13,7 @@ import pytest
 from ingester import remote_forks
 from ingester.move_ops import drop_moved, freeze_export, frozen_error, import_moved
 from ingester.records import SEALING, ChunkInfo, StreamMeta
-from ingester.store import SealPolicy
+from ingester.writes import SealPolicy
 from shared import moveformat
 from shared.errors import Conflict, Misdirected
 from shared.placement import Ingester

@@ -12,7 +12,7 @@ import pytest
 
 from ingester import remote_forks
 from ingester.remote_forks import PinnedSource
-from ingester.store import CreateRequest, CreateResult
+from ingester.writes import CreateRequest, CreateResult
 from tests.wal_harness import TEXT, Clock, Harness
 
 

@@ -21,8 +21,8 @@ from ingester.journal import FOLD_RECORDS
 from ingester.listing import _cursor_secret
 from ingester.records import ChunkRef
 from ingester.replay import ReplayGap, replay
-from ingester.store import AppendRequest, SealPolicy
 from ingester.wal import WalEnv
+from ingester.writes import AppendRequest, SealPolicy
 from shared import offsets
 from shared.buckets import internal_path
 from shared.config import MiB

@@ -14,7 +14,7 @@ import aiohttp
 import pytest
 
 from ingester.listing import MAX_SKIPPED
-from ingester.store import CreateRequest
+from ingester.writes import CreateRequest
 from shared.placement import Cluster
 from tests import procs
 from tests.wal_harness import Clock, Harness

@@ -13,7 +13,7 @@ from typing import Any
 import lmdb
 import pytest
 
-from ingester.store import AppendRequest, AppendResult, CreateResult
+from ingester.writes import AppendRequest, AppendResult, CreateResult
 from shared import offsets
 from shared.errors import (
     BadRequest,

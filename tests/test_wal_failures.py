@@ -11,7 +11,7 @@ import aiohttp
 import lmdb
 import pytest
 
-from ingester.store import AppendRequest, SealPolicy
+from ingester.writes import AppendRequest, SealPolicy
 from shared.config import MiB
 from shared.errors import Unavailable
 from tests.procs import ingester

@@ -23,16 +23,9 @@ import pytest
 from ingester.reads import Reads
 from ingester.records import SID, StreamMeta
 from ingester.replay import replay
-from ingester.store import (
-    AppendRequest,
-    AppendResult,
-    Committed,
-    CreateRequest,
-    CreateResult,
-    SealPolicy,
-    Store,
-)
+from ingester.store import Store
 from ingester.wal import GroupCommitter, OnLogged, WalEnv
+from ingester.writes import AppendRequest, AppendResult, Committed, CreateRequest, CreateResult, SealPolicy
 from shared import offsets
 from shared.config import MiB
 from shared.logsegment import DB_IDS, Commit
