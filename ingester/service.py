@@ -50,6 +50,7 @@ from shared.http.metrics import LoopHistogram
 from shared.objectstore import LocalStore, ObjectStore, open_store
 from shared.objectstore.scoped import ScopedStore, ingester_scope
 from shared.ownership import LeaseKeeper, OwnerRecord, Ownership
+from shared.placement import placement_key
 from shared.protocol import is_json
 
 log = logging.getLogger("ds3.ingester")
@@ -493,18 +494,10 @@ class IngesterService:
         """In a cluster: 421 unless this ingester owns the stream now; wait while it moves in
         from its previous owner (503 if that one cannot hand it over). Call only with a
         membership (callers test `membership is not None`, so one ingester pays nothing)."""
-        assert self.membership is not None
-        try:
-            self.membership.check(path)
-        except Misdirected:
-            await self._reread_description()
-            self.membership.misdirected -= 1  # one refusal counts once (below, if it is still one)
-            self.membership.check(path)
-        if self.moves is not None and self.moves.needs_pull(path):
-            await self.moves.ensure(path)
+        await self.owned_key(placement_key(path), path)
 
-    async def owned_key(self, key: str) -> None:
-        """`owned` for a placement key (a bucket)."""
+    async def owned_key(self, key: str, path: str | None = None) -> None:
+        """`owned` for a placement key (a bucket; or a stream's, with its `path`)."""
         assert self.membership is not None
         try:
             self.membership.check_key(key)
@@ -512,8 +505,12 @@ class IngesterService:
             await self._reread_description()
             self.membership.misdirected -= 1  # one refusal counts once (below, if it is still one)
             self.membership.check_key(key)
-        if self.moves is not None:
+        if self.moves is None:
+            return
+        if path is None:
             await self.moves.ensure_key(key)
+        elif self.moves.needs_pull(path):
+            await self.moves.ensure(path)
 
     async def _reread_description(self) -> None:
         """Before refusing a stream with 421: re-read the description (a read every 0.25 s at
