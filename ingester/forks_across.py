@@ -61,7 +61,6 @@ class CrossForks:
 
     def __init__(self, svc: IngesterService) -> None:
         self.svc = svc
-        self._session: aiohttp.ClientSession | None = None
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self.created = 0  # forks of sources on other ingesters created here
@@ -74,8 +73,6 @@ class CrossForks:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
-        if self._session is not None:
-            await self._session.close()
 
     def is_remote(self, source_path: str) -> bool:
         m = self.svc.membership
@@ -86,9 +83,8 @@ class CrossForks:
         return {INTERNAL_HEADER: token} if token else {}
 
     def _http(self) -> aiohttp.ClientSession:
-        if self._session is None:
-            self._session = aiohttp.ClientSession(timeout=CALL_TIMEOUT)
-        return self._session
+        assert self.svc.peers is not None  # (a cluster member has one)
+        return self.svc.peers
 
     def _owner_url(self, source_path: str) -> str:
         m = self.svc.membership
@@ -132,7 +128,7 @@ class CrossForks:
     async def _call(self, source_path: str, endpoint: str, body: dict[str, Any]) -> bytes:
         url = self._owner_url(source_path) + endpoint
         try:
-            async with self._http().post(url, data=orjson.dumps(body), headers={
+            async with self._http().post(url, data=orjson.dumps(body), timeout=CALL_TIMEOUT, headers={
                     **self._headers(), "Content-Type": "application/json"}) as resp:
                 raw = await resp.read()
                 status = resp.status

@@ -73,6 +73,7 @@ log = logging.getLogger("ds3.moves")
 
 MOVE_TIMEOUT: Final = 60.0  # a whole export (a key's unsealed records) in one answer
 CONNECT_TIMEOUT: Final = 2.0
+_TIMEOUT: Final = aiohttp.ClientTimeout(total=MOVE_TIMEOUT, connect=CONNECT_TIMEOUT)
 SWEEP_CONCURRENCY: Final = 4
 SWEEP_RETRY_MAX: Final = 30.0
 _CACHE_MAX: Final = 1 << 20
@@ -94,7 +95,6 @@ class Mover:
         self.me = svc.membership.ingester_id
         token = svc.config.auth.internal_token
         self._headers = {INTERNAL_HEADER: token} if token else {}
-        self._session: aiohttp.ClientSession | None = None
         self._gen = 0
         self._settled: set[str] = set()  # keys owned here that need no pull under generation _gen
         self._prev_owners: dict[str, str] = {}
@@ -116,8 +116,6 @@ class Mover:
     # --- lifecycle ---
 
     def start(self) -> None:
-        self._session = aiohttp.ClientSession(
-            timeout=aiohttp.ClientTimeout(total=MOVE_TIMEOUT, connect=CONNECT_TIMEOUT))
         self._task = asyncio.create_task(self._sweep_loop(), name="ds3-move-sweep")
 
     async def stop(self) -> None:
@@ -126,8 +124,6 @@ class Mover:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        if self._session is not None:
-            await self._session.close()
 
     def changed(self, _old: Cluster | None, _new: Cluster) -> None:
         """A description was adopted: sweep now."""
@@ -233,8 +229,8 @@ class Mover:
             fut.exception()  # retrieved: each waiter re-raises it
 
     async def _post(self, url: str, body: dict[str, Any]) -> tuple[int, bytes]:
-        assert self._session is not None
-        async with self._session.post(url, data=orjson.dumps(body), headers={
+        assert self.svc.peers is not None
+        async with self.svc.peers.post(url, data=orjson.dumps(body), timeout=_TIMEOUT, headers={
                 **self._headers, "Content-Type": "application/json"}) as r:
             return r.status, await r.read()
 

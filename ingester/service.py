@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 from typing import Final, TypeVar, cast
 
+import aiohttp
 import lmdb
 from aiohttp import web
 
@@ -80,6 +81,7 @@ class IngesterService:
         # With --ingester-id: the cluster description and which streams are this ingester's
         # (handlers and the fast lane check every stream request against it). None: no cluster.
         self.membership: Membership | None = None
+        self.peers: aiohttp.ClientSession | None = None
         self.cross_forks: CrossForks | None = None  # forks of other ingesters' streams (a cluster)
         self.moves: Mover | None = None  # moving streams in and out as the description changes
         self._reread_at = 0.0
@@ -361,6 +363,7 @@ class IngesterService:
         await watcher.refresh()  # a failure leaves it without a description: stream requests get 503
         watcher.start()
         self.membership = Membership(ingester_id, watcher)
+        self.peers = aiohttp.ClientSession()  # calls to the other ingesters (moves, forks): one per process
         self.cross_forks = CrossForks(self)
         self.cross_forks.start()
         self.moves = Mover(self)
@@ -441,6 +444,8 @@ class IngesterService:
             await self.cross_forks.stop()
         if self.moves is not None:
             await self.moves.stop()
+        if self.peers is not None:
+            await self.peers.close()
         if self.membership is not None:
             await self.membership.watcher.stop()
         if self._lease_task is not None:

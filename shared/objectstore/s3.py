@@ -339,11 +339,8 @@ class S3Store:
                     said = await resp.read()
                     status, etag = resp.status, resp.headers.get("ETag", "")
             except _TRANSPORT_ERRORS as exc:
-                if attempt < attempts:
-                    await asyncio.sleep(0.05 * 2**attempt)
-                    continue
-                self.counters.errors += 1
-                raise ObjectStoreUnavailable(f"object store unreachable ({self.url}): {exc}") from exc
+                await self._retry_or_give_up(attempt, attempts, exc)
+                continue
             if status == 200:
                 self.counters.bytes_out += len(data)
                 return etag.strip('"')
@@ -508,11 +505,8 @@ class S3Store:
             try:
                 resp = await http.get(url, headers=headers)
             except _TRANSPORT_ERRORS as exc:
-                if attempt < attempts:
-                    await asyncio.sleep(0.05 * 2**attempt)
-                    continue
-                self.counters.errors += 1
-                raise ObjectStoreUnavailable(f"object store unreachable ({self.url}): {exc}") from exc
+                await self._retry_or_give_up(attempt, attempts, exc)
+                continue
             if resp.status in (200, 206):
                 return resp
             try:
@@ -550,6 +544,15 @@ class S3Store:
             self._presigned_urls.clear()
         self._presigned_urls[k] = (url, now + _PRESIGN_REUSE)
         return url, False
+
+    async def _retry_or_give_up(self, attempt: int, attempts: int, exc: BaseException) -> None:
+        """After a transport error on a presigned request: back off before the next attempt, or
+        give up (ObjectStoreUnavailable) after the last."""
+        if attempt < attempts:
+            await asyncio.sleep(0.05 * 2**attempt)
+            return
+        self.counters.errors += 1
+        raise ObjectStoreUnavailable(f"object store unreachable ({self.url}): {exc}") from exc
 
     def _http_session(self) -> aiohttp.ClientSession:
         if self._closed:
