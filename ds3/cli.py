@@ -15,6 +15,7 @@ import click
 from aiohttp import web
 from aiohttp.web_runner import GracefulExit
 
+from ds3 import process
 from shared.config import (
     PRIVATE_NETWORKS,
     AuthConfig,
@@ -36,14 +37,6 @@ def _setup_logging(kw: dict[str, Any], service: str) -> None:
     if access is None:  # the ingester's callers are readers, which log the same request ids
         access = service != "ingester"
     logs.setup(kw["log_level"], kw["log_format"], access_log=access, service=service)
-
-
-def _install_uvloop() -> None:
-    try:
-        import uvloop
-    except ImportError:  # pragma: no cover - uvloop is a pinned dependency
-        return
-    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
 
 
 FC = TypeVar("FC", bound=Callable[..., Any])
@@ -225,21 +218,6 @@ def _build(create: Callable[[Any], web.Application], config: Any) -> web.Applica
         raise click.UsageError(str(e)) from e
 
 
-def _raise_fd_limit() -> None:
-    """Every connection is a file descriptor (10,000 live subscribers need about 10,050): take
-    the hard limit, since the usual soft limit of 1,024 would refuse connections far earlier."""
-    try:
-        import resource
-
-        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-        if hard == resource.RLIM_INFINITY or soft < hard:
-            want = hard if hard != resource.RLIM_INFINITY else max(soft, 1_048_576)
-            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
-            log.info("open files limit raised from %d to %d (connections each take one)", soft, want)
-    except (ImportError, ValueError, OSError) as e:  # pragma: no cover - not on Linux/macOS, or refused
-        log.warning("could not raise the open files limit: %s", e)
-
-
 def _run(app: web.Application, host: str, port: int, banner: str, config: IngesterConfig | ReaderConfig,
          runner_class: type[web.AppRunner] = web.AppRunner, *, unix_path: str | None = None,
          reuse_port: bool = False) -> None:
@@ -247,8 +225,8 @@ def _run(app: web.Application, host: str, port: int, banner: str, config: Ingest
     the ingester's adds the fast lane for appends). A reader worker (`reuse_port`) serves the
     listening sockets its parent made for every worker (reader/workers.py; SO_REUSEPORT if it
     has none) and also listens on a private unix socket (`unix_path`)."""
-    _install_uvloop()
-    _raise_fd_limit()
+    process.install_uvloop()
+    process.raise_fd_limit()
     from shared.http.auth import describe
 
     async def serve() -> None:
@@ -272,6 +250,7 @@ def _run(app: web.Application, host: str, port: int, banner: str, config: Ingest
                 await web.UnixSite(runner, unix_path).start()
             log.info("%s listening on http://%s", banner, _host_port(host, port))
             log.info("%s", describe(config.auth))
+            log.debug("garbage collector settled: %d objects frozen", process.settle_gc())
             await _wait_while_parent_lives()
         finally:
             await runner.cleanup()
@@ -370,7 +349,7 @@ def reader(**kw: Any) -> None:
     except ConfigError as e:
         raise click.UsageError(str(e)) from e
     if me is None and config.workers > 1:
-        _raise_fd_limit()
+        process.raise_fd_limit()
         sys.exit(supervise(sys.argv[sys.argv.index("reader") + 1:], config.workers, config.host, config.port))
     from reader.app import create_app
     from reader.forwardlane import ForwardLaneRunner

@@ -90,7 +90,7 @@ def create_app(config: ReaderConfig) -> web.Application:
             config=config, objects=objects, chunks=chunks, descriptors=descriptors,
             locator=SealedLocator(descriptors, chunks, config.max_read_bytes), router=router,
             sse=LiveHub(router, page, config.sse_max_seconds, config.long_poll_timeout,
-                       P.tail_cache_control(config.tail_max_age)),
+                       P.tail_cache_control(config.tail_max_age), config.max_read_bytes),
         )
         if watcher.current is not None:
             log.info("routing by the cluster description from %s (generation %d: %s)", source.description,

@@ -6,8 +6,9 @@ ended (`Channel.offset`). Every upstream 200 becomes an `Answer`: the ingester's
 headers, encoded once and handed as they are to every client it answers. Long-poll waiters
 at the channel's offset park on the channel and get the next answer (their own cursor is
 the one header added per waiter); one that comes back late, at the offset one of the last
-answers started from (the channel keeps HISTORY_ANSWERS of them), gets that answer at once
-(without Stream-Up-To-Date when newer ones followed it). Any other waiter is forwarded like a
+answers started from (the channel keeps HISTORY_ANSWERS of them), gets at once that answer
+and those that followed it, joined into one page as a read from there would return it
+(without Stream-Up-To-Date when it stops short of the newest). Any other waiter is forwarded like a
 plain read (reader.http). SSE clients (reader.sse_fanout) catch up with ordinary reads, attach when a
 read says they are up to date, and then get each answer that continues exactly where they
 are, written by the channel straight to their connections.
@@ -110,6 +111,31 @@ class Answer:
             self._behind = other
         return self._behind
 
+    @classmethod
+    def joined(cls, run: list[Answer], *, up_to_date: bool) -> Answer:
+        """Consecutive answers as one page, as a read from the first one's start returns the
+        same range: the bodies joined (one JSON array for a JSON stream), the ETag spanning
+        them, the last one's other headers; Stream-Up-To-Date only when `up_to_date`."""
+        first, last = run[0], run[-1]
+        out = copy.copy(last)
+        out.start = first.start
+        if P.is_json(last.content_type):
+            items = [a.body[1:-1] for a in run if len(a.body) > 2]
+            out.body = b"[" + b",".join(items) + b"]"
+        else:
+            out.body = b"".join(a.body for a in run)
+        out.headers = last.headers.copy()
+        out.etag = _spanning_etag(first.etag, last.etag)
+        if out.etag is None:
+            out.headers.popall("ETag", None)
+        else:
+            out.headers["ETag"] = out.etag
+        out.up_to_date = up_to_date
+        if not up_to_date:
+            out.headers.popall(P.UP_TO_DATE, None)
+        out._sse_data = out.raw_head = out._behind = None
+        return out
+
     def response(self, cursor: str | None, if_none_match: str | None) -> web.Response:
         """This answer to one long-poll client (with its cursor), or 304 when it has it."""
         if if_none_match is not None and self.etag and self.etag in (t.strip() for t in if_none_match.split(",")):
@@ -124,6 +150,27 @@ class Answer:
         if self._sse_data is None:
             self._sse_data = data_event(self.body, self.content_type)
         return self._sse_data
+
+
+def _spanning_etag(first: str | None, last: str | None) -> str | None:
+    """The ingester's ETag of a read over both answers' ranges, "sid.start.end" (".c" at the
+    end of a closed stream; ingester.http.data_response): the first one's start, the last
+    one's end."""
+    a, b = _etag_parts(first), _etag_parts(last)
+    if a is None or b is None or a[0] != b[0]:
+        return None
+    return f'"{a[0]}.{a[1]}.{b[2]}{".c" if b[3] else ""}"'
+
+
+def _etag_parts(etag: str | None) -> tuple[str, str, str, bool] | None:
+    if etag is None or len(etag) < 2 or etag[0] != '"' or etag[-1] != '"':
+        return None
+    inner = etag[1:-1]
+    closed = inner.endswith(".c")
+    parts = inner.removesuffix(".c").split(".")
+    if len(parts) != 3:
+        return None
+    return parts[0], parts[1], parts[2], closed
 
 
 def data_event(body: bytes, content_type: str) -> bytes:
@@ -165,6 +212,7 @@ class Channel:
         # (it took a while to come back) is answered from here, not forwarded as a read
         self.history: dict[str, Answer] = {}
         self._history_bytes = 0
+        self._joined: dict[str, Answer] = {}  # since()'s answers until the next one arrives
         # long-polls parked at `offset`, in arrival order with their deadlines: one timer per
         # channel answers the expired ones (cheaper than a timeout per waiter)
         self.waiters: dict[asyncio.Future[Answer | Upstream | None], float] = {}
@@ -245,6 +293,7 @@ class Channel:
             self.subscribers.clear()
 
     def _remember(self, ans: Answer) -> None:
+        self._joined.clear()
         history = self.history
         history[ans.start] = ans
         self._history_bytes += len(ans.body)
@@ -256,6 +305,28 @@ class Channel:
         """The answer that began at `offset`, if the channel still has it."""
         return self.history.get(offset)
 
+    def since(self, first: Answer) -> Answer:
+        """All the channel has from `first` on, as one answer within hub.join_bytes: a client a
+        few answers behind catches up in one round, as a read from its offset would let it
+        (one answer a round would keep a client that polls slower than the stream grows
+        behind for good)."""
+        done = self._joined.get(first.start)
+        if done is not None:
+            return done
+        run, size = [first], len(first.body)
+        following = self.history.get(first.next_offset)
+        while following is not None and size + len(following.body) <= self.hub.join_bytes:
+            run.append(following)
+            size += len(following.body)
+            following = self.history.get(following.next_offset)
+        last = run[-1]
+        if len(run) == 1:
+            done = last if last is self.latest else last.behind()
+        else:
+            done = Answer.joined(run, up_to_date=last is self.latest and last.up_to_date)
+        self._joined[first.start] = done
+        return done
+
     async def _poll(self) -> Upstream:
         qs = f"{url_path(self.path)}?offset={self.offset}&live=long-poll"
         # the stream's owner now (reader.routing): a changed description moves the next poll
@@ -264,8 +335,9 @@ class Channel:
 
 class LiveHub:
     def __init__(self, router: Router, read_page: PageReader, max_seconds: float,
-                 long_poll_timeout: float, tail_cache: str = "no-store") -> None:
+                 long_poll_timeout: float, tail_cache: str = "no-store", join_bytes: int = 1 << 20) -> None:
         self.router = router
+        self.join_bytes = join_bytes  # the most a late long-poll gets at once (Channel.since)
         self.tail_cache = tail_cache  # Cache-Control of a 204 (nothing new yet): see P.tail_cache_control
         self.read_page = read_page
         self.max_seconds = max_seconds  # an SSE response ends after this long
@@ -306,7 +378,7 @@ class LiveHub:
             if earlier is not None:
                 ch.wanted = True
                 self.router.collapsed += 1
-                return earlier if earlier is ch.latest else earlier.behind()
+                return ch.since(earlier)
             return None
         if ch is None:
             ch = self.channel(path, offset)

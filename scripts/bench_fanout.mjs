@@ -5,6 +5,12 @@
 //                          "mode": "long-poll"|"sse"|"mixed", "subscribers": 1000, "rate": 20,
 //                          "seconds": 10, "addresses": 20, "settle": 3}'
 //
+// The writer first appends `warmup` seconds of messages at the same rate (default 2): every
+// subscriber must get those too, in order, but their delays are reported apart
+// (warmup_delivery_ms_p99), since the first second is slow against any server (the load
+// generator's own code is still being compiled: against the reference the first three
+// messages took 170-340 ms, then 40-120).
+//
 // Subscribers connect from `addresses` loopback source addresses (127.0.0.11, ...), as many
 // clients would: a per-client live cap counts each address on its own. Each subscriber checks
 // that it sees message i+1 right after i (nothing lost, repeated or reordered) and records the
@@ -33,6 +39,8 @@ function request(agent, localAddress, method, path, body, headers = {}) {
 
 const stats = { errors: 0, errorSamples: [], outOfOrder: 0, requests: 0, connected: 0 }
 const latencies = []
+const warmLatencies = []
+const warm = Math.round(cfg.rate * (cfg.warmup ?? 2))
 const subs = []
 
 function note(sub, messages, at) {
@@ -44,7 +52,8 @@ function note(sub, messages, at) {
     }
     sub.next++
     sub.got++
-    if (m.i >= 0) latencies.push(at - m.t)
+    if (m.i >= warm) latencies.push(at - m.t)
+    else if (m.i >= 0) warmLatencies.push(at - m.t)
   }
 }
 
@@ -143,25 +152,31 @@ while (now() < settleUntil) await new Promise((ok) => setTimeout(ok, 50))
 const connectedAtStart = stats.connected
 
 // The writer: message i is due at start + i / rate; it waits for each answer (one connection).
+// Messages 0 .. warm-1 are the warm-up; the measured ones follow without a pause.
 const total = Math.round(cfg.rate * cfg.seconds)
+const all = warm + total
 const t0 = now()
 const writeLatencies = []
 let written = 0
-const cpuBefore = process.cpuUsage()
-for (let i = 0; i < total; i++) {
+let cpuBefore = process.cpuUsage()
+let measuredFrom = t0
+for (let i = 0; i < all; i++) {
   const due = t0 + (i * 1000) / cfg.rate
   const wait = due - now()
   if (wait > 0) await new Promise((ok) => setTimeout(ok, wait))
+  if (i === warm) { measuredFrom = now(); cpuBefore = process.cpuUsage() }
   const t = now()
   const r = await request(writerAgent, undefined, "POST", cfg.path, JSON.stringify({ i, t }), { "Content-Type": "application/json" })
   if (r.status !== 200 && r.status !== 204) { fail(`append HTTP ${r.status}`); continue }
-  writeLatencies.push(now() - t)
-  written++
+  if (i >= warm) {
+    writeLatencies.push(now() - t)
+    written++
+  }
 }
-const writeSeconds = (now() - t0) / 1000
+const writeSeconds = (now() - measuredFrom) / 1000
 // Wait for every subscriber to see every message (or give up after 15 s).
 const deadline = now() + 15000
-while (now() < deadline && subs.some((s) => s.next < total)) await new Promise((ok) => setTimeout(ok, 20))
+while (now() < deadline && subs.some((s) => s.next < all)) await new Promise((ok) => setTimeout(ok, 20))
 const cpu = process.cpuUsage(cpuBefore)
 stopping = true
 for (const s of subs) s.req?.destroy()
@@ -173,7 +188,7 @@ const pct = (xs, p) => {
   const s = Float64Array.from(xs).sort()
   return s[Math.min(s.length - 1, Math.floor((p / 100) * s.length))]
 }
-const complete = subs.filter((s) => s.next === total && s.got === total).length
+const complete = subs.filter((s) => s.next === all && s.got === all).length
 console.log(JSON.stringify({
   mode: cfg.mode, subscribers: cfg.subscribers, connected_at_start: connectedAtStart,
   messages: total, written, writer_rate: written / writeSeconds, target_rate: cfg.rate,
@@ -182,5 +197,7 @@ console.log(JSON.stringify({
   out_of_order: stats.outOfOrder, errors: stats.errors, error_samples: stats.errorSamples,
   requests: stats.requests, delivery_ms_p50: pct(latencies, 50), delivery_ms_p99: pct(latencies, 99),
   delivery_ms_max: pct(latencies, 100), loadgen_cpu_s: (cpu.user + cpu.system) / 1e6,
+  warmup_messages: warm, warmup_delivery_ms_p50: pct(warmLatencies, 50),
+  warmup_delivery_ms_p99: pct(warmLatencies, 99),
 }))
 process.exit(0)

@@ -5,6 +5,8 @@ For each server, one after the other on 127.0.0.1: N subscribers on one JSON str
 then SSE, each from the tail), a writer appending {"i", "t"} at --rate msg/s for --seconds. Every
 subscriber must see every message once and in order; the report gives the writer's achieved rate,
 delivery latency p50/p99 (append sent -> subscriber parsed it) and the server's CPU seconds.
+The writer starts with --warmup seconds of messages (default 2) whose delays are reported apart
+(warmup_delivery_ms_p99): the load generator's first second is slow against either server.
 
     .venv/bin/python scripts/bench_fanout.py                   # 1,000 long-poll, then 1,000 SSE
     .venv/bin/python scripts/bench_fanout.py --mode many --subscribers 10000   # one reader worker
@@ -87,7 +89,7 @@ def ds3_pair(work: Path, long_poll_s: float) -> tuple[Server, Server]:
 def run_load(base: str, path: str, mode: str, p: argparse.Namespace, subscribers: int,
              watch: psutil.Process | None = None) -> dict[str, Any]:
     cfg = {"base": base, "path": path, "mode": mode, "subscribers": subscribers, "rate": p.rate,
-           "seconds": p.seconds, "addresses": p.addresses, "settle": p.settle}
+           "seconds": p.seconds, "warmup": p.warmup, "addresses": p.addresses, "settle": p.settle}
     proc = subprocess.Popen(["node", str(LOAD), json.dumps(cfg)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, preexec_fn=_raise_nofile)
     peak: dict[str, float] = {}
@@ -136,7 +138,7 @@ def scenario(server: Server, mode: str, p: argparse.Namespace, n: int, subscribe
 
 def short(r: dict[str, Any]) -> str:
     return (f"writer {r['writer_rate']:.1f}/{r['target_rate']} msg/s, delivery p50 {fmt(r['delivery_ms_p50'])} ms "
-            f"p99 {fmt(r['delivery_ms_p99'])} ms, complete {r['complete_subscribers']}/{r['subscribers']}, "
+            f"p99 {fmt(r['delivery_ms_p99'])} ms (warm-up p99 {fmt(r.get('warmup_delivery_ms_p99'))}), complete {r['complete_subscribers']}/{r['subscribers']}, "
             f"out of order {r['out_of_order']}, errors {r['errors']}, server CPU {r['server_cpu_s']} s, "
             f"load CPU {r['loadgen_cpu_s']:.1f} s, machine busy {r['machine_busy_share']:.0%}")
 
@@ -205,6 +207,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--long-poll", type=float, default=30.0, help="long-poll timeout of both servers (s)")
     ap.add_argument("--addresses", type=int, default=20, help="loopback source addresses of the subscribers")
     ap.add_argument("--settle", type=float, default=3.0, help="seconds between connecting and writing")
+    ap.add_argument("--warmup", type=float, default=2.0,
+                    help="seconds of messages written before the measured ones (their delays are reported apart)")
     ap.add_argument("--repeat", type=int, default=1, help="rounds per server (the best p99 is compared)")
     ap.add_argument("--json", type=Path, help="write the results here")
     p = ap.parse_args(argv)

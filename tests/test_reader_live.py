@@ -333,3 +333,62 @@ async def test_an_sse_client_that_stops_reading_is_cut_loose_and_the_others_go_o
             finally:
                 reader_resp.close()
                 w.close()
+
+
+# ---------------------------------------------------------------- a late long-poll catches up at once
+LATE = {
+    TEXT: [b"alpha ", b"beta ", b"gamma"],
+    OCTET: [b"\x00\x01", b"\xff\r\n", b"\x80"],
+    JSON: [b'{"i": 1}', b'[{"i": 2}, {"i": 3}]', b'"four"'],
+}
+
+
+@pytest.mark.parametrize("content_type", list(LATE))
+async def test_a_long_poll_answers_behind_gets_them_all_as_the_ingester_reads_them(
+    tmp_path: Path, local_store: StoreView, content_type: str
+) -> None:
+    """A long-poll that comes back several answers late (a slow client of a busy stream) gets
+    everything since its offset in one answer, the same status, headers and bytes as a read
+    from there at the ingester, without an upstream request; with more than --max-read-bytes
+    since, it gets whole answers up to that and the rest on its next poll."""
+    with Cluster(tmp_path, local_store, seal_bytes=1 << 20, reader_args=["--max-read-bytes", "1024"]) as c:
+        async with aiohttp.ClientSession(timeout=TIMEOUT) as s:
+            ing = f"{c.ingester.url}/v1/stream/late"
+            url = f"{c.reader.url}/v1/stream/late"
+            await create(s, ing, content_type)
+            start = await append(s, ing, LATE[content_type][0], content_type)
+
+            async def follow(offset: str, bodies: list[bytes]) -> str:
+                """Append each body while a long-poll at the tail waits, so each is an answer of
+                the channel of its own; returns the tail."""
+                for body in bodies:
+                    poll = asyncio.create_task(get_page(s, url, offset, params={"live": "long-poll"}))
+                    await asyncio.sleep(0.2)
+                    offset = await append(s, ing, body, content_type)
+                    assert (await poll).status == 200
+                return offset
+
+            first = await follow(start, [b"x" if content_type != JSON else b"0"])  # the channel runs
+            tail = await follow(first, LATE[content_type][1:])
+            before = reader_metrics(c.reader.url)[UPSTREAM]
+            late = await get_page(s, url, first, params={"live": "long-poll", "cursor": "7"})
+            assert reader_metrics(c.reader.url)[UPSTREAM] == before, "the late long-poll went upstream"
+            read = await get_page(s, ing, first)
+            assert (late.status, late.next_offset, late.body) == (200, tail, read.body)
+            assert late.headers.get("Stream-Up-To-Date") == "true"
+            got = {k: v for k, v in answer(late)[1].items() if k != "stream-cursor"}
+            assert got == answer(read)[1], "the joined answer's headers differ from the ingester's read"
+
+            # more than --max-read-bytes behind: whole answers within it, then the rest
+            big = [bytes([65 + n]) * 400 if content_type != JSON else b'"' + bytes([65 + n]) * 400 + b'"'
+                   for n in range(4)]
+            end = await follow(tail, big)
+            part = await get_page(s, url, tail, params={"live": "long-poll"})
+            assert part.status == 200 and "Stream-Up-To-Date" not in part.headers
+            assert 0 < len(part.body) <= 1024 and part.next_offset not in (tail, end)
+            rest = await get_page(s, url, part.next_offset, params={"live": "long-poll"})
+            if content_type == JSON:
+                assert json.loads(part.body) + json.loads(rest.body) == [json.loads(b) for b in big]
+            else:
+                assert part.body + rest.body == b"".join(big)
+            assert rest.next_offset == end and rest.headers.get("Stream-Up-To-Date") == "true"
