@@ -58,7 +58,7 @@ def ds3_dev(work: Path, long_poll_s: float) -> Server:
     port = free_port()
     return Server(
         name="ds3 dev", cmd=[str(DS3), "dev", "--host", "127.0.0.1", "--port", str(port), "--data-dir", str(data),
-                             "--long-poll-timeout", f"{long_poll_s:g}", "--log-level", "warning"],
+                             "--long-poll-timeout", f"{long_poll_s:g}"],  # access log on, as users run it
         env={"DS3_MAX_LIVE_PER_CLIENT": "0"}, cwd=ROOT, data_dir=data, log_path=work / "ds3-dev.log",
         ready_path="/healthz", ready_any=False, port=port,
     )
