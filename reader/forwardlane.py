@@ -31,7 +31,7 @@ from reader.fanout import Answer as Answer_
 from reader.proxy import DROP_REQUEST, DROP_RESPONSE, Upstream
 from reader.routing import MISDIRECTED, Link, Router
 from reader.state import READER, ReaderState
-from reader.upstream import Answer, Deliver
+from reader.upstream import Answer
 from shared import protocol as P
 from shared.errors import DS3Error, TooManyRequests, Unavailable
 from shared.http.access import CLIENT_CLOSED
@@ -128,55 +128,8 @@ class ForwardLane(Lane):
             client = handler.client(msg)
             if client is not None:
                 lim.take(lim.writes, client, "writes")
-        url = msg.url
-        path = self._path(handler, msg)
-        link: Link = msg.note
         st.forwarded += 1
-        peer = handler.peer()
-        retried = False
-
-        def send(to: Link) -> None:
-            assert to.pool is not None
-            to.client.requests += 1
-            to.pool.request(self._upstream_request(msg, body, peer, rid, to.pool.netloc), not post, deliver)
-
-        def done(answer: Answer | Unavailable) -> None:
-            nonlocal retried
-            if post:
-                st.descriptors.forget(path)
-            if isinstance(answer, Unavailable):
-                log.warning("%s %s: %s", msg.method.decode(), url[:200].decode("latin-1"), answer.message)
-                router.failed(link)
-                handler.answer_failure(msg, answer, rid, started)
-                return
-            if answer.status == MISDIRECTED and router.watcher is not None:
-                # the ingester judged by another description: re-read it, retry once at the owner
-                if retried:
-                    router.misdirected += 1
-                    handler.answer_failure(msg, router.still_misdirected(link), rid, started)
-                    return
-                retried = True
-                task = asyncio.ensure_future(reroute(_generation(answer)))
-                _pending.add(task)
-                task.add_done_callback(_pending.discard)
-                return
-            handler.answer(msg, answer.status, {}, answer.body, rid, started, head=self._answer_head(msg, answer))
-
-        async def reroute(generation: str | None) -> None:
-            nonlocal link
-            try:
-                again = await router.after_misdirected(placement_key(path), link, generation)
-            except Exception as e:  # (answer exactly once, whatever happens)
-                handler.answer_failure(msg, e, rid, started)
-                return
-            if again is None or again.pool is None:
-                handler.answer_failure(msg, router.still_misdirected(link), rid, started)
-                return
-            link = again
-            send(again)
-
-        deliver: Deliver = done
-        send(link)
+        _Forward(self, handler, msg, body, rid, started, post).send(msg.note)
 
     def _upstream_request(self, msg: Message, body: bytes, peer: str | None, rid: str, netloc: bytes) -> bytes:
         parts = [msg.method, b" ", msg.url, b" HTTP/1.1\r\nHost: ", netloc, b"\r\n"]
@@ -301,6 +254,69 @@ class ForwardLane(Lane):
             ) + b"Content-Length: %d\r\n" % len(ans.body)
         cursor_line = b"Stream-Cursor: " + P.response_cursor(cursor).encode() + b"\r\n"
         handler.answer(msg, 200, {}, ans.body, rid, started, head=head + cursor_line)
+
+
+class _Forward:
+    """One append or HEAD on its way to the stream's owner and back. An object rather than
+    closures: nested functions that refer to each other form a reference cycle per request,
+    garbage only the collector frees (~28 objects per forwarded request, a 5-8% share of the
+    reader's CPU in young collections at 10,000 appends/s)."""
+
+    __slots__ = ("body", "handler", "lane", "link", "msg", "path", "peer", "post", "retried", "rid", "started")
+
+    def __init__(self, lane: ForwardLane, handler: LaneHandler, msg: Message, body: bytes, rid: str,
+                 started: float, post: bool) -> None:
+        self.lane, self.handler, self.msg, self.body = lane, handler, msg, body
+        self.rid, self.started, self.post = rid, started, post
+        self.path = lane._path(handler, msg)
+        self.peer = handler.peer()
+        self.link: Link = msg.note
+        self.retried = False
+
+    def send(self, to: Link) -> None:
+        assert to.pool is not None
+        self.link = to
+        to.client.requests += 1
+        request = self.lane._upstream_request(self.msg, self.body, self.peer, self.rid, to.pool.netloc)
+        to.pool.request(request, not self.post, self.done)
+
+    def done(self, answer: Answer | Unavailable) -> None:
+        lane, msg, handler = self.lane, self.msg, self.handler
+        st, router = lane.st, lane.router
+        assert st is not None and router is not None
+        if self.post:
+            st.descriptors.forget(self.path)
+        if isinstance(answer, Unavailable):
+            log.warning("%s %s: %s", msg.method.decode(), msg.url[:200].decode("latin-1"), answer.message)
+            router.failed(self.link)
+            handler.answer_failure(msg, answer, self.rid, self.started)
+            return
+        if answer.status == MISDIRECTED and router.watcher is not None:
+            # the ingester judged by another description: re-read it, retry once at the owner
+            if self.retried:
+                router.misdirected += 1
+                handler.answer_failure(msg, router.still_misdirected(self.link), self.rid, self.started)
+                return
+            self.retried = True
+            task = asyncio.ensure_future(self._reroute(_generation(answer)))
+            _pending.add(task)
+            task.add_done_callback(_pending.discard)
+            return
+        handler.answer(msg, answer.status, {}, answer.body, self.rid, self.started,
+                       head=lane._answer_head(msg, answer))
+
+    async def _reroute(self, generation: str | None) -> None:
+        router = self.lane.router
+        assert router is not None
+        try:
+            again = await router.after_misdirected(placement_key(self.path), self.link, generation)
+        except Exception as e:  # (answer exactly once, whatever happens)
+            self.handler.answer_failure(self.msg, e, self.rid, self.started)
+            return
+        if again is None or again.pool is None:
+            self.handler.answer_failure(self.msg, router.still_misdirected(self.link), self.rid, self.started)
+            return
+        self.send(again)
 
 
 def _upstream_head(up: Upstream) -> bytes:
