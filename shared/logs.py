@@ -96,12 +96,28 @@ class JsonFormatter(logging.Formatter):
             out["exc"] = record.exc_text
         return orjson.dumps(out, default=str).decode()
 
+    def access(self, created: float, msg: str, fields: dict[str, Any]) -> str:
+        """format() of an access record (logger ds3.access, INFO, fields that name the
+        request id) without the record."""
+        out: dict[str, Any] = {"ts": self._ts(created), "level": "info"}
+        if self.service:
+            out["service"] = self.service
+        out["logger"] = ACCESS_LOGGER
+        out["msg"] = msg
+        rid = _request_id.get()
+        if rid is not None:
+            out["request_id"] = rid
+        out.update(fields)
+        return orjson.dumps(out, default=str).decode()
+
 
 class TextFormatter(logging.Formatter):
     """The classic line, with the request id appended when there is one."""
 
     def __init__(self) -> None:
         super().__init__("%(asctime)s %(levelname)s %(name)s %(message)s")
+        self._second = -1
+        self._stamp = ""
 
     def formatMessage(self, record: logging.LogRecord) -> str:  # before any traceback
         line = super().formatMessage(record)
@@ -109,6 +125,20 @@ class TextFormatter(logging.Formatter):
         if rid is None:  # a line logged off the request's context names it in its fields (the fast lanes)
             fields = getattr(record, "fields", None)
             rid = fields.get("request_id") if isinstance(fields, dict) else None
+        return line if rid is None else f"{line} [request_id={rid}]"
+
+    def access(self, created: float, msg: str, fields: dict[str, Any]) -> str:
+        """format() of an access record (logger ds3.access, INFO) without the record: the
+        default asctime (local time, milliseconds as LogRecord computes them), the time
+        formatted once a second."""
+        second = int(created)
+        if second != self._second:
+            self._second = second
+            self._stamp = time.strftime("%Y-%m-%d %H:%M:%S", self.converter(created))
+        rid = _request_id.get()
+        if rid is None:
+            rid = fields.get("request_id")
+        line = f"{self._stamp},{int((created - second) * 1000):03d} INFO {ACCESS_LOGGER} {msg}"
         return line if rid is None else f"{line} [request_id={rid}]"
 
 
@@ -144,6 +174,15 @@ class BatchingStreamHandler(logging.StreamHandler):  # type: ignore[type-arg]
         if urgent:
             self.flush()
 
+    def write_access(self, line: str) -> None:
+        """An access line already formatted (access_line): batched like the records of `batched`."""
+        with self.lock:  # type: ignore[union-attr]
+            self._pending.append(line + self.terminator)
+            self._pending_bytes += len(line) + 1
+            urgent = self._pending_bytes >= self.FLUSH_BYTES
+        if urgent:
+            self.flush()
+
     def flush(self) -> None:
         with self.lock:  # type: ignore[union-attr]
             if self._pending:
@@ -174,8 +213,10 @@ def setup(level: str, fmt: str = "text", *, access_log: bool = True, service: st
     logging.logThreads = False
     logging.logProcesses = False
     logging.logMultiprocessing = False
+    global _installed
     handler = BatchingStreamHandler(sys.stderr)
     handler.setFormatter(JsonFormatter(service) if fmt == "json" else TextFormatter())
+    _installed = handler
     root = logging.getLogger()
     for old in list(root.handlers):
         root.removeHandler(old)
@@ -184,3 +225,30 @@ def setup(level: str, fmt: str = "text", *, access_log: bool = True, service: st
     logging.captureWarnings(True)  # Python warnings become records too: no stray non-JSON lines
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)  # ds3.access logs requests
     logging.getLogger("ds3.access").setLevel(logging.NOTSET if access_log else logging.WARNING)
+
+
+ACCESS_LOGGER: Final = "ds3.access"
+_installed: BatchingStreamHandler | None = None  # setup()'s handler
+_access = logging.getLogger(ACCESS_LOGGER)
+
+
+def access_line(msg: str, fields: dict[str, Any]) -> bool:
+    """Write an INFO line of ds3.access straight to the handler setup() installed, as its
+    formatter formats the record, without making one: a line per request costs ~1.5 us instead
+    of logging's ~6 (LogRecord, handler chain, Formatter; 13% of a reader's CPU when forwarding
+    appends). False when logging is not as setup() left it (another handler, a filter, the
+    level): the caller then logs the record as usual."""
+    h = _installed
+    if h is None:
+        return False
+    root = logging.root
+    handlers = root.handlers
+    if (len(handlers) != 1 or handlers[0] is not h or h.filters or root.filters or _access.handlers
+            or _access.filters or not _access.propagate or _access.disabled or h.level > logging.INFO
+            or not _access.isEnabledFor(logging.INFO)):
+        return False
+    fmt = h.formatter
+    if not isinstance(fmt, JsonFormatter | TextFormatter):
+        return False
+    h.write_access(fmt.access(time.time(), msg, fields))
+    return True

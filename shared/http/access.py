@@ -102,7 +102,8 @@ def log_access(rid: str | None, method: str, raw_path: str, route: str, status: 
     }
     if subject is not None:
         fields["sub"] = logs.printable(subject, 128)
-    access_log.info("%s %s %d %.1fms %dB", method, path, status, duration_ms, sent, extra={"fields": fields})
+    if not logs.access_line(f"{method} {path} {status} {duration_ms:.1f}ms {sent}B", fields):
+        access_log.info("%s %s %d %.1fms %dB", method, path, status, duration_ms, sent, extra={"fields": fields})
 
 
 async def _request_id_header(request: web.Request, response: web.StreamResponse) -> None:
