@@ -270,7 +270,7 @@ class Shipper:
         """Copy the whole env, upload it, delete what it covers; returns its commit seq."""
         return await self.checkpoints.take()
 
-    # --- one step ----------------------------------------------------------------------------
+    # --- one step, and what an upload means (ingester/segment_uploads.py uploads) ---------------
 
     async def ship_once(self) -> int:
         """Upload one segment of what is queued; returns how many commits it held (0: nothing
