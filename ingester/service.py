@@ -1,4 +1,10 @@
-"""The ingester's moving parts wired together: WAL, writer, reads, wake-ups, housekeeping."""
+"""The ingester's moving parts wired together: WAL, writer, reads, wake-ups, housekeeping.
+
+Its concerns live in modules of their own: taking the store prefix and restoring at start
+(ingester/owning.py), keeping its lease (ingester/lease.py), --standby (ingester/standby.py),
+cluster membership (ingester/cluster_member.py), reads of sealed chunks
+(ingester/sealed_reads.py) and the periodic chores (ingester/housekeeping.py).
+"""
 
 from __future__ import annotations
 
@@ -7,11 +13,6 @@ import contextlib
 import dataclasses
 import functools
 import logging
-import math
-import os
-import secrets
-import shutil
-import signal
 import time
 from collections.abc import Callable
 from typing import Final, TypeVar, cast
@@ -20,16 +21,20 @@ import aiohttp
 import lmdb
 from aiohttp import web
 
-from ingester import retention
+from ingester import retention, standby
+from ingester.cluster_member import OwnedCheck, join_cluster
 from ingester.forks_across import CrossForks
+from ingester.housekeeping import housekeeping
+from ingester.lease import keep_lease
 from ingester.live import Notifier
-from ingester.logstore import StartRefused, drop_wal_behind_log, list_log, restore, wal_is_empty
 from ingester.moves import Mover
+from ingester.owning import own_and_restore, own_store, owner_id
 from ingester.reads import ReadResult, Reads
 from ingester.reaper import ObjectReaper
-from ingester.records import FLAG_END_OF_APPEND, StreamMeta
+from ingester.records import StreamMeta
+from ingester.sealed_reads import read_sealed, sealed_sub_offset
 from ingester.sealing import Sealer
-from ingester.shipper import Durability, Shipper, StoreAhead
+from ingester.shipper import Durability, Shipper
 from ingester.snapshots import Snapshots
 from ingester.store import Store
 from ingester.wal import GroupCommitter, WalEnv
@@ -44,15 +49,13 @@ from ingester.writes import (
 )
 from shared import offsets
 from shared.chunkstore import ChunkReader
-from shared.cluster import ClusterWatcher, FileSource, Membership, StoreSource
+from shared.cluster import Membership
 from shared.config import IngesterConfig
-from shared.errors import BadRequest, Misdirected, ObjectStoreError, OwnedElsewhere, Superseded, Unavailable
+from shared.errors import Superseded, Unavailable
 from shared.http.metrics import LoopHistogram
 from shared.objectstore import LocalStore, ObjectStore, open_store
-from shared.objectstore.scoped import ScopedStore, ingester_scope
-from shared.ownership import LeaseKeeper, OwnerRecord, Ownership
+from shared.ownership import OwnerRecord, Ownership
 from shared.placement import placement_key
-from shared.protocol import is_json
 
 log = logging.getLogger("ds3.ingester")
 T = TypeVar("T")
@@ -67,7 +70,7 @@ class IngesterService:
     def __init__(self, config: IngesterConfig) -> None:
         self.config = config
         self.objects: ObjectStore | None = None
-        self.own_objects: ObjectStore | None = None  # this ingester's log and ownership record (see _own_store)
+        self.own_objects: ObjectStore | None = None  # its log and ownership record (owning.own_store)
         self.sealer: Sealer | None = None
         self.chunk_reader: ChunkReader | None = None
         self.shipper: Shipper | None = None
@@ -84,7 +87,7 @@ class IngesterService:
         self.peers: aiohttp.ClientSession | None = None
         self.cross_forks: CrossForks | None = None  # forks of other ingesters' streams (a cluster)
         self.moves: Mover | None = None  # moving streams in and out as the description changes
-        self._reread_at = 0.0
+        self._owned_check = OwnedCheck(self)  # owned_key
         self._lease_task: asyncio.Task[None] | None = None
         # --standby: why this ingester does not serve yet (None: it owns the prefix and serves),
         # and the owner's record as last read.
@@ -108,62 +111,16 @@ class IngesterService:
         self.store = Store(self.wal, seal=seal)
         self.reads = Reads(self.wal, self.store.touches, threads=config.read_threads)
 
-    def _owner_id(self) -> str:
-        """--owner-id, else an id kept in the data dir: a restart on the same disk (a crash
-        included) takes its own record back at once; a new disk waits for the lease."""
-        if self.config.owner_id is not None:
-            return self.config.owner_id
-        path = self.config.data_dir / "owner-id"
-        try:
-            found = path.read_text().strip()
-            if found:
-                return found
-        except FileNotFoundError:
-            pass
-        self.config.data_dir.mkdir(parents=True, exist_ok=True)
-        oid = f"ingester-{secrets.token_hex(8)}"
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(oid + "\n")
-        os.replace(tmp, path)
-        return oid
-
     def _open_ownership(self) -> Ownership:
         config = self.config
         assert config.store is not None
         self.objects = open_store(config.store, s3_endpoint=config.s3_endpoint)
-        self.own_objects = self._own_store(self.objects)
-        self.ownership = Ownership(self.own_objects, self._owner_id(), config.advertised,
+        self.own_objects = own_store(self.objects, config)
+        self.ownership = Ownership(self.own_objects, owner_id(config), config.advertised,
                                    lease_seconds=config.lease_seconds)
         return self.ownership
 
-    async def _own_and_restore(self) -> None:
-        """With a store: own its prefix, and restore an empty data dir from the store's log,
-        before the WAL is opened."""
-        config = self.config
-        ownership = self._open_ownership()
-        try:
-            await ownership.acquire()
-        except OwnedElsewhere as e:
-            raise StartRefused(f"not starting: {e} (its lease is renewed while it runs; start this one once "
-                               "it stopped, give it the same --owner-id to take it over, or run it with "
-                               "--standby to take over when the lease lapses)") from None
-        except ObjectStoreError as e:
-            raise StartRefused(f"not starting: cannot take ownership of {config.store}: {e}") from None
-        if config.durability == "store" and self.own_objects is not None:  # (see drop_wal_behind_log)
-            await drop_wal_behind_log(self.own_objects, config.wal_dir, config.wal_map_size)
-        if wal_is_empty(config.wal_dir):
-            await self._restore_wal()
-
-    async def _restore_wal(self) -> None:
-        """Rebuild the (empty) WAL dir from the store's log, if it holds one."""
-        assert self.own_objects is not None
-        listing = await list_log(self.own_objects)
-        if not listing.empty:
-            log.info("empty data dir: restoring the WAL from %s (%d checkpoints, %d segments)",
-                     self.own_objects.url, len(listing.checkpoints), len(listing.segments))
-            await restore(self.own_objects, self.config.wal_dir, self.config.wal_map_size, listing)
-
-    # --- standby (--standby) ------------------------------------------------------------
+    # --- standby (--standby, ingester/standby.py) ------------------------------------------
 
     @property
     def standing_by(self) -> bool:
@@ -172,100 +129,7 @@ class IngesterService:
 
     def standby_refusal(self) -> Unavailable:
         """The 503 a standby answers stream requests with, naming the owner's URL."""
-        rec = self.standby_owner
-        own = self.ownership
-        if rec is None:
-            return Unavailable(f"this ingester is a standby ({self.standby_status}); it acknowledges no writes "
-                               "until it owns the store prefix", retry_after=1)
-        wait = rec.lease_expires_at + (own.max_skew if own is not None else 0) - time.time()
-        return Unavailable(f"this ingester is a standby: the store prefix is owned by {rec.owner_id} at "
-                           f"{rec.advertise_url or '(no URL)'} (epoch {rec.epoch}); send requests there",
-                           retry_after=max(1, math.ceil(wait)))
-
-    async def _stand_by(self) -> None:
-        """Watch the ownership record (about every lease/3, and just after the owner's lease
-        would lapse); once it has lapsed (or was released), take the prefix over with the next
-        epoch, restore the WAL from the store's log into a fresh WAL dir and start serving."""
-        own = self.ownership
-        assert own is not None
-        interval = self.config.lease_seconds / 3
-        while True:
-            wait = interval
-            try:
-                rec = await own.current()
-                now = time.time()
-                if rec is None or rec.owner_id == own.owner_id or rec.lapsed(now, own.max_skew):
-                    lapsed_at = time.monotonic()
-                    await own.acquire()
-                    if await self._take_over(rec, lapsed_at):
-                        return
-                    continue
-                if rec != self.standby_owner:
-                    log.info("standby: %s at %s owns %s (epoch %d)", rec.owner_id, rec.advertise_url or "(no URL)",
-                             own.store.url, rec.epoch)
-                self.standby_owner = rec
-                self.standby_status = f"standby (owner: {rec.advertise_url or rec.owner_id}, epoch {rec.epoch})"
-                until_lapse = rec.lease_expires_at + own.max_skew - now
-                wait = min(interval, max(0.02, until_lapse + 0.02))
-            except OwnedElsewhere:  # another standby won the race: watch it
-                wait = 0.05
-            except (ObjectStoreError, TimeoutError) as e:
-                log.warning("standby: reading the ownership record of %s failed: %s", own.store.url, e)
-            await asyncio.sleep(wait)
-
-    async def _take_over(self, previous: OwnerRecord | None, lapsed_at: float) -> bool:
-        """We own the prefix now: restore and serve. False (ownership released again) if the
-        store's log cannot be restored now; the standby then carries on watching."""
-        own = self.ownership
-        assert own is not None
-        log.warning("standby: taking over %s (epoch %d) from %s", own.store.url, own.epoch,
-                    f"{previous.owner_id}, epoch {previous.epoch}" if previous is not None else "nobody")
-        try:
-            # The local WAL may be stale (an earlier takeover, a previous life as owner): the
-            # store's log is the truth. Start from a fresh WAL dir: checkpoint + segments.
-            shutil.rmtree(self.config.wal_dir, ignore_errors=True)
-            await self._restore_keeping_the_lease(own)
-        except (ObjectStoreError, StartRefused, OSError, Superseded) as e:
-            log.error("standby: restoring from %s failed (%s); releasing the prefix and watching again",
-                      own.store.url, e)
-            with contextlib.suppress(Exception):
-                await own.release()
-            await asyncio.sleep(self.config.lease_seconds / 3)
-            return False
-        await self._start_owned()
-        self.standby_status = None
-        self.standby_owner = None
-        log.warning("standby: took over %s at epoch %d; serving (%.3f s after the lease lapsed)", own.store.url,
-                    own.epoch, time.monotonic() - lapsed_at)
-        return True
-
-    async def _restore_keeping_the_lease(self, own: Ownership) -> None:
-        """Restore while renewing the lease just taken: a restore may outlast it (a long log, a
-        slow store), and a lapsed lease would let another standby take the prefix meanwhile.
-        Superseded if the lease is lost before the restore is done."""
-        keeper = asyncio.create_task(LeaseKeeper(own).run(), name="ds3-lease-restoring")
-        restoring = asyncio.create_task(self._restore_wal(), name="ds3-restore")
-        try:
-            await asyncio.wait({keeper, restoring}, return_when=asyncio.FIRST_COMPLETED)
-            if not restoring.done():  # the keeper stopped: the lease is lost
-                restoring.cancel()
-                await asyncio.gather(restoring, return_exceptions=True)
-                error = keeper.exception() if not keeper.cancelled() else None
-                raise error if isinstance(error, Superseded) else Superseded(
-                    f"the ownership lease was lost while restoring ({error!r})", own.epoch)
-            restoring.result()
-        finally:
-            for task in (keeper, restoring):
-                task.cancel()
-            await asyncio.gather(keeper, restoring, return_exceptions=True)
-
-    def _own_store(self, objects: ObjectStore) -> ObjectStore:
-        """Where this ingester's commit log, checkpoints and ownership record live: the store's
-        root, or, as one of a cluster's ingesters (--ingester-id), a namespace of its own
-        (`_ds3/ingesters/<id>/`: the members share the store, not their logs)."""
-        if self.config.ingester_id is None:
-            return objects
-        return ScopedStore(objects, ingester_scope(self.config.ingester_id))
+        return standby.refusal(self)
 
     @property
     def committer(self) -> GroupCommitter:
@@ -291,20 +155,16 @@ class IngesterService:
         if self.config.standby:
             self._open_ownership()
             self.standby_status = "standby (owner: not read yet)"
-            self._standby_task = asyncio.create_task(self._stand_by(), name="ds3-standby")
-            self._standby_task.add_done_callback(self._standby_done)
+            self._standby_task = asyncio.create_task(standby.stand_by(self), name="ds3-standby")
+            self._standby_task.add_done_callback(standby.stopped)
             return
         if self.config.store is not None:
-            await self._own_and_restore()
-        await self._start_owned()
+            ownership = self._open_ownership()
+            assert self.own_objects is not None
+            await own_and_restore(self.config, ownership, self.own_objects)
+        await self.start_owned()
 
-    def _standby_done(self, task: asyncio.Task[None]) -> None:
-        if task.cancelled() or task.exception() is None:
-            return
-        log.error("standby: taking over failed; stopping", exc_info=task.exception())
-        os.kill(os.getpid(), signal.SIGTERM)
-
-    async def _start_owned(self) -> None:
+    async def start_owned(self) -> None:
         """Open the WAL and start writing (the store prefix is ours, the WAL restored)."""
         loop = asyncio.get_running_loop()
         if self.config.store is not None:
@@ -323,7 +183,7 @@ class IngesterService:
             await self.shipper.prepare(self.committer.seq)
             self.shipper.start()
             assert self.ownership is not None
-            self._lease_task = asyncio.create_task(self._keep_lease(), name="ds3-lease")
+            self._lease_task = asyncio.create_task(keep_lease(self), name="ds3-lease")
             log.info("logging commits to %s (durability %s, epoch %d, from commit %d)", self.config.store,
                      self.config.durability, self.ownership.epoch, self.committer.seq)
         n = await self.committer.submit(self.store.load_expiry_index)
@@ -341,7 +201,7 @@ class IngesterService:
             log.info("sealing chunks into %s (%d to upload, %d removed streams to clean)",
                      self.config.store, len(refs), len(garbage))
         if self.config.ingester_id is not None:
-            await self._join_cluster(self.config.ingester_id)
+            await join_cluster(self, self.config.ingester_id)
         # Snapshot blobs live in the object store; with none configured, in the data dir.
         self._blobs = self.objects or LocalStore(self.config.data_dir.absolute() / "snapshots")
         self._reaper = ObjectReaper(self.store, self.committer, self._blobs)
@@ -351,74 +211,9 @@ class IngesterService:
             self.store, self.committer, self.reads, self._blobs, self.chunk_reader, self.sealer, self._reaper,
             self.config.max_read_bytes,
         )
-        self._tasks.append(asyncio.create_task(self._housekeeping(), name="ds3-housekeeping"))
-
-    async def _join_cluster(self, ingester_id: str) -> None:
-        if self.config.cluster is not None:
-            source: FileSource | StoreSource = FileSource(self.config.cluster)
-        else:
-            assert self.objects is not None  # the config insists on --store or --cluster
-            source = StoreSource(self.objects)
-        watcher = ClusterWatcher(source, self.config.cluster_refresh)
-        await watcher.refresh()  # a failure leaves it without a description: stream requests get 503
-        watcher.start()
-        self.membership = Membership(ingester_id, watcher)
-        self.peers = aiohttp.ClientSession()  # calls to the other ingesters (moves, forks): one per process
-        self.cross_forks = CrossForks(self)
-        self.cross_forks.start()
-        self.moves = Mover(self)
-        self.store.guard = self.moves.guard  # every write re-checks ownership on the writer thread
-        watcher.on_change(self.moves.changed)
-        self.moves.start()
-        why = self.membership.readiness()
-        log.info("cluster member %s (description from %s)%s", ingester_id, source.description,
-                 f": not ready: {why}" if why else "")
-
-    async def _keep_lease(self) -> None:
-        """Renew the lease. When it is lost: stop acknowledging at once; if nobody took the
-        prefix over (the record is still ours, same epoch: a store outage outlasted the lease),
-        take it back once the store answers and carry on; otherwise stay fenced for good."""
-        own = self.ownership
-        assert own is not None
-        while True:
-            epoch = own.epoch
-            try:
-                await LeaseKeeper(own).run()
-            except Superseded as e:
-                self.fence(str(e), for_good=False)
-            except Exception as e:  # the keeper broke: the lease runs out; stop acknowledging now
-                log.exception("renewing the ownership lease failed")
-                self.fence(f"renewing the lease failed: {e!r}", for_good=False)
-            if not await self._regain(epoch):
-                self.fence("another ingester owns the store prefix now", for_good=True)
-                return
-
-    async def _regain(self, epoch: int) -> bool:
-        """Take the prefix back after our lease lapsed, if the record is still ours at `epoch`
-        (so no one else owned it meanwhile, and no one else wrote its log). False if it was
-        taken over, or the store's log is ahead of our WAL."""
-        own, shipper = self.ownership, self.shipper
-        assert own is not None and shipper is not None
-        delay = 0.2
-        while True:
-            try:
-                rec = await own.current()
-                if rec is None or rec.owner_id != own.owner_id or rec.epoch != epoch:
-                    return False
-                await own.acquire()  # our own record: taken back with epoch + 1 (If-Match)
-                await shipper.resume(self.committer.seq)  # checkpoints what the log missed meanwhile
-            except (OwnedElsewhere, StoreAhead) as e:
-                log.error("cannot take the store prefix back: %s", e)
-                return False
-            except (ObjectStoreError, TimeoutError) as e:
-                log.warning("taking the store prefix back failed (%s); again in %.1f s", e, delay)
-                await asyncio.sleep(delay)
-                delay = min(5.0, delay * 2)
-                continue
-            self.committer.refusal = None
-            log.warning("ownership of %s taken back (epoch %d): acknowledging writes again", self.config.store,
-                        own.epoch)
-            return True
+        self._tasks.append(asyncio.create_task(
+            housekeeping(self.config, self.committer, self.store, sealing=self.sealer is not None),
+            name="ds3-housekeeping"))
 
     def fence(self, why: str, *, for_good: bool = True) -> None:
         """We may not own the store prefix (taken over, or our lease ran out): acknowledge
@@ -503,31 +298,7 @@ class IngesterService:
 
     async def owned_key(self, key: str, path: str | None = None) -> None:
         """`owned` for a placement key (a bucket; or a stream's, with its `path`)."""
-        assert self.membership is not None
-        try:
-            self.membership.check_key(key)
-        except Misdirected:
-            await self._reread_description()
-            self.membership.misdirected -= 1  # one refusal counts once (below, if it is still one)
-            self.membership.check_key(key)
-        if self.moves is None:
-            return
-        if path is None:
-            await self.moves.ensure_key(key)
-        elif self.moves.needs_pull(path):
-            await self.moves.ensure(path)
-
-    async def _reread_description(self) -> None:
-        """Before refusing a stream with 421: re-read the description (a read every 0.25 s at
-        most; requests meanwhile share the one in flight). A router that already follows a newer
-        one (a change that gave us the stream) then waits for one store read, not for our next
-        --cluster-refresh."""
-        assert self.membership is not None
-        watcher = self.membership.watcher
-        now = time.monotonic()
-        if watcher.refreshing or now - self._reread_at >= 0.25:
-            self._reread_at = now
-            await watcher.refresh()
+        await self._owned_check(key, path)
 
     # --- writes ------------------------------------------------------------------------
 
@@ -557,36 +328,11 @@ class IngesterService:
         return result
 
     async def _sealed_sub_offset(self, source_path: str, fork_offset: str, sub: int) -> int | None:
-        """A fork sub-offset into a sealed chunk of the source: resolve it with the chunk's
-        index (N bytes of the append there, or N of its JSON messages). None: not sealed."""
+        """A fork sub-offset into a sealed chunk of the source (ingester/sealed_reads.py);
+        None: not sealed."""
         if self.chunk_reader is None:
             return None
-        try:
-            position = offsets.parse(fork_offset).position
-        except offsets.OffsetSyntaxError:
-            return None  # the writer answers 400
-        found = await self.reads.run(self.reads.sealed_at, source_path, position)
-        if found is None:
-            return None
-        sealed, json_stream = found
-        head = await self.chunk_reader.head(sealed.uid, sealed.chunk)
-        if position >= head.header.end:
-            return None
-        first = head.record_at(position)
-        if not json_stream:
-            if sub > first.end - position:
-                raise BadRequest("invalid Stream-Fork-Sub-Offset: larger than the append at that offset")
-            return position + sub
-        count = 0
-        for span in head.spans():
-            if span.end <= position:
-                continue
-            count += 1
-            if count == sub:
-                return span.end
-            if span.flags & FLAG_END_OF_APPEND:
-                break
-        raise BadRequest("invalid Stream-Fork-Sub-Offset: more messages than the append at that offset")
+        return await sealed_sub_offset(self.reads, self.chunk_reader, source_path, fork_offset, sub)
 
     async def append(self, req: AppendRequest) -> AppendResult:
         started = time.perf_counter()
@@ -612,62 +358,15 @@ class IngesterService:
     async def read(self, path: str, start: offsets.Offset | str, *, renew: bool = True) -> ReadResult:
         res = await self.reads.read(path, start, self.config.max_read_bytes)
         if res.sealed is not None:
-            await self._read_sealed(res)
+            assert self.chunk_reader is not None
+            await read_sealed(self.chunk_reader, res, self.config.max_read_bytes)
         if renew and res.meta.ttl is not None:
             self.store.touches[path] = time.time()
         return res
 
-    async def _read_sealed(self, res: ReadResult) -> None:
-        """The read starts in a sealed chunk: serve that chunk's part from the object store."""
-        sealed = res.sealed
-        assert sealed is not None and self.chunk_reader is not None
-        piece = await self.chunk_reader.slice(
-            sealed.uid, sealed.chunk, sealed.start, self.config.max_read_bytes, cap=sealed.end
-        )
-        if is_json(res.meta.content_type) and not piece.head.is_boundary(sealed.start):
-            raise BadRequest("offset is not at a message boundary of this JSON stream")
-        res.messages = [await self.chunk_reader.read(piece)]
-        res.end = piece.end
-        res.next_offset = (
-            res.meta.tail_offset if piece.end >= res.meta.tail else offsets.encode(sealed.chunk, piece.end)
-        )
-        res.sealed = None
-
     def touch(self, meta: StreamMeta) -> None:
         if meta.ttl is not None:
             self.store.touches[meta.path] = time.time()
-
-    # --- housekeeping ------------------------------------------------------------------
-
-    async def _housekeeping(self) -> None:
-        """Expire streams and persist TTL renewals; back off (capped) when the WAL fails."""
-        tick = self.config.sweep_interval
-        if self.sealer is not None:  # honour the seal age to within half of it
-            tick = min(tick, self.config.seal_age / 2)
-        delay = tick
-        last_fold = time.monotonic()
-        last_stats = (time.monotonic(), 0, 0)
-        while True:
-            await asyncio.sleep(delay)
-            t, b, o = time.monotonic(), self.committer.batches, self.committer.ops
-            if t - last_stats[0] >= 10 and o > last_stats[2]:
-                log.info("wal: %.0f ops/s in %.0f commits/s (%.1f ops per commit)",
-                         (o - last_stats[2]) / (t - last_stats[0]), (b - last_stats[1]) / (t - last_stats[0]),
-                         (o - last_stats[2]) / max(1, b - last_stats[1]))
-                last_stats = (t, b, o)
-            try:
-                await self._submit(self.store.sweep_expired)
-                if self.sealer is not None:
-                    await self._submit(self.store.seal_aged)
-                if time.monotonic() - last_fold > 5:
-                    await self._submit(self.store.fold_touches)
-                    last_fold = time.monotonic()
-                delay = tick
-            except Superseded:  # not our prefix now (said once, by fence()): wait quietly
-                delay = min(delay * 2, 60.0)
-            except Exception:
-                log.exception("housekeeping failed")
-                delay = min(delay * 2, 60.0)
 
 
 SERVICE: Final = web.AppKey("ingester_service", IngesterService)

@@ -1,0 +1,67 @@
+"""Keeping the store prefix while serving: the lease renewed; when it is lost, the service
+fenced (IngesterService.fence: every write answers 503, no more log segments), and the prefix
+taken back if nobody else took it meanwhile (a store outage outlasted the lease)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING
+
+from ingester.shipper import StoreAhead
+from shared.errors import ObjectStoreError, OwnedElsewhere, Superseded
+from shared.ownership import LeaseKeeper
+
+if TYPE_CHECKING:
+    from ingester.service import IngesterService
+
+log = logging.getLogger("ds3.ingester")
+
+
+async def keep_lease(svc: IngesterService) -> None:
+    """Renew the lease. When it is lost: stop acknowledging at once; if nobody took the
+    prefix over (the record is still ours, same epoch: a store outage outlasted the lease),
+    take it back once the store answers and carry on; otherwise stay fenced for good."""
+    own = svc.ownership
+    assert own is not None
+    while True:
+        epoch = own.epoch
+        try:
+            await LeaseKeeper(own).run()
+        except Superseded as e:
+            svc.fence(str(e), for_good=False)
+        except Exception as e:  # the keeper broke: the lease runs out; stop acknowledging now
+            log.exception("renewing the ownership lease failed")
+            svc.fence(f"renewing the lease failed: {e!r}", for_good=False)
+        if not await regain(svc, epoch):
+            svc.fence("another ingester owns the store prefix now", for_good=True)
+            return
+
+
+async def regain(svc: IngesterService, epoch: int) -> bool:
+    """Take the prefix back after our lease lapsed, if the record is still ours at `epoch`
+    (so no one else owned it meanwhile, and no one else wrote its log). False if it was
+    taken over, or the store's log is ahead of our WAL."""
+    own, shipper = svc.ownership, svc.shipper
+    assert own is not None and shipper is not None
+    delay = 0.2
+    while True:
+        try:
+            rec = await own.current()
+            if rec is None or rec.owner_id != own.owner_id or rec.epoch != epoch:
+                return False
+            await own.acquire()  # our own record: taken back with epoch + 1 (If-Match)
+            await shipper.resume(svc.committer.seq)  # checkpoints what the log missed meanwhile
+        except (OwnedElsewhere, StoreAhead) as e:
+            log.error("cannot take the store prefix back: %s", e)
+            return False
+        except (ObjectStoreError, TimeoutError) as e:
+            log.warning("taking the store prefix back failed (%s); again in %.1f s", e, delay)
+            await asyncio.sleep(delay)
+            delay = min(5.0, delay * 2)
+            continue
+        svc.committer.refusal = None
+        log.warning("ownership of %s taken back (epoch %d): acknowledging writes again", svc.config.store,
+                    own.epoch)
+        return True
+

@@ -1,0 +1,99 @@
+"""Taking the store prefix at start, and restoring the WAL from the store's log.
+
+With a store, an ingester owns its prefix (shared/ownership.py: the epoch record, its lease)
+before it opens the WAL; an empty data dir is rebuilt from the log there (a checkpoint and the
+segments after it, ingester/logstore.py). A standby restores the same way when it takes over
+(ingester/standby.py), renewing the lease it just took while it does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import secrets
+
+from ingester.logstore import StartRefused, drop_wal_behind_log, list_log, restore, wal_is_empty
+from shared.config import IngesterConfig
+from shared.errors import ObjectStoreError, OwnedElsewhere, Superseded
+from shared.objectstore import ObjectStore
+from shared.objectstore.scoped import ScopedStore, ingester_scope
+from shared.ownership import LeaseKeeper, Ownership
+
+log = logging.getLogger("ds3.ingester")
+
+
+def owner_id(config: IngesterConfig) -> str:
+    """--owner-id, else an id kept in the data dir: a restart on the same disk (a crash
+    included) takes its own record back at once; a new disk waits for the lease."""
+    if config.owner_id is not None:
+        return config.owner_id
+    path = config.data_dir / "owner-id"
+    try:
+        found = path.read_text().strip()
+        if found:
+            return found
+    except FileNotFoundError:
+        pass
+    config.data_dir.mkdir(parents=True, exist_ok=True)
+    oid = f"ingester-{secrets.token_hex(8)}"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(oid + "\n")
+    os.replace(tmp, path)
+    return oid
+
+
+def own_store(objects: ObjectStore, config: IngesterConfig) -> ObjectStore:
+    """Where this ingester's commit log, checkpoints and ownership record live: the store's
+    root, or, as one of a cluster's ingesters (--ingester-id), a namespace of its own
+    (`_ds3/ingesters/<id>/`: the members share the store, not their logs)."""
+    if config.ingester_id is None:
+        return objects
+    return ScopedStore(objects, ingester_scope(config.ingester_id))
+
+
+async def own_and_restore(config: IngesterConfig, ownership: Ownership, own_objects: ObjectStore) -> None:
+    """With a store: own its prefix, and restore an empty data dir from the store's log,
+    before the WAL is opened."""
+    try:
+        await ownership.acquire()
+    except OwnedElsewhere as e:
+        raise StartRefused(f"not starting: {e} (its lease is renewed while it runs; start this one once "
+                           "it stopped, give it the same --owner-id to take it over, or run it with "
+                           "--standby to take over when the lease lapses)") from None
+    except ObjectStoreError as e:
+        raise StartRefused(f"not starting: cannot take ownership of {config.store}: {e}") from None
+    if config.durability == "store":  # (see drop_wal_behind_log)
+        await drop_wal_behind_log(own_objects, config.wal_dir, config.wal_map_size)
+    if wal_is_empty(config.wal_dir):
+        await restore_wal(config, own_objects)
+
+
+async def restore_wal(config: IngesterConfig, own_objects: ObjectStore) -> None:
+    """Rebuild the (empty) WAL dir from the store's log, if it holds one."""
+    listing = await list_log(own_objects)
+    if not listing.empty:
+        log.info("empty data dir: restoring the WAL from %s (%d checkpoints, %d segments)",
+                 own_objects.url, len(listing.checkpoints), len(listing.segments))
+        await restore(own_objects, config.wal_dir, config.wal_map_size, listing)
+
+
+async def restore_keeping_the_lease(config: IngesterConfig, own: Ownership, own_objects: ObjectStore) -> None:
+    """Restore while renewing the lease just taken: a restore may outlast it (a long log, a
+    slow store), and a lapsed lease would let another standby take the prefix meanwhile.
+    Superseded if the lease is lost before the restore is done."""
+    keeper = asyncio.create_task(LeaseKeeper(own).run(), name="ds3-lease-restoring")
+    restoring = asyncio.create_task(restore_wal(config, own_objects), name="ds3-restore")
+    try:
+        await asyncio.wait({keeper, restoring}, return_when=asyncio.FIRST_COMPLETED)
+        if not restoring.done():  # the keeper stopped: the lease is lost
+            restoring.cancel()
+            await asyncio.gather(restoring, return_exceptions=True)
+            error = keeper.exception() if not keeper.cancelled() else None
+            raise error if isinstance(error, Superseded) else Superseded(
+                f"the ownership lease was lost while restoring ({error!r})", own.epoch)
+        restoring.result()
+    finally:
+        for task in (keeper, restoring):
+            task.cancel()
+        await asyncio.gather(keeper, restoring, return_exceptions=True)

@@ -1,0 +1,119 @@
+"""The shipper's uploads: queued commits cut into log segments (shared/logsegment.py, stamped
+with our ownership epoch) and PUT under `log/` with if_absent, one at a time or (store mode)
+several in flight, confirmed in commit order.
+
+A segment is cut from whatever is queued at each attempt, so a retry after an upload whose
+answer was lost may write a longer segment that overlaps the first: harmless (replay skips
+what it applied; ingester/logstore.py). An if_absent PUT refused on a key whose content is
+ours counts as done. What a landed or failed upload means for gates, fencing and the shipped
+seq is the shipper's (Shipper.uploaded, Shipper.upload_failed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from typing import TYPE_CHECKING, Final
+
+from ingester.logstore import ORPHANS_MAX
+from ingester.ship_queue import commit_size
+from shared.errors import ObjectNotFound, ObjectStoreError, PreconditionFailed, Superseded
+from shared.logsegment import Commit, encode, segment_key
+
+if TYPE_CHECKING:
+    from ingester.shipper import Shipper
+
+# store mode: segment PUTs in flight at once (acknowledged in commit order); a recovery tells
+# the orphans they may leave beyond a failed one from a gap by this bound
+UPLOADS_IN_FLIGHT: Final = ORPHANS_MAX + 1
+ENCODE_INLINE_BYTES: Final = 256 * 1024  # larger segments are encoded on a worker thread
+
+
+class SegmentUploads:
+    def __init__(self, shipper: Shipper) -> None:
+        self.shipper = shipper
+        self.queue = shipper.queue
+
+    async def ship_once(self) -> int:
+        """Upload one segment of what is queued; returns how many commits it held (0: nothing
+        queued). Store errors propagate (the commits stay queued); after GATE_ATTEMPTS of them
+        in a row (or GATE_SECONDS) the gates of the commits taken fail."""
+        commits = self.queue.take()
+        if not commits:
+            return 0
+        epoch = self.shipper.check_owner()
+        try:
+            size = await self._upload(commits, epoch)
+        except ObjectStoreError:
+            self.shipper.upload_failed(commits[-1].seq)
+            raise
+        self.shipper.uploaded(commits, size, epoch)
+        return len(commits)
+
+    async def ship_pipelined(self) -> None:
+        """Store mode: keep up to `uploads` segment uploads in flight (each commit waits for
+        the PUT before it, not for every PUT before it), confirming them in commit order: a
+        segment counts (its gates open) only once every segment before it has landed. When one
+        fails, the rest are waited for and everything from the failed one on is cut again; a
+        later segment that landed meanwhile is an orphan beyond a hole (its commits were never
+        acknowledged), which the next upload overlaps, or a recovery drops (logstore.restore).
+        Returns once nothing is queued or in flight."""
+        shipper, queue = self.shipper, self.queue
+        inflight: deque[tuple[list[Commit], int, asyncio.Task[int]]] = deque()
+        try:
+            while True:
+                while len(inflight) < shipper.uploads and queue.untaken():
+                    commits = queue.take()
+                    if not commits:
+                        break
+                    epoch = shipper.check_owner()
+                    queue.taken_upto = commits[-1].seq
+                    inflight.append((commits, epoch, asyncio.create_task(self._upload(commits, epoch))))
+                if not inflight:
+                    return
+                commits, epoch, head = inflight[0]
+                if not head.done():
+                    shipper.wake.clear()
+                    waiter = asyncio.ensure_future(shipper.wake.wait())
+                    try:
+                        await asyncio.wait({head, waiter}, return_when=asyncio.FIRST_COMPLETED)
+                    finally:
+                        waiter.cancel()
+                    continue
+                inflight.popleft()
+                try:
+                    size = head.result()
+                except ObjectStoreError:
+                    if inflight:  # let them land or fail; their commits are cut again from here
+                        await asyncio.wait([t for _, _, t in inflight])
+                    shipper.upload_failed(commits[-1].seq)
+                    raise
+                shipper.uploaded(commits, size, epoch)
+        finally:
+            for _, _, t in inflight:
+                t.cancel()
+            queue.taken_upto = 0  # whatever is still queued is cut again
+
+    async def _upload(self, commits: list[Commit], epoch: int) -> int:
+        """Encode and PUT one segment; its size."""
+        size = sum(commit_size(c) for c in commits)
+        if size > ENCODE_INLINE_BYTES:
+            body = await asyncio.to_thread(encode, commits, epoch)
+        else:
+            body = encode(commits, epoch)
+        await self._put_segment(segment_key(commits[0].seq, commits[-1].seq), body)
+        return len(body)
+
+    async def _put_segment(self, key: str, body: bytes) -> None:
+        objects = self.shipper.objects
+        try:
+            await objects.put(key, body, content_type="application/octet-stream", if_absent=True)
+        except PreconditionFailed:
+            try:
+                there = await objects.get(key)
+            except ObjectNotFound:
+                raise PreconditionFailed(f"{key}: refused, then not found") from None
+            if there != body:
+                # Only another owner writes different bytes under our key: we are superseded.
+                raise Superseded(f"log segment {key} in the store is not ours (another owner wrote it)",
+                                 self.shipper.epoch()) from None

@@ -1,0 +1,157 @@
+"""The shipper's queue: the logged commits not yet in the object store, and the gates (store
+mode) their writes wait on.
+
+One lock guards it all: the writer thread appends (ingester/log_hook.py), the event loop takes
+commits for segments, advances past the ones that landed and fails gates. Gates are completed
+outside the lock (a gate's callbacks may run at once).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future as ConcurrentFuture
+from typing import Final
+
+from shared.logsegment import Commit
+
+MAX_SEGMENT_BYTES: Final = 16 * 1024 * 1024  # a segment is cut at about this many bytes of writes
+
+Gate = ConcurrentFuture[None]
+
+
+def commit_size(commit: Commit) -> int:
+    return 12 + sum(10 + len(k) + len(v) for _, _, k, v in commit.writes)
+
+
+def fail_gate(gate: Gate, exc: BaseException) -> None:
+    if not gate.done():
+        gate.set_exception(exc)
+
+
+class ShipQueue:
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        # Guarded by the lock (the writer thread appends, the loop takes):
+        self.commits: deque[Commit] = deque()
+        self.bytes = 0
+        self.oldest_at: float | None = None  # monotonic time the oldest queued commit arrived
+        self.gates: deque[list[object]] = deque()  # [last seq, gate], in seq order
+        self.open_gate: list[object] | None = None  # the entry commits join until the next take
+        self.taken_upto = 0  # queued commits up to this seq are in an upload in flight
+        self.early_seq = 0  # commits up to this seq were queued before their LMDB commit
+        self.landed_seq = 0  # commits up to this seq are in the store (advance)
+
+    def __len__(self) -> int:
+        return len(self.commits)
+
+    def lag_seconds(self) -> float:
+        """How long the oldest commit not yet in the store has waited (0: nothing waits)."""
+        oldest = self.oldest_at
+        return 0.0 if oldest is None else max(0.0, time.monotonic() - oldest)
+
+    # --- the writer thread, under the lock ---------------------------------------------------
+
+    def append(self, commit: Commit) -> bool:
+        """Under the lock: append to the queue; whether it was empty."""
+        first = not self.commits
+        self.commits.append(commit)
+        self.bytes += commit_size(commit)
+        if first:
+            self.oldest_at = time.monotonic()
+        return first
+
+    def own_gate(self, seq: int) -> Gate:
+        """Under the lock: a gate of its own for the commit at `seq` (its segment may be cut
+        already, the next commit's may not); later commits get a new one."""
+        own: list[object] = [seq, ConcurrentFuture()]
+        self.gates.append(own)
+        self.open_gate = None
+        return own[1]  # type: ignore[return-value]
+
+    def join_gate(self, seq: int) -> Gate:
+        """Under the lock: the gate shared by every commit gathered until the next take."""
+        entry = self.open_gate
+        if entry is None:
+            entry = self.open_gate = [seq, ConcurrentFuture()]
+            self.gates.append(entry)
+        entry[0] = seq
+        return entry[1]  # type: ignore[return-value]
+
+    # --- the loop ----------------------------------------------------------------------------
+
+    def take(self) -> list[Commit]:
+        """The queued commits for one segment (at most about MAX_SEGMENT_BYTES) that no upload
+        in flight holds; the open gate closes: commits from now on get a new one."""
+        with self.lock:
+            self.open_gate = None
+            out: list[Commit] = []
+            size = 0
+            for c in self.commits:
+                if c.seq <= self.taken_upto:
+                    continue
+                out.append(c)
+                size += commit_size(c)
+                if size >= MAX_SEGMENT_BYTES:
+                    break
+            return out
+
+    def untaken(self) -> bool:
+        with self.lock:
+            return bool(self.commits) and self.commits[-1].seq > self.taken_upto
+
+    def advance(self, seq: int) -> list[Gate]:
+        """Everything up to `seq` is in the store: drop it from the queue; the gates to open."""
+        done: list[Gate] = []
+        with self.lock:
+            while self.commits and self.commits[0].seq <= seq:
+                c = self.commits.popleft()
+                self.bytes -= commit_size(c)
+            if not self.commits:
+                self.bytes = 0
+                self.oldest_at = None
+            else:
+                self.oldest_at = time.monotonic()  # approximate: when the rest started waiting
+            self.landed_seq = max(self.landed_seq, seq)
+            while self.gates and self.gates[0][0] <= seq:  # type: ignore[operator]
+                entry = self.gates.popleft()
+                if entry is self.open_gate:
+                    self.open_gate = None
+                done.append(entry[1])  # type: ignore[arg-type]
+        return done
+
+    def fail_upto(self, upto: int, exc: BaseException) -> None:
+        """The gates of the commits up to `upto` fail with `exc`."""
+        with self.lock:
+            failing = [entry[1] for entry in self.gates if entry[0] <= upto]  # type: ignore[operator]
+            self.gates = deque(e for e in self.gates if e[0] > upto)  # type: ignore[operator]
+            if self.open_gate is not None and self.open_gate not in self.gates:
+                self.open_gate = None
+        for g in failing:
+            fail_gate(g, exc)  # type: ignore[arg-type]
+
+    def fail_all(self, error: Callable[[], BaseException]) -> None:
+        """Every waiting gate fails (with an error of its own)."""
+        with self.lock:
+            gates = [g for _, g in self.gates]
+            self.gates.clear()
+            self.open_gate = None
+        for g in gates:
+            fail_gate(g, error())  # type: ignore[arg-type]
+
+    def drop(self, error: Callable[[], BaseException]) -> None:
+        """A checkpoint covers the queue: drop it; every waiting gate fails."""
+        with self.lock:
+            self.commits.clear()
+            # ... but not a commit handed over before LMDB commits it, if that happens after
+            # the checkpoint's copy: its on_logged must queue it again.
+            self.early_seq = 0
+            self.bytes = 0
+            self.oldest_at = None
+            gates = [entry[1] for entry in self.gates]
+            self.gates.clear()
+            self.open_gate = None
+        for g in gates:
+            fail_gate(g, error())  # type: ignore[arg-type]
