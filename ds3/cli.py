@@ -250,7 +250,7 @@ def _run(app: web.Application, host: str, port: int, banner: str, config: Ingest
                 await web.UnixSite(runner, unix_path).start()
             log.info("%s listening on http://%s", banner, _host_port(host, port))
             log.info("%s", describe(config.auth))
-            log.debug("garbage collector settled: %d objects frozen", process.settle_gc())
+            log.debug("gc settled: %d objects frozen", process.settle_gc())
             await _wait_while_parent_lives()
         finally:
             await runner.cleanup()
