@@ -16,7 +16,6 @@ from collections import deque
 from typing import TYPE_CHECKING, Final
 
 from ingester.logstore import ORPHANS_MAX
-from ingester.ship_queue import commit_size
 from shared.errors import ObjectNotFound, ObjectStoreError, PreconditionFailed, Superseded
 from shared.logsegment import Commit, encode, segment_key
 
@@ -38,12 +37,12 @@ class SegmentUploads:
         """Upload one segment of what is queued; returns how many commits it held (0: nothing
         queued). Store errors propagate (the commits stay queued); after GATE_ATTEMPTS of them
         in a row (or GATE_SECONDS) the gates of the commits taken fail."""
-        commits = self.queue.take()
+        commits, size = self.queue.take()
         if not commits:
             return 0
         epoch = self.shipper.check_owner()
         try:
-            size = await self._upload(commits, epoch)
+            size = await self._upload(commits, size, epoch)
         except ObjectStoreError:
             self.shipper.upload_failed(commits[-1].seq)
             raise
@@ -63,12 +62,12 @@ class SegmentUploads:
         try:
             while True:
                 while len(inflight) < shipper.uploads and queue.untaken():
-                    commits = queue.take()
+                    commits, size = queue.take()
                     if not commits:
                         break
                     epoch = shipper.check_owner()
                     queue.taken_upto = commits[-1].seq
-                    inflight.append((commits, epoch, asyncio.create_task(self._upload(commits, epoch))))
+                    inflight.append((commits, epoch, asyncio.create_task(self._upload(commits, size, epoch))))
                 if not inflight:
                     return
                 commits, epoch, head = inflight[0]
@@ -94,9 +93,8 @@ class SegmentUploads:
                 t.cancel()
             queue.taken_upto = 0  # whatever is still queued is cut again
 
-    async def _upload(self, commits: list[Commit], epoch: int) -> int:
-        """Encode and PUT one segment; its size."""
-        size = sum(commit_size(c) for c in commits)
+    async def _upload(self, commits: list[Commit], size: int, epoch: int) -> int:
+        """Encode and PUT one segment (`size`: about its length); its length."""
         if size > ENCODE_INLINE_BYTES:
             body = await asyncio.to_thread(encode, commits, epoch)
         else:

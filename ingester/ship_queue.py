@@ -36,6 +36,7 @@ class ShipQueue:
         self.lock = threading.Lock()
         # Guarded by the lock (the writer thread appends, the loop takes):
         self.commits: deque[Commit] = deque()
+        self.sizes: deque[int] = deque()  # commit_size of each queued commit (counted once)
         self.bytes = 0
         self.oldest_at: float | None = None  # monotonic time the oldest queued commit arrived
         self.gates: deque[list[object]] = deque()  # [last seq, gate], in seq order
@@ -57,8 +58,10 @@ class ShipQueue:
     def append(self, commit: Commit) -> bool:
         """Under the lock: append to the queue; whether it was empty."""
         first = not self.commits
+        size = commit_size(commit)
         self.commits.append(commit)
-        self.bytes += commit_size(commit)
+        self.sizes.append(size)
+        self.bytes += size
         if first:
             self.oldest_at = time.monotonic()
         return first
@@ -82,21 +85,22 @@ class ShipQueue:
 
     # --- the loop ----------------------------------------------------------------------------
 
-    def take(self) -> list[Commit]:
+    def take(self) -> tuple[list[Commit], int]:
         """The queued commits for one segment (at most about MAX_SEGMENT_BYTES) that no upload
-        in flight holds; the open gate closes: commits from now on get a new one."""
+        in flight holds, and their size; the open gate closes: commits from now on get a new
+        one."""
         with self.lock:
             self.open_gate = None
             out: list[Commit] = []
             size = 0
-            for c in self.commits:
+            for c, n in zip(self.commits, self.sizes, strict=True):
                 if c.seq <= self.taken_upto:
                     continue
                 out.append(c)
-                size += commit_size(c)
+                size += n
                 if size >= MAX_SEGMENT_BYTES:
                     break
-            return out
+            return out, size
 
     def untaken(self) -> bool:
         with self.lock:
@@ -107,8 +111,8 @@ class ShipQueue:
         done: list[Gate] = []
         with self.lock:
             while self.commits and self.commits[0].seq <= seq:
-                c = self.commits.popleft()
-                self.bytes -= commit_size(c)
+                self.commits.popleft()
+                self.bytes -= self.sizes.popleft()
             if not self.commits:
                 self.bytes = 0
                 self.oldest_at = None
@@ -145,6 +149,7 @@ class ShipQueue:
         """A checkpoint covers the queue: drop it; every waiting gate fails."""
         with self.lock:
             self.commits.clear()
+            self.sizes.clear()
             # ... but not a commit handed over before LMDB commits it, if that happens after
             # the checkpoint's copy: its on_logged must queue it again.
             self.early_seq = 0
