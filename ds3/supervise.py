@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from shared.cluster import load_cluster_file
+from shared.localfile import write_durably
 from shared.placement import Cluster, PlacementError
 
 log = logging.getLogger("ds3.dev")
@@ -115,9 +116,7 @@ def write_cluster_file(path: Path, ingesters: list[tuple[str, str]]) -> Cluster:
         except PlacementError as e:
             log.warning("%s; writing a new one", e)
     cluster = Cluster.of(ingesters, generation, previous=previous)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(cluster.encode())
-    os.replace(tmp, path)  # readers of the file never see half of it
+    write_durably(path, cluster.encode())  # readers of the file never see half of it
     return cluster
 
 

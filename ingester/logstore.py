@@ -26,6 +26,7 @@ from typing import Final
 
 from ingester.replay import ReplayGap, replay
 from ingester.wal import WalEnv
+from shared.localfile import fsync_dir
 from shared.logsegment import LOG_DIR, PRELUDE_SIZE, Commit, decode, parse_prelude, parse_segment_key
 from shared.objectstore import ObjectStore
 
@@ -174,6 +175,7 @@ async def restore(objects: ObjectStore, wal_dir: Path, map_size: int, listing: L
             with open(tmp, "rb") as f:
                 os.fsync(f.fileno())
             os.replace(tmp, wal_dir / "data.mdb")
+            fsync_dir(wal_dir)
             del data
         # Fetch the segments after the checkpoint ahead, a few at a time (S3 round trips add up).
         gate = asyncio.Semaphore(FETCH_CONCURRENCY)

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import secrets
 
 from ingester.logstore import StartRefused, drop_wal_behind_log, list_log, restore, wal_is_empty
 from shared.config import IngesterConfig
 from shared.errors import ObjectStoreError, OwnedElsewhere, Superseded
+from shared.localfile import write_durably
 from shared.objectstore import ObjectStore
 from shared.objectstore.scoped import ScopedStore, ingester_scope
 from shared.ownership import LeaseKeeper, Ownership
@@ -35,11 +35,8 @@ def owner_id(config: IngesterConfig) -> str:
             return found
     except FileNotFoundError:
         pass
-    config.data_dir.mkdir(parents=True, exist_ok=True)
     oid = f"ingester-{secrets.token_hex(8)}"
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(oid + "\n")
-    os.replace(tmp, path)
+    write_durably(path, (oid + "\n").encode())
     return oid
 
 

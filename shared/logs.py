@@ -22,6 +22,7 @@ from typing import Any, Final
 import orjson
 
 FORMATS: Final = ("text", "json")
+ACCESS_LOGGER: Final = "ds3.access"  # one line per request (shared/http/access.py)
 REQUEST_ID_HEADER: Final = "X-Request-Id"
 # An incoming id is kept only when it is short and plain: it is logged and forwarded, so it
 # must not be able to carry log injection (newlines, quotes) or bloat every line.
@@ -152,7 +153,7 @@ class BatchingStreamHandler(logging.StreamHandler):  # type: ignore[type-arg]
     FLUSH_SECONDS = 0.2
     FLUSH_BYTES = 64 * 1024
 
-    def __init__(self, stream: Any, batched: str = "ds3.access") -> None:
+    def __init__(self, stream: Any, batched: str = ACCESS_LOGGER) -> None:
         super().__init__(stream)
         self.batched = batched
         self._pending: list[str] = []
@@ -224,10 +225,10 @@ def setup(level: str, fmt: str = "text", *, access_log: bool = True, service: st
     root.setLevel(getattr(logging, level.upper(), logging.INFO))
     logging.captureWarnings(True)  # Python warnings become records too: no stray non-JSON lines
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)  # ds3.access logs requests
-    logging.getLogger("ds3.access").setLevel(logging.NOTSET if access_log else logging.WARNING)
+    logging.getLogger(ACCESS_LOGGER).setLevel(logging.NOTSET if access_log else logging.WARNING)
 
 
-ACCESS_LOGGER: Final = "ds3.access"
+
 _installed: BatchingStreamHandler | None = None  # setup()'s handler
 _access = logging.getLogger(ACCESS_LOGGER)
 

@@ -45,6 +45,7 @@ from types import TracebackType
 from typing import BinaryIO, Final, Self, TypeVar
 
 from shared.errors import ObjectNotFound, ObjectStoreError, ObjectStoreUnavailable, PreconditionFailed
+from shared.localfile import fsync_dir
 
 from .base import (
     DEFAULT_CHUNK_SIZE,
@@ -96,14 +97,6 @@ def _etag(target: int | str | Path, st: os.stat_result, xattrs: bool) -> str:
         except OSError:
             pass  # ENODATA: written without one; ENOTSUP: no xattrs on this file system
     return _stat_etag(st)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _converted(key: str, exc: OSError) -> Exception:
@@ -213,16 +206,16 @@ class LocalStore:
                     os.link(tmp, path)
                 except FileExistsError:
                     raise PreconditionFailed(key) from None
-                _fsync_dir(path.parent)
+                fsync_dir(path.parent)
             elif if_match is not None:
                 with self._locked():
                     etag = self._replace_if_match(key, tmp, path, if_match, etag, tagged)
                     published = True
-                    _fsync_dir(path.parent)  # durable before another writer can act on it
+                    fsync_dir(path.parent)  # durable before another writer can act on it
             else:
                 os.replace(tmp, path)
                 published = True
-                _fsync_dir(path.parent)
+                fsync_dir(path.parent)
             return etag
         except OSError as exc:
             raise _converted(key, exc) from exc
@@ -329,7 +322,7 @@ class LocalStore:
         """Make the unlinks durable, then remove directories left empty (up to the root) so
         deleted streams leave no litter. A put racing with this retries its mkdir."""
         try:
-            _fsync_dir(directory)
+            fsync_dir(directory)
         except FileNotFoundError:
             return
         while directory != self.root and self.root in directory.parents:
