@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import re
 import shutil
 from dataclasses import dataclass, field
@@ -26,7 +25,7 @@ from typing import Final
 
 from ingester.replay import ReplayGap, replay
 from ingester.wal import WalEnv
-from shared.localfile import fsync_dir
+from shared.localfile import write_durably
 from shared.logsegment import LOG_DIR, PRELUDE_SIZE, Commit, decode, parse_prelude, parse_segment_key
 from shared.objectstore import ObjectStore
 
@@ -170,12 +169,7 @@ async def restore(objects: ObjectStore, wal_dir: Path, map_size: int, listing: L
         if cp is not None:
             base_seq, base_epoch, key = cp
             data = await objects.get(key)
-            tmp = wal_dir / "data.mdb.restoring"
-            tmp.write_bytes(data)
-            with open(tmp, "rb") as f:
-                os.fsync(f.fileno())
-            os.replace(tmp, wal_dir / "data.mdb")
-            fsync_dir(wal_dir)
+            write_durably(wal_dir / "data.mdb", data)
             del data
         # Fetch the segments after the checkpoint ahead, a few at a time (S3 round trips add up).
         gate = asyncio.Semaphore(FETCH_CONCURRENCY)

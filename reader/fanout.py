@@ -111,8 +111,8 @@ class Answer:
             self._behind = other
         return self._behind
 
-    @classmethod
-    def joined(cls, run: list[Answer], *, up_to_date: bool) -> Answer:
+    @staticmethod
+    def joined(run: list[Answer], *, up_to_date: bool) -> Answer:
         """Consecutive answers as one page, as a read from the first one's start returns the
         same range: the bodies joined (one JSON array for a JSON stream), the ETag spanning
         them, the last one's other headers; Stream-Up-To-Date only when `up_to_date`."""

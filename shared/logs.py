@@ -228,7 +228,6 @@ def setup(level: str, fmt: str = "text", *, access_log: bool = True, service: st
     logging.getLogger(ACCESS_LOGGER).setLevel(logging.NOTSET if access_log else logging.WARNING)
 
 
-
 _installed: BatchingStreamHandler | None = None  # setup()'s handler
 _access = logging.getLogger(ACCESS_LOGGER)
 
