@@ -51,6 +51,15 @@ class DescriptorCache:
         self._entries[path] = (time.monotonic(), desc)
         return desc
 
+    def fresh(self, path: str) -> Descriptor | None:
+        """The cached descriptor if get() would answer with it now (younger than the ttl),
+        else None (not cached, too old, or cached as absent)."""
+        hit = self._entries.get(path)
+        if hit is None or hit[1] is None or time.monotonic() - hit[0] >= self.ttl:
+            return None
+        self.hits += 1
+        return hit[1]
+
     def peek(self, path: str) -> Descriptor | None:
         """The cached descriptor however old (a guess to act on early, never to answer with)."""
         hit = self._entries.get(path)

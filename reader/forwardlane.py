@@ -1,5 +1,5 @@
-"""The reader's forwarding lane: appends and HEADs passed to the ingester without aiohttp's
-per-request objects on either side.
+"""The reader's forwarding lane: appends, HEADs and reads at a stream's unsealed tail passed
+to the ingester without aiohttp's per-request objects on either side.
 
 Writes and HEADs are the requests a reader only forwards (reader/http.py handle_stream). Through
 aiohttp each one costs the reader a server round (Request, task, middlewares) and a client round
@@ -15,6 +15,14 @@ and sent on a pooled keep-alive connection (reader/upstream.py); the ingester's 
 as it came, minus its hop-by-hop headers, with the reader's own Date, X-Request-Id and common
 headers, the way reader.proxy.to_response and aiohttp's response preparation would write it.
 tests/test_forward_lane.py compares the answers with the aiohttp path's (DS3_FAST_LANE=0).
+
+A catch-up read (`GET ...?offset=<offset>`, no live mode) is the lane's when the reader already
+knows, without asking anything, that the store cannot answer it: the stream's descriptor is in
+its cache and fresh, and the chunks that could hold the offset were missing from the store a
+moment ago (reader/sealed.py known_unsealed): the empty page every caught-up client reads, and
+catch-ups of what only the ingester holds. Identical reads in flight at once share one upstream
+request, as aiohttp's path shares them (reader/proxy.py get_collapsed). Any other read (sealed
+history, the start URL, `now`, SSE, a conditional GET, a closed stream) is aiohttp's.
 """
 
 from __future__ import annotations
@@ -30,8 +38,9 @@ from aiohttp import web
 from reader.fanout import Answer as Answer_
 from reader.proxy import DROP_REQUEST, DROP_RESPONSE, Upstream
 from reader.routing import MISDIRECTED, Link, Router
-from reader.state import READER, ReaderState
+from reader.state import READER, ReaderState, servable
 from reader.upstream import Answer
+from shared import offsets
 from shared import protocol as P
 from shared.errors import DS3Error, TooManyRequests, Unavailable
 from shared.http.access import CLIENT_CLOSED
@@ -64,6 +73,7 @@ class ForwardLane(Lane):
         self.st: ReaderState | None = None
         self.router: Router | None = None
         self._tail = b""  # the upstream request's own header lines after the client's
+        self._reads: dict[bytes, list[_Forward]] = {}  # tail reads in flight by URL, the sender first
 
     def ready(self) -> bool:
         if self.router is None:
@@ -92,12 +102,15 @@ class ForwardLane(Lane):
                 return False
             msg.note = link
             return True
-        # A long-poll at a concrete offset that the stream's live channel answers; any other
-        # read (catch-up, sealed history, SSE, a 304 to work out) is aiohttp's (reader/http.py).
+        # A long-poll at a concrete offset that the stream's live channel answers, or a read at
+        # the unsealed tail; any other read (sealed history, SSE, a 304 to work out) is
+        # aiohttp's (reader/http.py).
         assert self.st is not None
-        q = _long_poll_query(msg.query)
-        if q is None or b"if-none-match" in msg.headers or msg.total != msg.head_len:
+        if b"if-none-match" in msg.headers or msg.total != msg.head_len:
             return False
+        q = _long_poll_query(msg.query)
+        if q is None:
+            return self._accepts_tail_read(handler, msg)
         try:
             path = self._path(handler, msg)
         except DS3Error:
@@ -106,6 +119,35 @@ class ForwardLane(Lane):
             return False
         msg.route = "stream_long_poll"
         msg.note = q
+        return True
+
+    def _accepts_tail_read(self, handler: LaneHandler, msg: Message) -> bool:
+        """A catch-up read that reader/http.py handle_get would pass to the ingester, judged
+        from what the reader knows now (the checks it makes first, in the same order)."""
+        st, router = self.st, self.router
+        assert st is not None and router is not None
+        offset = _catch_up_query(msg.query)
+        if offset is None:
+            return False
+        try:
+            path = self._path(handler, msg)
+            start = offsets.parse(offset)
+        except (DS3Error, ValueError):
+            return False
+        desc = st.descriptors.fresh(path)
+        if desc is None or desc.closed or not servable(desc):
+            return False  # unknown here, or a closed stream's end (aiohttp's path knows it with the ingester down)
+        if desc.snapshot_offset is not None and start.position < desc.earliest:
+            return False  # aiohttp's 410
+        if not st.locator.known_unsealed(desc, start):
+            return False
+        try:
+            link = router.for_path(path)
+        except DS3Error:
+            return False
+        if link.pool is None:
+            return False
+        msg.note = link
         return True
 
     def _path(self, handler: LaneHandler, msg: Message) -> str:
@@ -121,7 +163,10 @@ class ForwardLane(Lane):
         st, lim, router = self.st, self.limits, self.router
         assert st is not None and lim is not None and router is not None
         if msg.method == b"GET":
-            self._long_poll(handler, msg, rid, started)
+            if msg.route == "stream_long_poll":
+                self._long_poll(handler, msg, rid, started)
+            else:
+                self._tail_read(handler, msg, rid, started)
             return
         post = msg.method == b"POST"
         if post:
@@ -130,6 +175,20 @@ class ForwardLane(Lane):
                 lim.take(lim.writes, client, "writes")
         st.forwarded += 1
         _Forward(self, handler, msg, body, rid, started, post).send(msg.note)
+
+    def _tail_read(self, handler: LaneHandler, msg: Message, rid: str, started: float) -> None:
+        """Forwarded, or joined to the identical read already on its way (its answer is this
+        one's too)."""
+        assert self.st is not None
+        self.st.forwarded += 1
+        forward = _Forward(self, handler, msg, b"", rid, started, False)
+        flight = self._reads.get(msg.url)
+        if flight is not None:
+            flight.append(forward)
+            forward.link.client.collapsed += 1
+            return
+        self._reads[msg.url] = [forward]
+        forward.send(msg.note)
 
     def _upstream_request(self, msg: Message, body: bytes, peer: str | None, rid: str, netloc: bytes) -> bytes:
         parts = [msg.method, b" ", msg.url, b" HTTP/1.1\r\nHost: ", netloc, b"\r\n"]
@@ -257,7 +316,7 @@ class ForwardLane(Lane):
 
 
 class _Forward:
-    """One append or HEAD on its way to the stream's owner and back. An object rather than
+    """One append, HEAD or tail read on its way to the stream's owner and back. An object rather than
     closures: nested functions that refer to each other form a reference cycle per request,
     garbage only the collector frees (~28 objects per forwarded request, a 5-8% share of the
     reader's CPU in young collections at 10,000 appends/s)."""
@@ -278,10 +337,10 @@ class _Forward:
         self.link = to
         to.client.requests += 1
         request = self.lane._upstream_request(self.msg, self.body, self.peer, self.rid, to.pool.netloc)
-        to.pool.request(request, not self.post, self.done)
+        to.pool.request(request, self.msg.method == b"HEAD", self.done)
 
     def done(self, answer: Answer | Unavailable) -> None:
-        lane, msg, handler = self.lane, self.msg, self.handler
+        lane, msg = self.lane, self.msg
         st, router = lane.st, lane.router
         assert st is not None and router is not None
         if self.post:
@@ -289,21 +348,32 @@ class _Forward:
         if isinstance(answer, Unavailable):
             log.warning("%s %s: %s", msg.method.decode(), msg.url[:200].decode("latin-1"), answer.message)
             router.failed(self.link)
-            handler.answer_failure(msg, answer, self.rid, self.started)
+            self.fail(answer)
             return
         if answer.status == MISDIRECTED and router.watcher is not None:
             # the ingester judged by another description: re-read it, retry once at the owner
             if self.retried:
                 router.misdirected += 1
-                handler.answer_failure(msg, router.still_misdirected(self.link), self.rid, self.started)
+                self.fail(router.still_misdirected(self.link))
                 return
             self.retried = True
             task = asyncio.ensure_future(self._reroute(_generation(answer)))
             _pending.add(task)
             task.add_done_callback(_pending.discard)
             return
-        handler.answer(msg, answer.status, {}, answer.body, self.rid, self.started,
-                       head=lane._answer_head(msg, answer))
+        head = lane._answer_head(msg, answer)
+        for f in self._flight():
+            f.handler.answer(f.msg, answer.status, {}, answer.body, f.rid, f.started, head=head)
+
+    def fail(self, e: BaseException) -> None:
+        for f in self._flight():
+            f.handler.answer_failure(f.msg, e, f.rid, f.started)
+
+    def _flight(self) -> list[_Forward]:
+        """Who gets this answer: this request, and the reads that joined it (a tail read)."""
+        if self.msg.method != b"GET":
+            return [self]
+        return self.lane._reads.pop(self.msg.url, None) or [self]
 
     async def _reroute(self, generation: str | None) -> None:
         router = self.lane.router
@@ -311,10 +381,10 @@ class _Forward:
         try:
             again = await router.after_misdirected(placement_key(self.path), self.link, generation)
         except Exception as e:  # (answer exactly once, whatever happens)
-            self.handler.answer_failure(self.msg, e, self.rid, self.started)
+            self.fail(e)
             return
         if again is None or again.pool is None:
-            self.handler.answer_failure(self.msg, router.still_misdirected(self.link), self.rid, self.started)
+            self.fail(router.still_misdirected(self.link))
             return
         self.send(again)
 
@@ -343,6 +413,14 @@ def _generation(answer: Answer) -> str | None:
 
 _OFFSET: Final = re.compile(rb"\d{16}_\d{16}")
 _CURSOR: Final = re.compile(rb"\d{1,18}")
+
+
+def _catch_up_query(query: bytes) -> str | None:
+    """The offset of a plain catch-up query (`offset=<concrete offset>` and nothing else)."""
+    key, _, value = query.partition(b"=")
+    if key == b"offset" and _OFFSET.fullmatch(value):
+        return value.decode()
+    return None
 
 
 def _long_poll_query(query: bytes) -> tuple[str, str | None] | None:

@@ -32,6 +32,11 @@ def collect(app: web.Application) -> Iterator[Metric]:
                   "client asked (reader/relay.py NextPages).", st.next_pages.started)
     yield counter("ds3_reader_next_pages_taken", "Pages asked for ahead that their client then took.",
                   st.next_pages.taken)
+    yield counter("ds3_reader_chunk_lookups", "Sealed chunks looked for to answer a catch-up read (cached "
+                  "heads and remembered misses included).", st.locator.lookups)
+    yield counter("ds3_reader_chunk_misses_remembered", "Chunk lookups answered 'not sealed yet' from "
+                  "memory (reader/sealed.py, for a second): object store requests avoided.",
+                  st.locator.missing_hits)
     yield counter("ds3_reader_forwarded", "Client requests forwarded to the ingester (before collapsing).",
                   st.forwarded)
     yield counter("ds3_reader_ingester_requests", "Requests sent to the ingester (after collapsing; SSE "
@@ -40,7 +45,7 @@ def collect(app: web.Application) -> Iterator[Metric]:
     links = list(router.links.values())
     lane = app.get(LANE)
     if lane is not None:
-        yield counter("ds3_http_fast_lane_requests", "Appends and HEADs forwarded by the fast lane "
+        yield counter("ds3_http_fast_lane_requests", "Appends, HEADs, tail reads and long-polls answered by the fast lane "
                       "(reader/forwardlane.py), not by aiohttp's handlers.", lane.served)
         pools = [link for link in links if link.pool is not None]
         if pools:

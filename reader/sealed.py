@@ -4,17 +4,30 @@ position (following fork chains), and slice whole messages out of it.
 An offset `c_p` names the chunk c holding the byte before position p, so the byte at p is
 in chunk c, or in c + 1 when p is c's end. Where a stream's own data begins (position 0,
 or a fork's fork position) the first byte is in its first chunk, named by its descriptor:
-first chunk ids are random per incarnation (see ingester.records.new_first_chunk)."""
+first chunk ids are random per incarnation (see ingester.records.new_first_chunk).
+
+A chunk the store does not have (yet) is remembered as missing for UNSEALED_RECHECK_SECONDS:
+reads at a stream's unsealed tail (the empty page every caught-up client reads, a catch-up
+of what the ingester still holds) would otherwise cost two store lookups each before they are
+passed to the ingester, two round trips to S3 (milliseconds each) per read. A chunk sealed
+meanwhile is read from the ingester for at most that long, which answers it just as well.
+"""
 
 from __future__ import annotations
 
+import time
+from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Final
 
 from reader.descriptors import DescriptorCache
 from shared import offsets
 from shared.chunkstore import ChunkReader, Slice
 from shared.descriptor import Descriptor
 from shared.errors import ObjectNotFound
+
+UNSEALED_RECHECK_SECONDS: Final = 1.0  # how long a chunk the store lacked is taken as not sealed yet
+MISSING_REMEMBERED: Final = 16_384  # (stream, chunk) pairs; the oldest are forgotten first
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,10 +46,42 @@ class SealedRead:
 
 
 class SealedLocator:
-    def __init__(self, descriptors: DescriptorCache, chunk_reader: ChunkReader, max_bytes: int) -> None:
+    def __init__(self, descriptors: DescriptorCache, chunk_reader: ChunkReader, max_bytes: int,
+                 recheck_seconds: float = UNSEALED_RECHECK_SECONDS) -> None:
         self.descriptors = descriptors
         self.chunks = chunk_reader
         self.max_bytes = max_bytes
+        self.recheck_seconds = recheck_seconds
+        self._missing: OrderedDict[tuple[str, int], float] = OrderedDict()  # -> when to ask again
+        self.lookups = 0  # chunk heads asked of the store (or its cache)
+        self.missing_hits = 0  # lookups answered "not sealed" from memory, no store request
+
+    def known_unsealed(self, desc: Descriptor, start: offsets.Offset) -> bool:
+        """Whether `start` is, as far as this reader knows now, not sealed (without asking
+        anything): a read there goes to the ingester. False when the store must be asked."""
+        if desc.closed and desc.final_offset is not None and start.position >= _position(desc.final_offset):
+            return True
+        if desc.fork_source is not None and start.position < desc.fork_position:
+            return False  # inherited: the source's chunks
+        own_start = desc.fork_position if desc.fork_source is not None else 0
+        candidates = (desc.first_chunk,) if start.position == own_start else (start.chunk, start.chunk + 1)
+        now = time.monotonic()
+        if not all(self._is_missing(desc.uid, chunk, now) for chunk in candidates):
+            return False
+        self.lookups += len(candidates)
+        self.missing_hits += len(candidates)
+        return True
+
+    def _is_missing(self, uid: str, chunk: int, now: float) -> bool:
+        until = self._missing.get((uid, chunk))
+        return until is not None and now < until
+
+    def _remember_missing(self, uid: str, chunk: int) -> None:
+        key = (uid, chunk)
+        self._missing[key] = time.monotonic() + self.recheck_seconds
+        self._missing.move_to_end(key)
+        if len(self._missing) > MISSING_REMEMBERED:
+            self._missing.popitem(last=False)
 
     async def find(self, desc: Descriptor, start: offsets.Offset) -> SealedRead | None:
         """The sealed read for `start`, or None when that position is not sealed (yet)."""
@@ -55,10 +100,16 @@ class SealedLocator:
             return None
         own_start = owner.fork_position if owner.fork_source is not None else 0
         candidates = (owner.first_chunk,) if start.position == own_start else (start.chunk, start.chunk + 1)
+        now = time.monotonic()
         for chunk in candidates:
+            self.lookups += 1
+            if self._is_missing(owner.uid, chunk, now):
+                self.missing_hits += 1
+                continue
             try:
                 head = await self.chunks.head(owner.uid, chunk)
             except ObjectNotFound:
+                self._remember_missing(owner.uid, chunk)
                 continue
             h = head.header
             if h.start <= start.position < h.end:

@@ -1,9 +1,13 @@
-"""What the reader's hop costs a forwarded request: sequential POSTs and HEADs on one keep-alive
-connection, straight to a `ds3 ingester` and through a `ds3 reader` in front of it (one worker,
+"""What the reader's hop costs a forwarded request: sequential POSTs, HEADs and tail GETs on one
+keep-alive connection, straight to a `ds3 ingester` and through a `ds3 reader` in front of it (one worker,
 with its fast forwarding lane, and with DS3_FAST_LANE=0: aiohttp's server and client), in one run.
 
     .venv/bin/python scripts/bench_hop.py                  # 2,000 of each, best of 3 rounds
     .venv/bin/python scripts/bench_hop.py --requests 5000 --rounds 5
+
+A tail GET is a catch-up read at the stream's current end (`?offset=<Stream-Next-Offset>`, no
+live mode): the empty page every client reads when it has caught up, which the reader cannot
+serve from sealed chunks and passes to the ingester.
 
 Reports per path p50/p99 round trip in ms, the added p50 over the ingester direct (the issue's
 target: at most 0.3 ms), and the reader's CPU per forwarded request (its process CPU time over
@@ -14,6 +18,7 @@ in every row alike.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import socket
 import statistics
@@ -25,9 +30,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from scripts.bench_catchup import MotoProcess  # noqa: E402
 from tests import procs  # noqa: E402
+from tests.cluster import StoreView  # noqa: E402
+from tests.s3server import aws_test_env  # noqa: E402
 
 TARGET_ADDED_MS = 0.3
+METHODS = ("POST", "HEAD", "GET")
 
 
 def cpu_seconds(pid: int) -> float:
@@ -58,11 +67,27 @@ def one_answer(s: socket.socket, buf: bytearray, head_only: bool) -> None:
         buf += chunk
 
 
+def tail_offset(port: int, path: str) -> str:
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        s.sendall(f"HEAD {path} HTTP/1.1\r\nHost: b\r\n\r\n".encode())
+        buf = b""
+        while b"\r\n\r\n" not in buf:
+            buf += s.recv(65536)
+    for line in buf.split(b"\r\n"):
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"stream-next-offset":
+            return value.strip().decode()
+    raise SystemExit(f"no Stream-Next-Offset in {buf[:300]!r}")
+
+
 def run(port: int, path: str, n: int, method: str) -> list[float]:
-    post = (f"POST {path} HTTP/1.1\r\nHost: b\r\nContent-Type: text/plain\r\nContent-Length: 100\r\n\r\n"
-            .encode() + b"x" * 100)
-    head = f"HEAD {path} HTTP/1.1\r\nHost: b\r\n\r\n".encode()
-    req = post if method == "POST" else head
+    if method == "POST":
+        req = (f"POST {path} HTTP/1.1\r\nHost: b\r\nContent-Type: text/plain\r\nContent-Length: 100\r\n\r\n"
+               .encode() + b"x" * 100)
+    elif method == "HEAD":
+        req = f"HEAD {path} HTTP/1.1\r\nHost: b\r\n\r\n".encode()
+    else:  # a catch-up read at the tail
+        req = f"GET {path}?offset={tail_offset(port, path)} HTTP/1.1\r\nHost: b\r\n\r\n".encode()
     out = []
     buf = bytearray()
     with socket.create_connection(("127.0.0.1", port)) as s:
@@ -86,14 +111,23 @@ def pct(xs: list[float], p: float) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--requests", type=int, default=2000, help="sequential requests per method and path")
+    ap.add_argument("--moto", action="store_true",
+                    help="the store is moto's S3 server (its own process) instead of a local directory")
     ap.add_argument("--rounds", type=int, default=3, help="rounds; the median of each figure is reported")
     args = ap.parse_args()
-    with tempfile.TemporaryDirectory(prefix="ds3-bench-hop-") as tmp:
-        root = Path(tmp)
-        store = f"file://{root / 'objects'}"
-        ing = procs.ingester(root / "wal", "--store", store, "--write-rate", "0")
-        lane = procs.reader(root / "lane", ing.url, store, "--write-rate", "0", "--no-access-log")
-        plain = procs.reader(root / "plain", ing.url, store, "--write-rate", "0", "--no-access-log")
+    with contextlib.ExitStack() as stack:
+        root = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="ds3-bench-hop-")))
+        if args.moto:
+            stack.enter_context(aws_test_env())
+            moto = stack.enter_context(MotoProcess())
+            view = StoreView.s3_store(moto, moto.new_bucket())
+        else:
+            view = StoreView.local(root / "objects")
+        extra = view.server_args()[2:]  # --s3-endpoint, for moto
+        store = view.url
+        ing = procs.ingester(root / "wal", "--store", store, "--write-rate", "0", *extra)
+        lane = procs.reader(root / "lane", ing.url, store, "--write-rate", "0", "--no-access-log", *extra)
+        plain = procs.reader(root / "plain", ing.url, store, "--write-rate", "0", "--no-access-log", *extra)
         plain.env["DS3_FAST_LANE"] = "0"
         started: list[procs.Proc] = []
         try:
@@ -108,7 +142,7 @@ def main() -> None:
                     one_answer(s, bytearray(), True)
             results: dict[tuple[str, str], list[tuple[float, float, float]]] = {}
             for _ in range(args.rounds):
-                for method in ("POST", "HEAD"):
+                for method in METHODS:
                     for name, p in paths.items():
                         pid = p.popen.pid if p.popen else 0
                         before = cpu_seconds(pid)
@@ -121,7 +155,7 @@ def main() -> None:
     print(f"\nsequential requests on one keep-alive connection, {args.requests} per row, median of {args.rounds} rounds")
     print(f"  {'method':6} {'path':22} {'p50 ms':>8} {'p99 ms':>8} {'added p50':>10} {'CPU ms/req':>11}")
     ok = True
-    for method in ("POST", "HEAD"):
+    for method in METHODS:
         direct = statistics.median(r[0] for r in results[(method, "ingester direct")])
         for name in ("ingester direct", "reader (fast lane)", "reader (aiohttp)"):
             rows = results[(method, name)]

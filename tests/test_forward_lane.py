@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import itertools
 import re
+import signal
 import socket
+import threading
 import time
 import urllib.request
 import uuid
@@ -436,3 +438,96 @@ def test_more_than_32_pipelined_requests_for_aiohttp_are_all_answered(tier: Tier
         one = f"{method} {path}?offset=-1 HTTP/1.1\r\nHost: t\r\n\r\n".encode()
         answers = pipeline(p.port, [one * 100], 100, timeout=10)
         assert [parsed(a)[0] for a in answers] == [200] * 100
+
+
+# --- reads at the unsealed tail ------------------------------------------------------------
+
+
+def get(path: str, query: str, *headers: str) -> bytes:
+    return (f"GET {path}?{query} HTTP/1.1\r\nHost: t\r\n" + "".join(h + "\r\n" for h in headers) + "\r\n").encode()
+
+
+def next_offset(p: procs.Proc, path: str) -> str:
+    return parsed(exchange(p.port, head(path), bodiless=True)[0])[1]["stream-next-offset"]
+
+
+@pytest.mark.parametrize("content_type", ["text/plain", "application/json"])
+def test_reads_at_the_unsealed_tail_take_the_lane_and_answer_as_aiohttp_does(tier: Tier, content_type: str) -> None:
+    """A catch-up read of what only the ingester holds, and the empty page at the end: the
+    first asks the store (nothing sealed there), the next within a second is the lane's and
+    answers byte for byte as aiohttp's path does."""
+    ct = f"Content-Type: {content_type}"
+    one, two = (b'{"a":1}', b'[{"b":2},{"c":3}]') if content_type == "application/json" else (b"one", b"two")
+    answers: dict[str, list[tuple[int, dict[str, str], bytes]]] = {"middle": [], "end": []}
+    for p, suffix in ((tier.fast, "_zzfast"), (tier.slow, "_zzslow")):
+        path = f"/v1/stream/tail-{content_type.replace('/', '-')}{suffix}"
+        assert parsed(exchange(p.port, put(path, ct))[0])[0] == 201
+        assert parsed(exchange(p.port, post(path, one, ct))[0])[0] == 204
+        middle = next_offset(p, path)
+        assert parsed(exchange(p.port, post(path, two, ct))[0])[0] == 204
+        end = next_offset(p, path)
+        for name, offset in (("middle", middle), ("end", end)):
+            exchange(p.port, get(path, f"offset={offset}"))  # the store is asked: no chunk there
+            before = lane_count(p)
+            raw = exchange(p.port, get(path, f"offset={offset}", RID))[0]
+            assert b"\r\nX-Request-Id: parity-0123456789\r\n" in raw
+            assert lane_count(p) - before == (1 if p is tier.fast else 0)
+            answers[name].append(_normal(raw, suffix))
+    for name, (fast, slow) in answers.items():
+        assert fast == slow, name
+    status, headers, body = answers["middle"][0]
+    assert status == 200 and body == (b'[{"b":2},{"c":3}]' if content_type == "application/json" else b"two")
+    status, headers, body = answers["end"][0]
+    assert status == 200 and headers["stream-up-to-date"] == "true"
+    assert body == (b"[]" if content_type == "application/json" else b"")
+
+
+@pytest.mark.parametrize("query", ["offset=-1", "offset=now", "offset=0000000000000000_0000000000000000&x=1",
+                                   "offset=bad", "offset=1&offset=2"])
+def test_reads_the_lane_cannot_judge_stay_aiohttp_s(tier: Tier, query: str) -> None:
+    path = "/v1/stream/tail-other"
+    exchange(tier.fast.port, put(path, TEXT))
+    exchange(tier.fast.port, post(path, b"x", TEXT))
+    exchange(tier.fast.port, get(path, f"offset={next_offset(tier.fast, path)}"))
+    before = lane_count(tier.fast)
+    fast = _normal(exchange(tier.fast.port, get(path, query, RID))[0], "")
+    assert lane_count(tier.fast) == before
+    slow_path = path + "-slow"
+    exchange(tier.slow.port, put(slow_path, TEXT))
+    exchange(tier.slow.port, post(slow_path, b"x", TEXT))
+    assert fast == _normal(exchange(tier.slow.port, get(slow_path, query, RID))[0], "-slow")
+
+
+def test_identical_tail_reads_share_one_upstream_request(tier: Tier) -> None:
+    """20 clients read the tail while the ingester is frozen (SIGSTOP): one request reaches
+    it, and when it wakes every client gets the answer."""
+    path = "/v1/stream/tail-shared"
+    exchange(tier.fast.port, put(path, TEXT))
+    exchange(tier.fast.port, post(path, b"shared", TEXT))
+    offset = next_offset(tier.fast, path)
+    exchange(tier.fast.port, get(path, f"offset={offset}"))  # the misses are remembered (for a second)
+    upstream = metric(tier.fast, "ds3_reader_ingester_requests_total")
+    forwarded = metric(tier.fast, "ds3_reader_forwarded_total")
+    lane = lane_count(tier.fast)
+    results: list[bytes] = []
+    clients = []
+    assert tier.ingester.popen is not None
+    tier.ingester.popen.send_signal(signal.SIGSTOP)
+    try:
+        for _ in range(20):
+            t = threading.Thread(target=lambda: results.append(exchange(tier.fast.port, get(path, f"offset={offset}"),
+                                                                        timeout=20)[0]))
+            t.start()
+            clients.append(t)
+        deadline = time.monotonic() + 10
+        while metric(tier.fast, "ds3_reader_forwarded_total") < forwarded + 20 and time.monotonic() < deadline:
+            time.sleep(0.02)
+    finally:
+        tier.ingester.popen.send_signal(signal.SIGCONT)
+    for t in clients:
+        t.join(20)
+    assert len(results) == 20
+    assert {parsed(r)[0] for r in results} == {200}
+    assert {parsed(r)[1]["stream-next-offset"] for r in results} == {offset}
+    assert metric(tier.fast, "ds3_reader_ingester_requests_total") == upstream + 1
+    assert lane_count(tier.fast) == lane + 20

@@ -24,6 +24,7 @@ from tests.cluster import (
     append,
     create,
     get_page,
+    position,
     read_pages,
     reader_metrics,
     sealed_end,
@@ -260,3 +261,38 @@ async def test_next_pages_are_taken_once_and_dropped_when_not() -> None:
     pages.start(find(("k", 6, 10)), open_)  # closed: ignored
     await asyncio.sleep(0.05)
     assert ("k", 6, 10) not in opened
+
+
+async def test_a_tail_read_asks_the_store_once_a_second_and_finds_the_chunk_once_sealed(
+        tmp_path: Path, store: StoreView) -> None:
+    """Reads at the unsealed tail: the first finds no chunk in the store and goes to the
+    ingester; the reader remembers the miss (for a second) and passes the next ones on without
+    asking the store; once the chunk is sealed, the same read gets the same bytes, from the
+    store once the second is over."""
+    with Cluster(tmp_path, store, seal_bytes=4096) as c:
+        async with aiohttp.ClientSession(timeout=TIMEOUT) as s:
+            url = f"{c.reader.url}/v1/stream/t"
+            await create(s, f"{c.ingester.url}/v1/stream/t", OCTET)
+            first, second, third = os.urandom(1000), os.urandom(1000), os.urandom(3000)
+            middle = await append(s, f"{c.ingester.url}/v1/stream/t", first, OCTET)
+            await append(s, f"{c.ingester.url}/v1/stream/t", second, OCTET)
+            before = reader_metrics(c.reader.url)
+            for _ in range(5):
+                page = await get_page(s, url, middle)
+                assert page.status == 200 and page.body == second
+            after = reader_metrics(c.reader.url)
+            assert after["ds3_reader_chunk_misses_remembered_total"] - \
+                before.get("ds3_reader_chunk_misses_remembered_total", 0) == 8  # two lookups, 4 reads
+            assert after["ds3_reader_sealed_responses_total"] == before["ds3_reader_sealed_responses_total"]
+
+            end = await append(s, f"{c.ingester.url}/v1/stream/t", third, OCTET)
+            uid = c.store.uid("t")
+            await asyncio.to_thread(wait_for, lambda: sealed_end(c.store, uid) >= position(end), 30, "sealed")
+            page = await get_page(s, url, middle)  # from the ingester or the store: the same bytes
+            assert page.status == 200 and page.body == second + third
+            sealed = reader_metrics(c.reader.url)["ds3_reader_sealed_responses_total"]
+            await asyncio.sleep(1.1)
+            page = await get_page(s, url, middle)
+            assert page.status == 200 and page.body == second + third
+            assert reader_metrics(c.reader.url)["ds3_reader_sealed_responses_total"] == sealed + 1
+            assert "immutable" in page.headers["Cache-Control"]
