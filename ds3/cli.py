@@ -326,7 +326,8 @@ def ingester(**kw: Any) -> None:
 @_opt("--max-read-bytes", env="DS3_MAX_READ_BYTES", type=int, default=16 * MiB,
       help="Most bytes of a sealed chunk one response carries.")
 @_opt("--descriptor-ttl", env="DS3_DESCRIPTOR_TTL", type=float, default=1.0,
-      help="Seconds a stream descriptor read from the store is trusted.")
+      help="Seconds the reader trusts what it read from the store about a stream: its descriptor, "
+           "and that a chunk was not sealed yet (reads there go to the ingester meanwhile).")
 @_opt("--sse-max-seconds", env="DS3_SSE_MAX_SECONDS", type=float, default=60.0,
       help="SSE connections are closed after this long so CDNs can collapse them.")
 @_opt("--workers", env="DS3_WORKERS", type=int, default=None,

@@ -88,7 +88,7 @@ def create_app(config: ReaderConfig) -> web.Application:
 
         state = app[READER] = ReaderState(
             config=config, objects=objects, chunks=chunks, descriptors=descriptors,
-            locator=SealedLocator(descriptors, chunks, config.max_read_bytes), router=router,
+            locator=SealedLocator(descriptors, chunks, config.max_read_bytes, config.descriptor_ttl), router=router,
             sse=LiveHub(router, page, config.sse_max_seconds, config.long_poll_timeout,
                        P.tail_cache_control(config.tail_max_age), config.max_read_bytes),
         )

@@ -348,6 +348,8 @@ class _Forward:
         if isinstance(answer, Unavailable):
             log.warning("%s %s: %s", msg.method.decode(), msg.url[:200].decode("latin-1"), answer.message)
             router.failed(self.link)
+            if msg.method == b"GET" and (desc := st.descriptors.peek(self.path)) is not None:
+                st.locator.forget_missing(desc.uid)  # the retry asks the store: sealed meanwhile?
             self.fail(answer)
             return
         if answer.status == MISDIRECTED and router.watcher is not None:

@@ -93,6 +93,7 @@ async def handle_get(request: web.Request, st: ReaderState, path: str) -> web.St
         if answered is not None:
             return answered
     desc: Descriptor | None = None
+    start: offsets.Offset | None = None
     if given is None or isinstance(given, offsets.Offset) or given == offsets.START:
         start = given if isinstance(given, offsets.Offset) else offsets.ZERO
         try:
@@ -132,6 +133,14 @@ async def handle_get(request: web.Request, st: ReaderState, path: str) -> web.St
         eof = _eof_from_descriptor(desc, given)
         if eof is not None:
             return eof
+        if start is not None and desc is not None and servable(desc):
+            # sealed since the store was last asked about it (reader/sealed.py remembers misses)?
+            try:
+                found = await st.locator.find(desc, start, remembered=False)
+            except (ObjectStoreError, Unavailable):
+                found = None
+            if found is not None:
+                return await serve_sealed(request, st, found, live, start_url=not isinstance(given, offsets.Offset))
         raise
     return to_response(up)
 

@@ -6,11 +6,13 @@ in chunk c, or in c + 1 when p is c's end. Where a stream's own data begins (pos
 or a fork's fork position) the first byte is in its first chunk, named by its descriptor:
 first chunk ids are random per incarnation (see ingester.records.new_first_chunk).
 
-A chunk the store does not have (yet) is remembered as missing for UNSEALED_RECHECK_SECONDS:
-reads at a stream's unsealed tail (the empty page every caught-up client reads, a catch-up
-of what the ingester still holds) would otherwise cost two store lookups each before they are
-passed to the ingester, two round trips to S3 (milliseconds each) per read. A chunk sealed
-meanwhile is read from the ingester for at most that long, which answers it just as well.
+A chunk the store does not have (yet) is remembered as missing for `recheck_seconds` (the
+reader's --descriptor-ttl, 1 s by default): reads at a stream's unsealed tail (the empty page
+every caught-up client reads, a catch-up of what the ingester still holds) would otherwise cost
+two store lookups each before they are passed to the ingester, two round trips to S3
+(milliseconds each) per read. A chunk sealed meanwhile is read from the ingester for at most
+that long, which answers it just as well; should the ingester be unreachable, the reader asks
+the store again at once (reader/http.py), so sealed history stays readable without it.
 """
 
 from __future__ import annotations
@@ -26,7 +28,6 @@ from shared.chunkstore import ChunkReader, Slice
 from shared.descriptor import Descriptor
 from shared.errors import ObjectNotFound
 
-UNSEALED_RECHECK_SECONDS: Final = 1.0  # how long a chunk the store lacked is taken as not sealed yet
 MISSING_REMEMBERED: Final = 16_384  # (stream, chunk) pairs; the oldest are forgotten first
 
 
@@ -47,7 +48,7 @@ class SealedRead:
 
 class SealedLocator:
     def __init__(self, descriptors: DescriptorCache, chunk_reader: ChunkReader, max_bytes: int,
-                 recheck_seconds: float = UNSEALED_RECHECK_SECONDS) -> None:
+                 recheck_seconds: float = 1.0) -> None:
         self.descriptors = descriptors
         self.chunks = chunk_reader
         self.max_bytes = max_bytes
@@ -72,6 +73,11 @@ class SealedLocator:
         self.missing_hits += len(candidates)
         return True
 
+    def forget_missing(self, uid: str) -> None:
+        """Ask the store again about the stream's chunks next time (its ingester failed us)."""
+        for key in [k for k in self._missing if k[0] == uid]:
+            del self._missing[key]
+
     def _is_missing(self, uid: str, chunk: int, now: float) -> bool:
         until = self._missing.get((uid, chunk))
         return until is not None and now < until
@@ -83,8 +89,9 @@ class SealedLocator:
         if len(self._missing) > MISSING_REMEMBERED:
             self._missing.popitem(last=False)
 
-    async def find(self, desc: Descriptor, start: offsets.Offset) -> SealedRead | None:
-        """The sealed read for `start`, or None when that position is not sealed (yet)."""
+    async def find(self, desc: Descriptor, start: offsets.Offset, *, remembered: bool = True) -> SealedRead | None:
+        """The sealed read for `start`, or None when that position is not sealed (yet).
+        remembered=False: ask the store even about chunks found missing a moment ago."""
         if desc.closed and desc.final_offset is not None and start.position >= _position(desc.final_offset):
             return None  # a closed stream's end: nothing is sealed there (no store request to say so)
         owner, cap = desc, None
@@ -103,7 +110,7 @@ class SealedLocator:
         now = time.monotonic()
         for chunk in candidates:
             self.lookups += 1
-            if self._is_missing(owner.uid, chunk, now):
+            if remembered and self._is_missing(owner.uid, chunk, now):
                 self.missing_hits += 1
                 continue
             try:

@@ -277,7 +277,7 @@ class ReaderConfig:
     max_body_bytes: int = 64 * MiB
     max_snapshot_bytes: int = 64 * MiB
     max_path_bytes: int = LMDB_MAX_KEY
-    descriptor_ttl: float = 1.0  # seconds a stream descriptor is trusted before re-reading it
+    descriptor_ttl: float = 1.0  # seconds a stream descriptor, or a chunk found missing, is trusted before asking again
     sse_max_seconds: float = 60.0  # SSE client connections are closed after this long
     workers: int = 1  # processes sharing the port (reader/workers.py)
     # Routing (issue 15; reader/routing.py): the cluster description from this file instead of

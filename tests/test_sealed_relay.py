@@ -296,3 +296,38 @@ async def test_a_tail_read_asks_the_store_once_a_second_and_finds_the_chunk_once
             assert page.status == 200 and page.body == second + third
             assert reader_metrics(c.reader.url)["ds3_reader_sealed_responses_total"] == sealed + 1
             assert "immutable" in page.headers["Cache-Control"]
+
+
+async def test_sealed_history_stays_readable_when_the_ingester_dies_while_a_miss_is_remembered(
+        tmp_path: Path) -> None:
+    """The reader remembers (--descriptor-ttl, 30 s here) that a chunk was not sealed and passes
+    reads there to the ingester; the chunk is sealed, then the ingester is killed: the reads
+    still get their bytes, from the store (a long-poll at once; a plain read on its retry after
+    the fast lane's 503)."""
+    store = StoreView.local(tmp_path / "objects")
+    with Cluster(tmp_path, store, seal_bytes=4096, reader_args=["--descriptor-ttl", "30"]) as c:
+        async with aiohttp.ClientSession(timeout=TIMEOUT) as s:
+            url = f"{c.reader.url}/v1/stream/d"
+            await create(s, f"{c.ingester.url}/v1/stream/d", OCTET)
+            second, third = os.urandom(1000), os.urandom(3000)
+            middle = await append(s, f"{c.ingester.url}/v1/stream/d", os.urandom(1000), OCTET)
+            await append(s, f"{c.ingester.url}/v1/stream/d", second, OCTET)
+            assert (await get_page(s, url, middle)).body == second  # the misses are remembered
+            end = await append(s, f"{c.ingester.url}/v1/stream/d", third, OCTET)
+            uid = c.store.uid("d")
+            await asyncio.to_thread(wait_for, lambda: sealed_end(c.store, uid) >= position(end), 30, "sealed")
+            sealed = reader_metrics(c.reader.url)["ds3_reader_sealed_responses_total"]
+            assert (await get_page(s, url, middle)).body == second + third  # still from the ingester
+            assert reader_metrics(c.reader.url)["ds3_reader_sealed_responses_total"] == sealed
+
+            assert c.ingester.popen is not None
+            c.ingester.popen.kill()
+            c.ingester.popen.wait(10)
+            page = await get_page(s, url, middle, {"live": "long-poll"})
+            assert page.status == 200 and page.body == second + third
+            page = await get_page(s, url, middle)
+            if page.status == 503:  # the lane's: its retry asks the store
+                assert "Retry-After" in page.headers
+                page = await get_page(s, url, middle)
+            assert page.status == 200 and page.body == second + third
+            assert reader_metrics(c.reader.url)["ds3_reader_sealed_responses_total"] >= sealed + 2
