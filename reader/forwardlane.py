@@ -29,36 +29,24 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
-import time
 from typing import Final
 
 from aiohttp import web
 
-from reader.fanout import Answer as Answer_
-from reader.proxy import DROP_REQUEST, DROP_RESPONSE, Upstream
+from reader.lane_long_poll import DROP_ANSWER_HEADERS, OFFSET, long_poll_query, serve_long_poll
+from reader.proxy import DROP_REQUEST
 from reader.routing import MISDIRECTED, Link, Router
 from reader.state import READER, ReaderState, servable
 from reader.upstream import Answer
 from shared import offsets
-from shared import protocol as P
-from shared.errors import DS3Error, TooManyRequests, Unavailable
-from shared.http.access import CLIENT_CLOSED
+from shared.errors import DS3Error, Unavailable
 from shared.http.handlers import stream_path_of
 from shared.http.lane import Lane, LaneHandler, LaneRunner, Message
-from shared.http.limits import LIVE_RETRY_AFTER
-from shared.logs import REQUEST_ID_HEADER
 from shared.placement import GENERATION_HEADER, placement_key
 
 log = logging.getLogger("ds3.reader.lane")
 
 _DROP_REQUEST: Final = frozenset(n.encode("ascii") for n in DROP_REQUEST) | {b"x-forwarded-for"}
-# The ingester's own answer headers that the reader writes itself (shared.http.lane._write):
-# hop-by-hop ones, Date, Server, the request id and the common headers.
-_DROP_RESPONSE: Final = frozenset(n.encode("ascii") for n in DROP_RESPONSE) | {
-    REQUEST_ID_HEADER.lower().encode(), b"x-content-type-options", b"cross-origin-resource-policy",
-    b"access-control-allow-origin", b"access-control-expose-headers",
-}
 
 
 class ForwardLane(Lane):
@@ -95,7 +83,7 @@ class ForwardLane(Lane):
             # none, and an owner not known yet is aiohttp's to answer (503)
             assert self.router is not None
             try:
-                link = self.router.for_path(self._path(handler, msg))
+                link = self.router.for_path(self.stream_path(handler, msg))
             except DS3Error:
                 return False
             if link.pool is None:
@@ -108,11 +96,11 @@ class ForwardLane(Lane):
         assert self.st is not None
         if b"if-none-match" in msg.headers or msg.total != msg.head_len:
             return False
-        q = _long_poll_query(msg.query)
+        q = long_poll_query(msg.query)
         if q is None:
             return self._accepts_tail_read(handler, msg)
         try:
-            path = self._path(handler, msg)
+            path = self.stream_path(handler, msg)
         except DS3Error:
             return False  # aiohttp answers the 400/404
         if not self.st.sse.follows(path, q[0]):
@@ -130,7 +118,7 @@ class ForwardLane(Lane):
         if offset is None:
             return False
         try:
-            path = self._path(handler, msg)
+            path = self.stream_path(handler, msg)
             start = offsets.parse(offset)
         except (DS3Error, ValueError):
             return False
@@ -150,7 +138,7 @@ class ForwardLane(Lane):
         msg.note = link
         return True
 
-    def _path(self, handler: LaneHandler, msg: Message) -> str:
+    def stream_path(self, handler: LaneHandler, msg: Message) -> str:
         assert self.st is not None
         raw = msg.path
         if raw == handler.path_of[0]:
@@ -164,7 +152,7 @@ class ForwardLane(Lane):
         assert st is not None and lim is not None and router is not None
         if msg.method == b"GET":
             if msg.route == "stream_long_poll":
-                self._long_poll(handler, msg, rid, started)
+                serve_long_poll(self, handler, msg, rid, started)
             else:
                 self._tail_read(handler, msg, rid, started)
             return
@@ -218,7 +206,7 @@ class ForwardLane(Lane):
         keep = []
         for line in answer.header_lines():
             name = line.split(b":", 1)[0].strip().lower()
-            if name in _DROP_RESPONSE:
+            if name in DROP_ANSWER_HEADERS:
                 continue
             if name == b"location":  # the reader's URL of the stream, as reader/http.py has it
                 host = msg.headers.get(b"host", b"")
@@ -227,92 +215,6 @@ class ForwardLane(Lane):
         if answer.status != 204 and answer.status != 304 and msg.method != b"HEAD":  # (aiohttp's path sends none to a HEAD)
             keep.append(b"Content-Length: %d\r\n" % len(answer.body))
         return b"".join(keep)
-
-
-    # --- long-polls ------------------------------------------------------------------------
-
-    def _long_poll(self, handler: LaneHandler, msg: Message, rid: str, started: float) -> None:
-        """Answered from the stream's live channel (reader.fanout.LiveHub.join), as
-        reader.http.handle_get's first branch answers it, with the limits' live cap and the
-        live gauge of the access middleware."""
-        st, lim, http = self.st, self.limits, self.http
-        assert st is not None and lim is not None and http is not None
-        offset, cursor = msg.note
-        path = self._path(handler, msg)
-        client = handler.client(msg)
-        if client is not None and not lim.live.acquire(client):
-            raise TooManyRequests(
-                f"too many live connections: at most {lim.live.cap} long-polls and SSE streams at once per client",
-                LIVE_RETRY_AFTER,
-            )
-        http.live["long-poll"] += 1
-        released = False
-
-        def release() -> None:
-            nonlocal released
-            if not released:
-                released = True
-                http.live["long-poll"] -= 1
-                if client is not None:
-                    lim.live.release(client)
-
-        try:
-            joined = st.sse.join(path, offset)
-        except BaseException:
-            release()
-            raise
-        if joined is None:  # (the channel moved on between accepts() and now: cannot happen)
-            release()
-            raise Unavailable("the live channel moved on; retry", 1)
-        if isinstance(joined, Answer_):
-            release()
-            self._answer_page(handler, msg, joined, cursor, rid, started)
-            return
-        ch, fut = joined
-
-        gone = False
-
-        def done(f: asyncio.Future[Answer_ | Upstream | None]) -> None:
-            ch.waiters.pop(f, None)
-            if gone or f.cancelled():
-                return
-            release()
-            handler.pending_cancel = None
-            e = f.exception()
-            if e is not None:
-                handler.answer_failure(msg, e, rid, started)
-                return
-            result = f.result()
-            if result is None:
-                headers = st.sse.no_content_headers(offset, cursor)
-                handler.answer(msg, 204, headers, b"", rid, started)
-            elif isinstance(result, Answer_):
-                self._answer_page(handler, msg, result, cursor, rid, started)
-            else:
-                handler.answer(msg, result.status, {}, result.body, rid, started, head=_upstream_head(result))
-
-        def cancel() -> None:  # the client left (or the server stops) while it waited
-            nonlocal gone
-            gone = True
-            ch.waiters.pop(fut, None)
-            fut.cancel()
-            release()
-            http.in_flight -= 1
-            http.observe(msg.route, CLIENT_CLOSED, time.perf_counter() - started)
-
-        fut.add_done_callback(done)
-        handler.pending_cancel = cancel
-
-    def _answer_page(self, handler: LaneHandler, msg: Message, ans: Answer_, cursor: str | None, rid: str,
-                     started: float) -> None:
-        head = ans.raw_head
-        if head is None:
-            head = ans.raw_head = b"".join(
-                f"{k}: {v}\r\n".encode("latin-1", "replace") for k, v in ans.headers.items()
-                if k.lower().encode("latin-1", "replace") not in _DROP_RESPONSE
-            ) + b"Content-Length: %d\r\n" % len(ans.body)
-        cursor_line = b"Stream-Cursor: " + P.response_cursor(cursor).encode() + b"\r\n"
-        handler.answer(msg, 200, {}, ans.body, rid, started, head=head + cursor_line)
 
 
 class _Forward:
@@ -327,7 +229,7 @@ class _Forward:
                  started: float, post: bool) -> None:
         self.lane, self.handler, self.msg, self.body = lane, handler, msg, body
         self.rid, self.started, self.post = rid, started, post
-        self.path = lane._path(handler, msg)
+        self.path = lane.stream_path(handler, msg)
         self.peer = handler.peer()
         self.link: Link = msg.note
         self.retried = False
@@ -391,15 +293,6 @@ class _Forward:
         self.send(again)
 
 
-def _upstream_head(up: Upstream) -> bytes:
-    """An upstream answer's headers as reader.proxy.to_response passes them on."""
-    lines = [f"{k}: {v}\r\n".encode("latin-1", "replace") for k, v in up.headers.items()
-             if k.lower().encode("latin-1", "replace") not in _DROP_RESPONSE]
-    if up.status not in (204, 304):
-        lines.append(b"Content-Length: %d\r\n" % len(up.body))
-    return b"".join(lines)
-
-
 _pending: set[asyncio.Future[None]] = set()  # re-routes in progress (kept from the garbage collector)
 _GENERATION: Final = GENERATION_HEADER.lower().encode("ascii")
 
@@ -413,34 +306,14 @@ def _generation(answer: Answer) -> str | None:
     return None
 
 
-_OFFSET: Final = re.compile(rb"\d{16}_\d{16}")
-_CURSOR: Final = re.compile(rb"\d{1,18}")
 
 
 def _catch_up_query(query: bytes) -> str | None:
     """The offset of a plain catch-up query (`offset=<concrete offset>` and nothing else)."""
     key, _, value = query.partition(b"=")
-    if key == b"offset" and _OFFSET.fullmatch(value):
+    if key == b"offset" and OFFSET.fullmatch(value):
         return value.decode()
     return None
-
-
-def _long_poll_query(query: bytes) -> tuple[str, str | None] | None:
-    """(offset, cursor) of a plain long-poll query (offset=<concrete offset>&live=long-poll
-    [&cursor=<digits>], any order, each once), else None."""
-    offset = cursor = None
-    live = False
-    for part in query.split(b"&"):
-        key, _, value = part.partition(b"=")
-        if key == b"offset" and offset is None and _OFFSET.fullmatch(value):
-            offset = value.decode()
-        elif key == b"live" and not live and value == b"long-poll":
-            live = True
-        elif key == b"cursor" and cursor is None and _CURSOR.fullmatch(value):
-            cursor = value.decode()
-        else:
-            return None
-    return (offset, cursor) if offset is not None and live else None
 
 
 class ForwardLaneRunner(LaneRunner):

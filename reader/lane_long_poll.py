@@ -1,0 +1,144 @@
+"""Long-polls on the reader's forwarding lane (reader/forwardlane.py): a plain long-poll at a
+concrete offset that the stream's live channel follows parks on the channel with a callback
+instead of a handler task, and is answered from the channel's answers (reader/fanout.py) as
+reader/http.py handle_get's first branch answers it, with the limits' live cap and the live
+gauge of the access middleware; a client that leaves frees its place at once."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from typing import TYPE_CHECKING, Final
+
+from reader.fanout import Answer
+from reader.proxy import DROP_RESPONSE, Upstream
+from shared import protocol as P
+from shared.errors import TooManyRequests, Unavailable
+from shared.http.access import CLIENT_CLOSED
+from shared.http.lane import LaneHandler, Message
+from shared.http.limits import LIVE_RETRY_AFTER
+from shared.logs import REQUEST_ID_HEADER
+
+if TYPE_CHECKING:
+    from reader.forwardlane import ForwardLane
+
+# The ingester's own answer headers that the reader writes itself (shared.http.lane._write):
+# hop-by-hop ones, Date, Server, the request id and the common headers.
+DROP_ANSWER_HEADERS: Final = frozenset(n.encode("ascii") for n in DROP_RESPONSE) | {
+    REQUEST_ID_HEADER.lower().encode(), b"x-content-type-options", b"cross-origin-resource-policy",
+    b"access-control-allow-origin", b"access-control-expose-headers",
+}
+OFFSET: Final = re.compile(rb"\d{16}_\d{16}")  # a concrete offset
+_CURSOR: Final = re.compile(rb"\d{1,18}")
+
+
+def serve_long_poll(lane: ForwardLane, handler: LaneHandler, msg: Message, rid: str, started: float) -> None:
+    """Answered from the stream's live channel (reader.fanout.LiveHub.join), as
+    reader.http.handle_get's first branch answers it, with the limits' live cap and the
+    live gauge of the access middleware."""
+    st, lim, http = lane.st, lane.limits, lane.http
+    assert st is not None and lim is not None and http is not None
+    offset, cursor = msg.note
+    path = lane.stream_path(handler, msg)
+    client = handler.client(msg)
+    if client is not None and not lim.live.acquire(client):
+        raise TooManyRequests(
+            f"too many live connections: at most {lim.live.cap} long-polls and SSE streams at once per client",
+            LIVE_RETRY_AFTER,
+        )
+    http.live["long-poll"] += 1
+    released = False
+
+    def release() -> None:
+        nonlocal released
+        if not released:
+            released = True
+            http.live["long-poll"] -= 1
+            if client is not None:
+                lim.live.release(client)
+
+    try:
+        joined = st.sse.join(path, offset)
+    except BaseException:
+        release()
+        raise
+    if joined is None:  # (the channel moved on between accepts() and now: cannot happen)
+        release()
+        raise Unavailable("the live channel moved on; retry", 1)
+    if isinstance(joined, Answer):
+        release()
+        answer_page(handler, msg, joined, cursor, rid, started)
+        return
+    ch, fut = joined
+
+    gone = False
+
+    def done(f: asyncio.Future[Answer | Upstream | None]) -> None:
+        ch.waiters.pop(f, None)
+        if gone or f.cancelled():
+            return
+        release()
+        handler.pending_cancel = None
+        e = f.exception()
+        if e is not None:
+            handler.answer_failure(msg, e, rid, started)
+            return
+        result = f.result()
+        if result is None:
+            headers = st.sse.no_content_headers(offset, cursor)
+            handler.answer(msg, 204, headers, b"", rid, started)
+        elif isinstance(result, Answer):
+            answer_page(handler, msg, result, cursor, rid, started)
+        else:
+            handler.answer(msg, result.status, {}, result.body, rid, started, head=upstream_head(result))
+
+    def cancel() -> None:  # the client left (or the server stops) while it waited
+        nonlocal gone
+        gone = True
+        ch.waiters.pop(fut, None)
+        fut.cancel()
+        release()
+        http.in_flight -= 1
+        http.observe(msg.route, CLIENT_CLOSED, time.perf_counter() - started)
+
+    fut.add_done_callback(done)
+    handler.pending_cancel = cancel
+
+def answer_page(handler: LaneHandler, msg: Message, ans: Answer, cursor: str | None, rid: str,
+                 started: float) -> None:
+    head = ans.raw_head
+    if head is None:
+        head = ans.raw_head = b"".join(
+            f"{k}: {v}\r\n".encode("latin-1", "replace") for k, v in ans.headers.items()
+            if k.lower().encode("latin-1", "replace") not in DROP_ANSWER_HEADERS
+        ) + b"Content-Length: %d\r\n" % len(ans.body)
+    cursor_line = b"Stream-Cursor: " + P.response_cursor(cursor).encode() + b"\r\n"
+    handler.answer(msg, 200, {}, ans.body, rid, started, head=head + cursor_line)
+
+
+def long_poll_query(query: bytes) -> tuple[str, str | None] | None:
+    """(offset, cursor) of a plain long-poll query (offset=<concrete offset>&live=long-poll
+    [&cursor=<digits>], any order, each once), else None."""
+    offset = cursor = None
+    live = False
+    for part in query.split(b"&"):
+        key, _, value = part.partition(b"=")
+        if key == b"offset" and offset is None and OFFSET.fullmatch(value):
+            offset = value.decode()
+        elif key == b"live" and not live and value == b"long-poll":
+            live = True
+        elif key == b"cursor" and cursor is None and _CURSOR.fullmatch(value):
+            cursor = value.decode()
+        else:
+            return None
+    return (offset, cursor) if offset is not None and live else None
+
+
+def upstream_head(up: Upstream) -> bytes:
+    """An upstream answer's headers as reader.proxy.to_response passes them on."""
+    lines = [f"{k}: {v}\r\n".encode("latin-1", "replace") for k, v in up.headers.items()
+             if k.lower().encode("latin-1", "replace") not in DROP_ANSWER_HEADERS]
+    if up.status not in (204, 304):
+        lines.append(b"Content-Length: %d\r\n" % len(up.body))
+    return b"".join(lines)
