@@ -15,18 +15,15 @@ tests/test_fastlane.py compares its answers with aiohttp's, byte for byte.
 from __future__ import annotations
 
 import time
-from typing import Any, Final
+from typing import Any
 
 from aiohttp import web
 
 from ingester.http import append_answer, append_request
 from ingester.service import SERVICE, IngesterService
 from shared.errors import DS3Error
-from shared.http.auth import AUTH, INTERNAL_HEADER
 from shared.http.handlers import stream_path_of
 from shared.http.lane import LANE, Lane, LaneHandler, LaneRunner, Message
-
-_INTERNAL: Final = INTERNAL_HEADER.lower().encode("ascii")
 
 
 class AppendLane(Lane):
@@ -52,9 +49,6 @@ class AppendLane(Lane):
         return min(super().max_body(), self.svc.config.max_body_bytes)
 
     def accepts(self, handler: LaneHandler, msg: Message) -> bool:
-        presented = msg.headers.get(_INTERNAL)  # a wrong one: aiohttp answers the 401 (and logs it)
-        if presented is not None and not self.app[AUTH].is_internal(presented.decode("utf-8", "replace")):
-            return False
         svc = self.svc
         if svc is not None and svc.moves is not None and svc.membership is not None:
             # A stream moving in (aiohttp's path waits for it), or one we may not own (it re-reads
@@ -78,7 +72,7 @@ class AppendLane(Lane):
     def serve(self, handler: LaneHandler, msg: Message, body: bytes, rid: str, started: float) -> None:
         svc, lim = self.svc, self.limits
         assert svc is not None and lim is not None
-        if _INTERNAL not in msg.headers:  # a reader limits its own clients
+        if not msg.internal:  # a reader limits its own clients
             client = handler.client(msg)
             if client is not None:
                 lim.take(lim.writes, client, "writes")

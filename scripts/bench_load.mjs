@@ -2,6 +2,7 @@
 //
 //   node bench_load.mjs throughput --url BASE --writers 32 --layout per-writer|shared
 //                                  [--size 100] [--warmup 1] [--duration 10] [--prefix NAME] [--client raw|http]
+//                                  [--token T]   (every request: Authorization: Bearer T)
 //   node bench_load.mjs latency    --url BASE [--rate 200] [--samples 1000] [--warmup 1] [--size 100]
 //                                  [--prefix NAME] [--client raw|http]
 //   node bench_load.mjs sink       --port P     # trivial server: 204 to every request (load-generator ceiling)
@@ -215,8 +216,11 @@ function summary(ms) {
 
 const sleep = (ms) => new Promise((r) => setTimeout(r, ms))
 
+// --token T: every request carries "Authorization: Bearer T" (a server with auth on)
+let AUTH = {}
+
 async function createStream(client, path) {
-  const r = await client.request("PUT", path, { "Content-Type": CT }, null)
+  const r = await client.request("PUT", path, { "Content-Type": CT, ...AUTH }, null)
   if (r.status < 200 || r.status >= 300) {
     throw new Error(`PUT ${path} -> ${r.status} ${r.body.toString().slice(0, 200)}`)
   }
@@ -242,7 +246,7 @@ async function throughput(o) {
   for (const p of new Set(paths)) await createStream(client, p)
 
   const body = Buffer.alloc(size, "x")
-  const headers = { "Content-Type": CT }
+  const headers = { "Content-Type": CT, ...AUTH }
   const t0 = performance.now()
   const mStart = t0 + warmupMs
   const mEnd = mStart + durationMs
@@ -319,7 +323,7 @@ async function latency(o) {
   const wclient = makeClient(o.client ?? "raw", o.url)
   const rclient = makeClient(o.client ?? "raw", o.url)
   let offset = await createStream(wclient, path)
-  const headers = { "Content-Type": CT }
+  const headers = { "Content-Type": CT, ...AUTH }
 
   const lat = []
   const ack = []
@@ -481,6 +485,7 @@ function sink(o) {
 }
 
 const opts = parseArgs(process.argv.slice(2))
+if (opts.token) AUTH = { Authorization: `Bearer ${opts.token}` }
 const cmd = opts._[0]
 if (cmd === "throughput") await throughput(opts)
 else if (cmd === "latency") await latency(opts)

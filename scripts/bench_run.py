@@ -42,6 +42,7 @@ import psutil  # type: ignore[import-untyped, unused-ignore]
 from benchlib import DS3, ROOT, free_port
 
 LOAD = ROOT / "scripts" / "bench_load.mjs"
+BENCH_TOKEN = "bench-token-0123456789abcdef"  # --auth: ds3 takes it for writes; the reference ignores it
 CONFORMANCE = ROOT / "tests" / "conformance"
 
 # Targets from the issue: ds3 vs the reference's durable (file-backed) mode.
@@ -231,7 +232,7 @@ def ds3_long_poll_args(long_poll_ms: int) -> list[str]:
     return [opt, f"{long_poll_ms / 1000:g}"]
 
 
-def ds3_server(work: Path, long_poll_ms: int, extra: list[str], via: str = "ingester") -> Server:
+def ds3_server(work: Path, long_poll_ms: int, extra: list[str], via: str = "ingester", auth: bool = False) -> Server:
     """`ds3 ingester` alone, or (via="dev") `ds3 dev`: the URL a new user is given, its public
     port being the reader (workers: the CPU count) in front of the ingester. Its CPU counts every
     process of the tree; per-client limits are off (the load comes from one address)."""
@@ -240,6 +241,8 @@ def ds3_server(work: Path, long_poll_ms: int, extra: list[str], via: str = "inge
     cmd = [str(DS3), via, "--host", "127.0.0.1", "--port", str(port), "--data-dir", str(data)]
     cmd += ds3_long_poll_args(long_poll_ms) + extra
     env = {"DS3_WRITE_RATE": "0", "DS3_CREATE_RATE": "0", "DS3_MAX_LIVE_PER_CLIENT": "0"} if via == "dev" else {}
+    if auth:  # writes need a token: the load generator's
+        env["DS3_TOKENS"] = json.dumps([{"token": BENCH_TOKEN, "sub": "bench", "read": ["*"], "write": ["*"]}])
     return Server(
         name="ds3",
         cmd=cmd,
@@ -417,6 +420,8 @@ def run_load(
 def scenario_args(kind: str, url: str, p: argparse.Namespace, prefix: str) -> list[str]:
     common = ["--url", url, "--size", str(p.size), "--warmup", str(p.warmup), "--prefix", prefix]
     common += ["--client", p.client]
+    if getattr(p, "auth", False):
+        common += ["--token", BENCH_TOKEN]
     if kind == "latency":
         return ["latency", *common, "--rate", str(p.rate), "--samples", str(p.samples)]
     layout = "per-writer" if kind == "streams" else "shared"
@@ -741,6 +746,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     ap.add_argument("--no-ceiling", action="store_true", help="skip the load-generator ceiling check")
     ap.add_argument("--ds3-arg", action="append", default=[], help="extra argument for `ds3 ingester` / `ds3 dev`")
+    ap.add_argument("--auth", action="store_true",
+                    help="ds3 with auth on (a static token; appends carry it): what a public deployment runs")
     ap.add_argument("--via", choices=("ingester", "dev"), default="ingester",
                     help="ds3 as `ds3 ingester` alone (default) or as `ds3 dev`, through its public port (the "
                          "reader in front of the ingester, as users get it)")
@@ -836,7 +843,7 @@ def main(argv: list[str]) -> int:
                 server = (
                     reference_server(work, p.long_poll_ms)
                     if name == "reference"
-                    else ds3_server(work, p.long_poll_ms, p.ds3_arg, p.via)
+                    else ds3_server(work, p.long_poll_ms, p.ds3_arg, p.via, p.auth)
                 )
                 try:
                     runs[name].append(bench_server(server, p, work))

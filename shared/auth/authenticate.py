@@ -40,6 +40,20 @@ class Authenticator:
         return self._internal is not None and hmac.compare_digest(presented.encode("utf-8", "replace"),
                                                                   self._internal)
 
+    def known_caller(self, header: str) -> Principal | None:
+        """The caller a well-formed bearer header names if that is known without waiting (a
+        static token, or a JWT verified in the last minute); None otherwise (a JWT to verify,
+        or a header authenticate() refuses). The fast lanes take only requests it names."""
+        scheme, _, token = header.strip().partition(" ")
+        token = token.strip()
+        if scheme.lower() != "bearer" or not token:
+            return None
+        found = self.static.lookup(token)
+        if found is not None or not self.jwt.enabled:
+            return found
+        hit = self._cache.get(hashlib.sha256(token.encode("utf-8", "surrogatepass")).digest())
+        return hit[0] if hit is not None and hit[1] > time.time() else None
+
     async def authenticate(self, header: str) -> Principal:
         """The caller an `Authorization` header names; Unauthorized when it names nobody."""
         scheme, _, token = header.strip().partition(" ")

@@ -26,9 +26,12 @@ lane answer is pending nothing after it is taken, so answers keep the request or
 given at once (a refusal) lets the same loop go on (no recursion), and each byte is looked at a
 bounded number of times (linear in a pipeline).
 
-The lane writes the access log line aiohttp's path would (shared.http.access.log_access). It
-stands aside (aiohttp answers everything) while auth is on (tokens are verified
-asynchronously), and with DS3_FAST_LANE=0.
+The lane writes the access log line aiohttp's path would (shared.http.access.log_access). With
+auth on it applies the auth middleware's checks (shared/http/auth.py) first and takes only what
+they allow at once: a request with no Authorization header, a static token, or a JWT verified
+in the last minute, and an answer that is not private. A refusal (401/403, with its challenge
+and log line), a JWT to verify (asynchronously), a private stream's answer (its cache headers)
+are aiohttp's. With DS3_FAST_LANE=0 aiohttp answers everything.
 """
 
 from __future__ import annotations
@@ -50,9 +53,10 @@ from aiohttp.web_protocol import RequestHandler
 
 from shared import extensions, logs
 from shared import protocol as P
+from shared.auth.policy import Principal, target_of
 from shared.errors import DS3Error, RequestTimeout
 from shared.http.access import log_access
-from shared.http.auth import AUTH
+from shared.http.auth import ACCEPTS_INTERNAL, AUTH, INTERNAL_HEADER
 from shared.http.handlers import BODY_TIMEOUT, error_response
 from shared.http.limits import LIMITS, Limits
 from shared.http.metrics import METRICS, HttpMetrics
@@ -74,6 +78,7 @@ COMMON_HEADERS: Final = (
 MAX_BODY: Final = 1024 * 1024  # the lane holds a body in memory until it is complete
 REASONS: Final = {s.value: s.phrase for s in HTTPStatus}
 _MAX_HEAD: Final = 16 * 1024  # a candidate's head must be complete within this many bytes
+_INTERNAL_HEADER: Final = INTERNAL_HEADER.lower().encode("ascii")
 _SINGLE_HEADERS: Final = frozenset({b"content-type", b"host", b"content-length"})  # aiohttp: 400 if repeated
 _PAUSE_ABOVE: Final = 256 * 1024  # unprocessed bytes held while an answer is pending
 ROUTES: Final = {b"POST": "stream_append", b"HEAD": "stream_head", b"GET": "stream_read"}
@@ -84,7 +89,8 @@ _STATUS_LINES: dict[int, bytes] = {}
 class Message:
     """A request the lane took: where it ends in the buffer, its head, and (once in) its body."""
 
-    __slots__ = ("head_len", "headers", "method", "note", "pairs", "path", "query", "route", "total", "url")
+    __slots__ = ("caller", "head_len", "headers", "internal", "method", "note", "pairs", "path", "query", "route",
+                 "total", "url")
 
     def __init__(self, method: bytes, head_len: int, total: int, url: bytes, headers: dict[bytes, bytes],
                  pairs: list[tuple[bytes, bytes]]) -> None:
@@ -94,6 +100,8 @@ class Message:
         self.pairs = pairs  # every header as sent, in order (what a forwarder passes on)
         self.route = ROUTES.get(method, "other")
         self.note: Any = None  # what a Lane's accepts() worked out, for its serve()
+        self.caller: Principal | None = None  # who the Authorization header names (auth on)
+        self.internal = False  # a reader sent the (checked) internal token
 
     def header(self, name: bytes) -> str | None:
         """A header's value decoded like aiohttp's (`name` lower case)."""
@@ -126,13 +134,41 @@ class Lane:
         self._date_at = 0
 
     def ready(self) -> bool:
-        """Whether the lane may take requests now (the service is up, auth off)."""
-        if not self.switched_on or self.app[AUTH].enabled:
+        """Whether the lane may take requests now (the service is up)."""
+        if not self.switched_on:
             return False
         if self.http is None:
             self.http = self.app[METRICS].http
             self.limits = self.app[LIMITS]
         return True
+
+    def authorized(self, msg: Message) -> bool:
+        """The auth middleware's checks (shared.http.auth.auth_middleware) where they pass at
+        once with an answer that is not private; False leaves the request to aiohttp."""
+        auth = self.app[AUTH]
+        if self.app[ACCEPTS_INTERNAL]:
+            presented = msg.headers.get(_INTERNAL_HEADER)
+            if presented is not None:
+                if not auth.is_internal(presented.decode("utf-8", "replace")):
+                    return False  # aiohttp answers the 401 (and logs it)
+                msg.internal = True
+        if not auth.enabled:
+            return True
+        target = target_of(msg.path.decode("ascii"))
+        if target is None:
+            return False
+        header = msg.header(b"authorization")
+        caller = None
+        if header is not None:
+            caller = auth.known_caller(header)
+            if caller is None:
+                return False
+        try:
+            private = auth.policy.check(msg.method.decode("ascii"), target, caller, internal=msg.internal)
+        except DS3Error:
+            return False
+        msg.caller = caller
+        return not private
 
     def max_body(self) -> int:
         return MAX_BODY
@@ -396,7 +432,7 @@ class LaneHandler(RequestHandler):
         if (sep and method not in self._lane.query_methods) or not self._judge(path):
             return False
         msg = Message(method, head_len, head_len + size, h.url, h.headers, h.pairs)
-        return msg if self._lane.accepts(self, msg) else False
+        return msg if self._lane.authorized(msg) and self._lane.accepts(self, msg) else False
 
     def _aiohttp_idle(self) -> bool:
         return not self._messages and not self._request_in_progress and not self._upgraded
@@ -444,8 +480,10 @@ class LaneHandler(RequestHandler):
             self.answer_failure(msg, e, rid, started)
 
     def client(self, msg: Message) -> str | None:
-        """The limits' identity of the client that sent `msg` (its address, or the address its
-        trusted proxies forwarded it for)."""
+        """The limits' identity of the client that sent `msg` (its token's subject, else its
+        address, or the address its trusted proxies forwarded it for)."""
+        if msg.caller is not None and msg.caller.subject:
+            return msg.caller.subject
         forwarded = msg.header(b"x-forwarded-for")
         if forwarded is None and self._client is not _UNKNOWN:
             return cast(str | None, self._client)  # the same peer all along: judged once
@@ -503,7 +541,7 @@ class LaneHandler(RequestHandler):
         if forwarded is not None and self._lane.limits is not None:
             client = client_address(peer, forwarded, self._lane.limits.proxies) or client
         log_access(rid, msg.method.decode(), msg.url.decode("utf-8", "surrogateescape"), msg.route, status, seconds,
-                   sent, client)
+                   sent, client, msg.caller.subject if msg.caller is not None else None)
 
     def _write(self, status: int, headers: dict[str, str], body: bytes, rid: str, *, head: bytes | None = None,
                send_body: bool = True) -> None:

@@ -1,0 +1,235 @@
+"""The fast lanes with auth on (shared/http/lane.py Lane.authorized), against real processes:
+an ingester with its lane and one without (DS3_FAST_LANE=0), each with a reader in front of
+it (the first with its lane, the second without), all four with the same static tokens, HS256
+secret, private prefix and internal token. Every request goes to both sides byte for byte:
+status, headers and body must match, and the lane must have taken exactly the requests it can
+judge at once (a known token or none, an answer that is not private); the rest, refusals
+included, are aiohttp's."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import itertools
+import json
+import re
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests import procs
+from tests.rawhttp import STREAM_OFFSET, exchange, parsed, post, put
+
+SECRET = "hs256-shared-secret-for-lane-tests-0123456789"
+INTERNAL = "internal-token-for-lane-tests-0123456789"
+ADMIN = "Authorization: Bearer lane-admin-token-0123456789"
+RIGHT = "Authorization: Bearer lane-right-token-0123456789"
+WRONG = "Authorization: Bearer lane-wrong-token-0123456789"
+STATIC = [
+    {"token": "lane-admin-token-0123456789", "sub": "admin", "read": ["*"], "write": ["*"]},
+    {"token": "lane-right-token-0123456789", "sub": "right", "read": ["stream:pub/", "stream:secret/"],
+     "write": ["stream:pub/", "stream:secret/"]},
+    {"token": "lane-wrong-token-0123456789", "sub": "wrong", "read": ["stream:other/"], "write": ["stream:other/"]},
+]
+TEXT = "Content-Type: text/plain"
+RID = "X-Request-Id: lane-auth-0123456789"
+
+
+def hs256(claims: dict[str, object]) -> str:
+    def b64(data: bytes) -> str:
+        return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
+
+    signing = b64(json.dumps({"alg": "HS256", "typ": "JWT"}).encode()) + "." + b64(json.dumps(claims).encode())
+    sig = hmac.new(SECRET.encode(), signing.encode(), hashlib.sha256).digest()
+    return f"{signing}.{b64(sig)}"
+
+
+class Side:
+    def __init__(self, ingester: procs.Proc, reader: procs.Proc) -> None:
+        self.ingester, self.reader = ingester, reader
+
+
+@pytest.fixture(scope="module")
+def sides(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Side, Side]]:
+    root = tmp_path_factory.mktemp("laneauth")
+    (root / "tokens.json").write_text(json.dumps(STATIC))
+    access = ["--tokens-file", str(root / "tokens.json"), "--private", "stream:secret/", "--write-rate", "0",
+              "--create-rate", "0", "--log-format", "json", "--access-log"]
+    made = []
+    for name in ("fast", "slow"):
+        store = f"file://{root / name / 'objects'}"
+        ing = procs.ingester(root / name / "wal", "--store", store, *access)
+        rd = procs.reader(root / name / "reader", ing.url, store, *access)
+        for p in (ing, rd):
+            p.env.update({"DS3_JWT_SECRET": SECRET, "DS3_INTERNAL_TOKEN": INTERNAL})
+            if name == "slow":
+                p.env["DS3_FAST_LANE"] = "0"
+        made.append(Side(ing, rd))
+    started: list[procs.Proc] = []
+    try:
+        for side in made:
+            for p in (side.ingester, side.reader):
+                p.start()
+                started.append(p)
+        yield made[0], made[1]
+    finally:
+        for p in reversed(started):
+            p.stop()
+
+
+def _metric(p: procs.Proc, name: str) -> float:
+    with urllib.request.urlopen(f"{p.url}/metrics", timeout=5) as r:
+        m = re.search(rf"^{name} (\S+)$", r.read().decode(), re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def lane_taken(p: procs.Proc, reader: bool) -> float:
+    return _metric(p, "ds3_http_fast_lane_requests_total" if reader else "ds3_http_fast_lane_appends_total")
+
+
+def head(path: str, *headers: str) -> bytes:
+    return (f"HEAD {path} HTTP/1.1\r\nHost: t\r\n" + "".join(h + "\r\n" for h in headers) + "\r\n").encode("latin-1")
+
+
+def _normal(answer: bytes, suffix: str) -> tuple[int, dict[str, str], bytes]:
+    status, headers, body = parsed(answer)
+    if "etag" in headers:
+        headers["etag"] = re.sub(r'^"\d+\.', '"SID.', headers["etag"])
+    return (status, {k: STREAM_OFFSET.sub(b"O", v.replace(suffix, "").encode()).decode() for k, v in headers.items()},
+            STREAM_OFFSET.sub(b"O", body.replace(suffix.encode(), b"")))
+
+
+def _jwt(scope: str) -> str:
+    """A new token each call (its jti), not yet verified by any server."""
+    now = int(time.time())
+    return "Authorization: Bearer " + hs256({"sub": "jwt-user", "scope": scope, "exp": now + 600, "iat": now,
+                                             "jti": str(time.monotonic_ns())})
+
+# (name, the request for a stream path (its suffix added), whether the lane takes it, the status)
+CASES: list[tuple[str, object, bool, int]] = [
+    ("append, a token that may", lambda p: post(f"/v1/stream/pub/{p}", b"x", TEXT, RIGHT, RID), True, 204),
+    ("append, the admin token", lambda p: post(f"/v1/stream/pub/{p}", b"x", TEXT, ADMIN, RID), True, 204),
+    ("append, no token", lambda p: post(f"/v1/stream/pub/{p}", b"x", TEXT, RID), False, 401),
+    ("append, a token that may not", lambda p: post(f"/v1/stream/pub/{p}", b"x", TEXT, WRONG, RID), False, 403),
+    ("append, an unknown token", lambda p: post(f"/v1/stream/pub/{p}", b"x", TEXT,
+                                                "Authorization: Bearer nobody-0123456789", RID), False, 401),
+    ("append, basic auth", lambda p: post(f"/v1/stream/pub/{p}", b"x", TEXT,
+                                          "Authorization: Basic dXNlcjpwYXNzd29yZA==", RID), False, 401),
+    ("append, an empty bearer", lambda p: post(f"/v1/stream/pub/{p}", b"x", TEXT, "Authorization: Bearer ", RID),
+     False, 401),
+    ("append to a private stream", lambda p: post(f"/v1/stream/secret/{p}", b"x", TEXT, RIGHT, RID), False, 204),
+    ("head, public, no token", lambda p: head(f"/v1/stream/pub/{p}", RID), True, 200),
+    ("head, public, a token that may not", lambda p: head(f"/v1/stream/pub/{p}", WRONG, RID), True, 200),
+    ("head, public, an unknown token", lambda p: head(f"/v1/stream/pub/{p}", "Authorization: Bearer nobody-1", RID),
+     False, 401),
+    ("head, private, no token", lambda p: head(f"/v1/stream/secret/{p}", RID), False, 401),
+    ("head, private, a token that may", lambda p: head(f"/v1/stream/secret/{p}", RIGHT, RID), False, 200),
+]
+
+
+def _setup(port: int, suffix: str) -> None:
+    for path in (f"/v1/stream/pub/{suffix}", f"/v1/stream/secret/{suffix}"):
+        assert parsed(exchange(port, put(path, TEXT, ADMIN))[0])[0] == 201
+        assert parsed(exchange(port, post(path, b"first", TEXT, ADMIN))[0])[0] == 204
+
+
+@pytest.mark.parametrize("via", ["reader", "ingester"])
+@pytest.mark.parametrize(("make", "taken", "status"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_the_lanes_judge_auth_as_aiohttp_does(sides: tuple[Side, Side], via: str, make: object, taken: bool,
+                                              status: int) -> None:
+    answers = []
+    for side, suffix in zip(sides, ("zzfast", "zzslow"), strict=True):
+        p = side.reader if via == "reader" else side.ingester
+        name = f"{via}-{len(CASES)}-{suffix}-{time.monotonic_ns()}"
+        _setup(p.port, name)
+        request = make(name)  # type: ignore[operator]
+        before = lane_taken(p, via == "reader")
+        raw = exchange(p.port, request, bodiless=request.startswith(b"HEAD"))[0]
+        assert b"\r\nX-Request-Id: lane-auth-0123456789\r\n" in raw
+        if side is sides[0]:  # (the ingester's lane takes appends only)
+            lane = taken and (via == "reader" or request.startswith(b"POST"))
+            assert lane_taken(p, via == "reader") - before == (1 if lane else 0)
+        answers.append(_normal(raw.replace(name.encode(), b"NAME"), name))
+    assert answers[0][0] == status, answers[0]
+    assert answers[0] == answers[1]
+
+
+@pytest.mark.parametrize("via", ["reader", "ingester"])
+def test_a_jwt_takes_the_lane_once_it_was_verified(sides: tuple[Side, Side], via: str) -> None:
+    """The first append with a JWT is verified on aiohttp's path; the next ones, the same token
+    remembered, take the lane; a JWT without the scope is refused on aiohttp's path."""
+    fast = sides[0].reader if via == "reader" else sides[0].ingester
+    name = f"jwt-{via}-{time.monotonic_ns()}"
+    _setup(fast.port, name)
+    path = f"/v1/stream/pub/{name}"
+    counts = [lane_taken(fast, via == "reader")]
+    token = _jwt("read:stream:pub/ write:stream:pub/")
+    for _ in range(3):
+        assert parsed(exchange(fast.port, post(path, b"j", TEXT, token))[0])[0] == 204
+        counts.append(lane_taken(fast, via == "reader"))
+    assert [b - a for a, b in itertools.pairwise(counts)] == [0, 1, 1]
+    refused = exchange(fast.port, post(path, b"j", TEXT, _jwt("read:stream:pub/")))[0]
+    assert parsed(refused)[0] == 403
+    assert lane_taken(fast, via == "reader") == counts[-1]
+
+
+def test_a_wrong_internal_token_is_refused_by_the_ingester_and_not_taken(sides: tuple[Side, Side]) -> None:
+    fast, slow = sides[0].ingester, sides[1].ingester
+    answers = []
+    for p, suffix in ((fast, "zzfast"), (slow, "zzslow")):
+        name = f"internal-{suffix}"
+        _setup(p.port, name)
+        before = lane_taken(p, False)
+        raw = exchange(p.port, post(f"/v1/stream/pub/{name}", b"x", TEXT, RIGHT, RID,
+                                    "DS3-Internal-Token: not-the-token-0000"))[0]
+        assert lane_taken(p, False) == before
+        answers.append(_normal(raw, name))
+    assert answers[0][0] == 401
+    assert answers[0] == answers[1]
+    good = exchange(fast.port, post("/v1/stream/pub/internal-zzfast", b"x", TEXT, RIGHT,
+                                    f"DS3-Internal-Token: {INTERNAL}"))[0]
+    assert parsed(good)[0] == 204
+
+
+def test_rate_limits_count_a_token_s_subject_on_the_lane(tmp_path: Path) -> None:
+    """Two connections from one address with one token share the token's write budget."""
+    (tmp_path / "tokens.json").write_text(json.dumps(STATIC))
+    ing = procs.ingester(tmp_path / "wal", "--tokens-file", str(tmp_path / "tokens.json"), "--write-rate", "1",
+                         "--write-burst", "3", "--create-rate", "0")
+    ing.start()
+    try:
+        _setup_plain = put("/v1/stream/pub/limited", TEXT, ADMIN)
+        assert parsed(exchange(ing.port, _setup_plain)[0])[0] == 201
+        before = lane_taken(ing, False)
+        statuses = [parsed(exchange(ing.port, post("/v1/stream/pub/limited", b"x", TEXT, RIGHT))[0])[0]
+                    for _ in range(5)]
+        assert statuses[:3] == [204, 204, 204] and statuses[3:] == [429, 429]
+        assert lane_taken(ing, False) - before == 5
+        # the admin token is a subject of its own: its budget is untouched
+        assert parsed(exchange(ing.port, post("/v1/stream/pub/limited", b"x", TEXT, ADMIN))[0])[0] == 204
+    finally:
+        ing.stop()
+
+
+def test_the_lanes_log_the_token_s_subject(sides: tuple[Side, Side]) -> None:
+    """An append the lanes take is logged with its caller's subject, as aiohttp's path logs it."""
+    name = f"logged-{time.monotonic_ns()}"
+    fast = sides[0]
+    _setup(fast.reader.port, name)
+    rid = f"X-Request-Id: lane-logged-{time.monotonic_ns()}"
+    before = lane_taken(fast.ingester, False)
+    assert parsed(exchange(fast.reader.port, post(f"/v1/stream/pub/{name}", b"x", TEXT, RIGHT, rid))[0])[0] == 204
+    assert lane_taken(fast.ingester, False) == before + 1
+    want = rid.split(": ")[1]
+    for p in (fast.reader, fast.ingester):
+        deadline = time.monotonic() + 10
+        lines: list[dict[str, object]] = []
+        while not lines and time.monotonic() < deadline:
+            lines = [json.loads(line) for line in p.log_path.read_text().splitlines()
+                     if want in line and '"ds3.access"' in line]
+            time.sleep(0.05)
+        assert lines and lines[0]["sub"] == "sub:right", (p.args[0], lines)  # (as aiohttp logs it)
