@@ -8,6 +8,8 @@ import hashlib
 import multiprocessing
 import os
 import socket
+import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -33,7 +35,7 @@ MiB = 1024 * 1024
 S3_PAGE = 50
 
 
-@pytest.fixture(params=["local", "s3", "scoped"])
+@pytest.fixture(params=["local", "local-named-temp", "s3", "scoped"])
 async def store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[ObjectStore]:
     if request.param == "scoped":  # one cluster member's namespace in a shared local store
         inner = open_store((tmp_path / "objects").as_uri())
@@ -46,8 +48,11 @@ async def store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator
             assert [i.key async for i in inner.list()][:1] == ["_ds3/ingesters/a/log/x"]
             assert await inner.get("_ds3/ingesters/c/log/x") == b"neighbour"
         return
-    if request.param == "local":
+    if request.param.startswith("local"):
         s: ObjectStore = open_store((tmp_path / "objects").as_uri())
+        if request.param == "local-named-temp":  # where O_TMPFILE or /proc is missing
+            assert isinstance(s, LocalStore)
+            s._unnamed = False
     else:
         bucket: str = request.getfixturevalue("s3_bucket")
         server: MotoS3 = request.getfixturevalue("s3_server")
@@ -707,3 +712,39 @@ async def test_s3_put_urls_are_signed_as_botocore_signs_them(monkeypatch: pytest
                 assert store._put_base is not None and store._put_base[0]  # (not the fallback)
             finally:
                 await store.close()
+
+
+_CREATOR = """
+import asyncio, sys
+from pathlib import Path
+from shared.objectstore import LocalStore
+
+async def main() -> None:
+    data = bytes(16 * 1024 * 1024)
+    async with LocalStore(Path(sys.argv[1])) as store:
+        for i in range(10_000):
+            await store.put(f"d/{i}", data, if_absent=True)
+
+asyncio.run(main())
+"""
+
+
+def test_a_local_creator_killed_mid_write_leaves_no_temp_file(tmp_path: Path) -> None:
+    """if_absent writes (chunks, log segments) go through unnamed files: a process killed while
+    writing one leaves the objects it finished and nothing else."""
+    root = tmp_path / "objects"
+    child = subprocess.Popen([sys.executable, "-c", _CREATOR, str(root)], cwd=Path(__file__).parent.parent,
+                             env={**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)})
+    try:
+        deadline = time.monotonic() + 60
+        while len(list((root / "d").glob("*")) if (root / "d").exists() else []) < 3:
+            assert child.poll() is None and time.monotonic() < deadline
+            time.sleep(0.01)
+        time.sleep(0.013)  # (most likely mid-write)
+    finally:
+        child.kill()
+        child.wait(10)
+    left = sorted(p.name for p in (root / "d").iterdir())
+    assert left and all(not name.startswith(TEMP_PREFIX) for name in left), left
+    for name in left:
+        assert (root / "d" / name).stat().st_size == 16 * 1024 * 1024

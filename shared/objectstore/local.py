@@ -15,6 +15,9 @@ never modified in place, so it changes whenever the content can have.
 Conditional writes are atomic across threads and processes on this machine:
 - if_absent hard-links the finished temp file to the key: link() fails if the name exists, so
   of concurrent creators exactly one wins, and the object is complete before anyone sees it.
+  On Linux the temp file is an unnamed one (O_TMPFILE, linked through /proc/self/fd): no name
+  to make up, no unlink afterwards, and nothing left behind by a crash; where the file system
+  or /proc does not allow it, a named temp file as for the other writes.
 - if_match holds an exclusive lock on the store's lock file (flock on `<root>/.ds3tmp-lock`,
   plus a lock of this process for file systems where flock is per process) while it compares
   the current ETag with the expected one and renames the new version into place. The data is
@@ -139,6 +142,7 @@ class LocalStore:
         self.url = url or root.as_uri()
         self.counters = StoreCounters()
         self._xattrs = hasattr(os, "setxattr")
+        self._unnamed = hasattr(os, "O_TMPFILE")  # if_absent writes through an unnamed file
         self._closed = False
         root.mkdir(parents=True, exist_ok=True)
 
@@ -186,19 +190,17 @@ class LocalStore:
 
     def _put_sync(self, key: str, path: Path, data: bytes, content_type: str | None, if_absent: bool,
                   if_match: str | None) -> str:
+        if if_absent and self._unnamed:
+            etag = self._create_unnamed(key, path, data, content_type)
+            if etag is not None:
+                return etag
         fd, tmp = self._create_temp(key, path.parent)
         published = False
         try:
-            with os.fdopen(fd, "wb") as f:
-                os.fchmod(f.fileno(), 0o644)  # mkstemp makes 0600; objects are not secrets
-                f.write(data)
-                f.flush()
-                if content_type is not None:
-                    self._set_xattr(f.fileno(), XATTR_CONTENT_TYPE, content_type)
-                md5 = hashlib.md5(data, usedforsecurity=False).hexdigest()
-                tagged = self._set_xattr(f.fileno(), XATTR_MD5, md5)
-                os.fsync(f.fileno())
-                etag = md5 if tagged else _stat_etag(os.fstat(f.fileno()))
+            try:
+                etag, tagged = self._write_and_sync(fd, data, content_type)
+            finally:
+                os.close(fd)
             if if_absent:
                 # link() fails with EEXIST if the name exists: of concurrent creators exactly
                 # one wins, and the winner's file is complete before anyone can see it.
@@ -259,6 +261,70 @@ class LocalStore:
                 yield
             finally:
                 os.close(fd)  # releases the flock
+
+    def _write_and_sync(self, fd: int, data: bytes, content_type: str | None) -> tuple[str, bool]:
+        """Into the new file `fd`: the data, the content type and MD5 attributes, fsync; the
+        ETag, and whether it is the MD5 attribute's (else inode-mtime-size)."""
+        os.fchmod(fd, 0o644)  # mkstemp makes 0600, O_TMPFILE the umask's; objects are not secrets
+        with memoryview(data) as view:
+            written = 0
+            while written < len(view):
+                written += os.write(fd, view[written:])
+        if content_type is not None:
+            self._set_xattr(fd, XATTR_CONTENT_TYPE, content_type)
+        md5 = hashlib.md5(data, usedforsecurity=False).hexdigest()
+        tagged = self._set_xattr(fd, XATTR_MD5, md5)
+        os.fsync(fd)
+        return (md5, True) if tagged else (_stat_etag(os.fstat(fd)), False)
+
+    def _create_unnamed(self, key: str, path: Path, data: bytes, content_type: str | None) -> str | None:
+        """An if_absent write through an unnamed file (O_TMPFILE) linked to the key once it is
+        complete and durable; None where this system cannot (then never tried again)."""
+        parent = path.parent
+        fd = -1
+        for _ in range(_PUT_ATTEMPTS):
+            try:
+                fd = os.open(parent, os.O_TMPFILE | os.O_WRONLY | os.O_CLOEXEC, 0o644)
+                break
+            except FileNotFoundError:
+                # (or a concurrent delete pruned the empty directory meanwhile: again)
+                try:
+                    parent.mkdir(parents=True, exist_ok=True)
+                except (FileExistsError, NotADirectoryError) as exc:
+                    raise ObjectStoreError(f"local object store: {key}: a parent is an object, not a directory") \
+                        from exc
+                except OSError as exc:
+                    raise _converted(key, exc) from exc
+            except NotADirectoryError as exc:
+                raise ObjectStoreError(f"local object store: {key}: a parent is an object, not a directory") from exc
+            except OSError as exc:
+                if exc.errno in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
+                    self._unnamed = False  # (an old kernel or a file system without it)
+                    return None
+                raise _converted(key, exc) from exc
+        else:
+            raise ObjectStoreUnavailable(f"local object store: {key}: its directory keeps disappearing")
+        try:
+            etag, _ = self._write_and_sync(fd, data, content_type)
+            dir_fd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            try:
+                # linkat(AT_SYMLINK_FOLLOW) of /proc/self/fd/N names the unnamed file; it fails if
+                # the key exists, so of concurrent creators exactly one wins.
+                os.link(f"/proc/self/fd/{fd}", path.name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd,
+                        follow_symlinks=True)
+                os.fsync(dir_fd)
+            finally:
+                os.close(dir_fd)
+            return etag
+        except FileExistsError:
+            raise PreconditionFailed(key) from None
+        except OSError as exc:
+            if exc.errno == errno.ENOENT and not os.path.isdir("/proc/self/fd"):
+                self._unnamed = False  # no /proc here: named temp files from now on
+                return None
+            raise _converted(key, exc) from exc
+        finally:
+            os.close(fd)
 
     def _create_temp(self, key: str, parent: Path) -> tuple[int, str]:
         for _ in range(_PUT_ATTEMPTS):
