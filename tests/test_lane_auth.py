@@ -3,8 +3,8 @@ an ingester with its lane and one without (DS3_FAST_LANE=0), each with a reader 
 it (the first with its lane, the second without), all four with the same static tokens, HS256
 secret, private prefix and internal token. Every request goes to both sides byte for byte:
 status, headers and body must match, and the lane must have taken exactly the requests it can
-judge at once (a known token or none, an answer that is not private); the rest, refusals
-included, are aiohttp's."""
+judge at once (a known token or none; private streams' answers with their private cache
+headers); the rest, refusals included, are aiohttp's."""
 
 from __future__ import annotations
 
@@ -121,13 +121,17 @@ CASES: list[tuple[str, object, bool, int]] = [
                                           "Authorization: Basic dXNlcjpwYXNzd29yZA==", RID), False, 401),
     ("append, an empty bearer", lambda p: post(f"/v1/stream/pub/{p}", b"x", TEXT, "Authorization: Bearer ", RID),
      False, 401),
-    ("append to a private stream", lambda p: post(f"/v1/stream/secret/{p}", b"x", TEXT, RIGHT, RID), False, 204),
+    ("append to a private stream", lambda p: post(f"/v1/stream/secret/{p}", b"x", TEXT, RIGHT, RID), True, 204),
+    ("append to a private stream, refused", lambda p: post(f"/v1/stream/secret/{p}", b"x", TEXT, WRONG, RID),
+     False, 403),
+    ("a private stream's append conflicts", lambda p: post(f"/v1/stream/secret/{p}", b"x", "Content-Type: text/html",
+                                                            RIGHT, RID), True, 409),
     ("head, public, no token", lambda p: head(f"/v1/stream/pub/{p}", RID), True, 200),
     ("head, public, a token that may not", lambda p: head(f"/v1/stream/pub/{p}", WRONG, RID), True, 200),
     ("head, public, an unknown token", lambda p: head(f"/v1/stream/pub/{p}", "Authorization: Bearer nobody-1", RID),
      False, 401),
     ("head, private, no token", lambda p: head(f"/v1/stream/secret/{p}", RID), False, 401),
-    ("head, private, a token that may", lambda p: head(f"/v1/stream/secret/{p}", RIGHT, RID), False, 200),
+    ("head, private, a token that may", lambda p: head(f"/v1/stream/secret/{p}", RIGHT, RID), True, 200),
 ]
 
 
@@ -156,6 +160,37 @@ def test_the_lanes_judge_auth_as_aiohttp_does(sides: tuple[Side, Side], via: str
         answers.append(_normal(raw.replace(name.encode(), b"NAME"), name))
     assert answers[0][0] == status, answers[0]
     assert answers[0] == answers[1]
+    if b"/secret/" in make("x") and status < 400:  # type: ignore[operator]
+        assert answers[0][1]["cache-control"] in ("private, no-cache", "no-store")
+        assert "Authorization" in answers[0][1]["vary"]
+
+
+@pytest.mark.parametrize("headers", [
+    [],
+    [("Cache-Control", "public, max-age=60")],
+    [("Cache-Control", "no-store")],
+    [("Cache-Control", "public, immutable"), ("Vary", "Accept-Encoding")],
+    [("Vary", "authorization"), ("X-A", "1")],
+    [("Cache-Control", "a"), ("X-B", "2"), ("Cache-Control", "b"), ("Vary", "Origin")],
+])
+async def test_private_header_rewrites_match_the_aiohttp_hook(headers: list[tuple[str, str]]) -> None:
+    """The lanes' private_head / private_headers give what private_cache_headers gives a response."""
+    from aiohttp import web
+    from aiohttp.test_utils import make_mocked_request
+
+    from shared.http.auth import PRIVATE, private_cache_headers, private_head, private_headers
+
+    request = make_mocked_request("GET", "/v1/stream/secret/x")
+    request[PRIVATE] = True
+    response = web.Response(headers=headers)
+    await private_cache_headers(request, response)
+    want = [(k.lower(), v) for k, v in response.headers.items() if k.lower() != "content-type"]
+    head = b"".join(f"{k}: {v}\r\n".encode() for k, v in headers)
+    got = [(k.decode().lower(), v.decode()) for k, _, v in
+           (line.partition(b": ") for line in private_head(head).split(b"\r\n")[:-1])]
+    assert got == want
+    if len({k.lower() for k, _ in headers}) == len(headers):  # (a dict has no repeats)
+        assert [(k.lower(), v) for k, v in private_headers(dict(headers)).items()] == want
 
 
 @pytest.mark.parametrize("via", ["reader", "ingester"])

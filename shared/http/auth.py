@@ -82,10 +82,59 @@ async def private_cache_headers(request: web.Request, response: web.StreamRespon
     if not request.get(PRIVATE):
         return
     h = response.headers
-    h["Cache-Control"] = "no-store" if "no-store" in h.get("Cache-Control", "") else PRIVATE_CACHE
-    vary = [v.strip() for v in h.get("Vary", "").split(",") if v.strip()]
-    if "authorization" not in (v.lower() for v in vary):
-        h["Vary"] = ", ".join([*vary, "Authorization"])
+    cache, vary = private_cache_values(h.get("Cache-Control", ""), h.get("Vary", ""))
+    h["Cache-Control"] = cache
+    if vary is not None:
+        h["Vary"] = vary
+
+
+def private_cache_values(cache_control: str, vary: str) -> tuple[str, str | None]:
+    """A private answer's Cache-Control, and its Vary (None: as it is) given theirs."""
+    cache = "no-store" if "no-store" in cache_control else PRIVATE_CACHE
+    names = [v.strip() for v in vary.split(",") if v.strip()]
+    if "authorization" in (v.lower() for v in names):
+        return cache, None
+    return cache, ", ".join([*names, "Authorization"])
+
+
+def private_head(head: bytes) -> bytes:
+    """Serialised header lines (b"Name: value\\r\\n" each) made private as
+    private_cache_headers makes a response's headers: Cache-Control and Vary replaced in place,
+    or added after the rest."""
+    lines: list[bytes | None] = list(head.split(b"\r\n")[:-1])
+    first: dict[bytes, int] = {}
+    values: dict[bytes, str] = {}
+    for i, line in enumerate(lines):
+        assert line is not None
+        name, _, value = line.partition(b":")
+        name = name.strip().lower()
+        if name in (b"cache-control", b"vary"):
+            if name in first:
+                lines[i] = None  # (one of each is left, as a multidict's assignment leaves it)
+            else:
+                first[name] = i
+                values[name] = value.strip().decode("latin-1")
+    cache, vary = private_cache_values(values.get(b"cache-control", ""), values.get(b"vary", ""))
+    for name, label, new in ((b"cache-control", b"Cache-Control: ", cache), (b"vary", b"Vary: ", vary)):
+        if new is None:
+            continue
+        line = label + new.encode("latin-1")
+        if name in first:
+            lines[first[name]] = line
+        else:
+            lines.append(line)
+    return b"".join(line + b"\r\n" for line in lines if line is not None)
+
+
+def private_headers(headers: dict[str, str]) -> dict[str, str]:
+    """A copy of `headers` made private as private_cache_headers makes a response's."""
+    out = dict(headers)
+    names = {k.lower(): k for k in out}
+    cache, vary = private_cache_values(out.get(names.get("cache-control", ""), ""), out.get(names.get("vary", ""), ""))
+    out[names.get("cache-control", "Cache-Control")] = cache
+    if vary is not None:
+        out[names.get("vary", "Vary")] = vary
+    return out
 
 
 def install(app: web.Application, config: AuthConfig, *, accepts_internal: bool) -> Authenticator:

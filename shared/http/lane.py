@@ -29,9 +29,9 @@ bounded number of times (linear in a pipeline).
 The lane writes the access log line aiohttp's path would (shared.http.access.log_access). With
 auth on it applies the auth middleware's checks (shared/http/auth.py) first and takes only what
 they allow at once: a request with no Authorization header, a static token, or a JWT verified
-in the last minute, and an answer that is not private. A refusal (401/403, with its challenge
-and log line), a JWT to verify (asynchronously), a private stream's answer (its cache headers)
-are aiohttp's. With DS3_FAST_LANE=0 aiohttp answers everything.
+in the last minute; a private stream's answers get the cache headers aiohttp's path gives them
+(shared.http.auth.private_cache_headers). A refusal (401/403, with its challenge and log line)
+and a JWT to verify (asynchronously) are aiohttp's. With DS3_FAST_LANE=0 aiohttp answers everything.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ from shared import protocol as P
 from shared.auth.policy import Principal, target_of
 from shared.errors import DS3Error, RequestTimeout
 from shared.http.access import log_access
-from shared.http.auth import ACCEPTS_INTERNAL, AUTH, INTERNAL_HEADER
+from shared.http.auth import ACCEPTS_INTERNAL, AUTH, INTERNAL_HEADER, private_head, private_headers
 from shared.http.handlers import BODY_TIMEOUT, error_response
 from shared.http.limits import LIMITS, Limits
 from shared.http.metrics import METRICS, HttpMetrics
@@ -89,8 +89,8 @@ _STATUS_LINES: dict[int, bytes] = {}
 class Message:
     """A request the lane took: where it ends in the buffer, its head, and (once in) its body."""
 
-    __slots__ = ("caller", "head_len", "headers", "internal", "method", "note", "pairs", "path", "query", "route",
-                 "total", "url")
+    __slots__ = ("caller", "head_len", "headers", "internal", "method", "note", "pairs", "path", "private", "query",
+                 "route", "total", "url")
 
     def __init__(self, method: bytes, head_len: int, total: int, url: bytes, headers: dict[bytes, bytes],
                  pairs: list[tuple[bytes, bytes]]) -> None:
@@ -102,6 +102,7 @@ class Message:
         self.note: Any = None  # what a Lane's accepts() worked out, for its serve()
         self.caller: Principal | None = None  # who the Authorization header names (auth on)
         self.internal = False  # a reader sent the (checked) internal token
+        self.private = False  # the answer must not be kept by shared caches (a private stream)
 
     def header(self, name: bytes) -> str | None:
         """A header's value decoded like aiohttp's (`name` lower case)."""
@@ -164,11 +165,11 @@ class Lane:
             if caller is None:
                 return False
         try:
-            private = auth.policy.check(msg.method.decode("ascii"), target, caller, internal=msg.internal)
+            msg.private = auth.policy.check(msg.method.decode("ascii"), target, caller, internal=msg.internal)
         except DS3Error:
             return False
         msg.caller = caller
-        return not private
+        return True
 
     def max_body(self) -> int:
         return MAX_BODY
@@ -525,6 +526,11 @@ class LaneHandler(RequestHandler):
         self.pending_cancel = None
         if access_log.isEnabledFor(logging.INFO):
             self._log_access(msg, status, seconds, 0 if msg.method == b"HEAD" else len(body), rid)
+        if msg.private:  # as shared.http.auth.private_cache_headers marks aiohttp's answers
+            if head is None:
+                headers = private_headers(headers)
+            else:
+                head = private_head(head)
         self._write(status, headers, body, rid, head=head, send_body=msg.method != b"HEAD")
         if self._keepalive_timeout > 0:  # the connection was busy, not idle
             self._next_keepalive_close_time = self._loop.time() + self._keepalive_timeout
