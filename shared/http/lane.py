@@ -145,7 +145,8 @@ class Lane:
 
     def authorized(self, msg: Message) -> bool:
         """The auth middleware's checks (shared.http.auth.auth_middleware) where they pass at
-        once with an answer that is not private; False leaves the request to aiohttp."""
+        once (msg.private: the answer must be marked private); False leaves the request, and
+        any refusal, to aiohttp."""
         auth = self.app[AUTH]
         if self.app[ACCEPTS_INTERNAL]:
             presented = msg.headers.get(_INTERNAL_HEADER)
