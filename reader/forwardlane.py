@@ -79,17 +79,10 @@ class ForwardLane(Lane):
 
     def accepts(self, handler: LaneHandler, msg: Message) -> bool:
         if msg.method != b"GET":
-            # to the stream's owner (reader.routing), over its pool: an https:// ingester has
-            # none, and an owner not known yet is aiohttp's to answer (503)
-            assert self.router is not None
             try:
-                link = self.router.for_path(self.stream_path(handler, msg))
+                return self._routed(msg, self.stream_path(handler, msg))
             except DS3Error:
                 return False
-            if link.pool is None:
-                return False
-            msg.note = link
-            return True
         # A long-poll at a concrete offset that the stream's live channel answers, or a read at
         # the unsealed tail; any other read (sealed history, SSE, a 304 to work out) is
         # aiohttp's (reader/http.py).
@@ -112,8 +105,8 @@ class ForwardLane(Lane):
     def _accepts_tail_read(self, handler: LaneHandler, msg: Message) -> bool:
         """A catch-up read that reader/http.py handle_get would pass to the ingester, judged
         from what the reader knows now (the checks it makes first, in the same order)."""
-        st, router = self.st, self.router
-        assert st is not None and router is not None
+        st = self.st
+        assert st is not None
         offset = _catch_up_query(msg.query)
         if offset is None:
             return False
@@ -127,10 +120,14 @@ class ForwardLane(Lane):
             return False  # unknown here, or a closed stream's end (aiohttp's path knows it with the ingester down)
         if desc.snapshot_offset is not None and start.position < desc.earliest:
             return False  # aiohttp's 410
-        if not st.locator.known_unsealed(desc, start):
-            return False
+        return st.locator.known_unsealed(desc, start) and self._routed(msg, path)
+
+    def _routed(self, msg: Message, path: str) -> bool:
+        """To the stream's owner (reader.routing), over its pool: an https:// ingester has none,
+        and an owner not known yet is aiohttp's to answer (503)."""
+        assert self.router is not None
         try:
-            link = router.for_path(path)
+            link = self.router.for_path(path)
         except DS3Error:
             return False
         if link.pool is None:
