@@ -28,7 +28,7 @@ from shared.chunkstore import ChunkReader, Slice
 from shared.descriptor import Descriptor
 from shared.errors import ObjectNotFound
 
-MISSING_REMEMBERED: Final = 16_384  # (stream, chunk) pairs; the oldest are forgotten first
+MISSING_REMEMBERED: Final = 4096  # streams with chunks remembered missing; the longest unasked are forgotten
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,7 +53,7 @@ class SealedLocator:
         self.chunks = chunk_reader
         self.max_bytes = max_bytes
         self.recheck_seconds = recheck_seconds
-        self._missing: OrderedDict[tuple[str, int], float] = OrderedDict()  # -> when to ask again
+        self._missing: OrderedDict[str, dict[int, float]] = OrderedDict()  # uid -> chunk -> when to ask again
         self.lookups = 0  # chunk heads asked of the store (or its cache)
         self.missing_hits = 0  # lookups answered "not sealed" from memory, no store request
 
@@ -75,19 +75,25 @@ class SealedLocator:
 
     def forget_missing(self, uid: str) -> None:
         """Ask the store again about the stream's chunks next time (its ingester failed us)."""
-        for key in [k for k in self._missing if k[0] == uid]:
-            del self._missing[key]
+        self._missing.pop(uid, None)
 
     def _is_missing(self, uid: str, chunk: int, now: float) -> bool:
-        until = self._missing.get((uid, chunk))
+        chunks = self._missing.get(uid)
+        until = None if chunks is None else chunks.get(chunk)
         return until is not None and now < until
 
     def _remember_missing(self, uid: str, chunk: int) -> None:
-        key = (uid, chunk)
-        self._missing[key] = time.monotonic() + self.recheck_seconds
-        self._missing.move_to_end(key)
-        if len(self._missing) > MISSING_REMEMBERED:
-            self._missing.popitem(last=False)
+        now = time.monotonic()
+        chunks = self._missing.get(uid)
+        if chunks is None:
+            chunks = self._missing[uid] = {}
+            if len(self._missing) > MISSING_REMEMBERED:
+                self._missing.popitem(last=False)
+        else:
+            self._missing.move_to_end(uid)
+            for old in [c for c, until in chunks.items() if until <= now]:  # (a tail moves on: a few)
+                del chunks[old]
+        chunks[chunk] = now + self.recheck_seconds
 
     async def find(self, desc: Descriptor, start: offsets.Offset, *, remembered: bool = True) -> SealedRead | None:
         """The sealed read for `start`, or None when that position is not sealed (yet).
