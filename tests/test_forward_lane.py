@@ -531,3 +531,37 @@ def test_identical_tail_reads_share_one_upstream_request(tier: Tier) -> None:
     assert {parsed(r)[1]["stream-next-offset"] for r in results} == {offset}
     assert metric(tier.fast, "ds3_reader_ingester_requests_total") == upstream + 1
     assert lane_count(tier.fast) == lane + 20
+
+
+def test_a_client_that_leaves_a_shared_tail_read_does_not_take_it_from_the_others(tier: Tier) -> None:
+    """Two clients share one upstream read (the ingester frozen meanwhile); the first hangs up:
+    the second still gets the answer, and the reader serves on."""
+    path = "/v1/stream/tail-left"
+    exchange(tier.fast.port, put(path, TEXT))
+    exchange(tier.fast.port, post(path, b"stay", TEXT))
+    offset = next_offset(tier.fast, path)
+    exchange(tier.fast.port, get(path, f"offset={offset}"))  # the misses are remembered
+    forwarded = metric(tier.fast, "ds3_reader_forwarded_total")
+    upstream = metric(tier.fast, "ds3_reader_ingester_requests_total")
+    results: list[bytes] = []
+    assert tier.ingester.popen is not None
+    tier.ingester.popen.send_signal(signal.SIGSTOP)
+    try:
+        leaving = socket.create_connection(("127.0.0.1", tier.fast.port), timeout=5)
+        leaving.sendall(get(path, f"offset={offset}"))
+        staying = threading.Thread(target=lambda: results.append(
+            exchange(tier.fast.port, get(path, f"offset={offset}"), timeout=20)[0]))
+        staying.start()
+        deadline = time.monotonic() + 10
+        while metric(tier.fast, "ds3_reader_forwarded_total") < forwarded + 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        leaving.close()
+        time.sleep(0.2)
+    finally:
+        tier.ingester.popen.send_signal(signal.SIGCONT)
+    staying.join(20)
+    assert len(results) == 1 and parsed(results[0])[0] == 200
+    assert parsed(results[0])[1]["stream-next-offset"] == offset
+    assert metric(tier.fast, "ds3_reader_ingester_requests_total") == upstream + 1
+    assert parsed(exchange(tier.fast.port, post(path, b"more", TEXT))[0])[0] == 204
+    assert read_all(tier.fast.port, path) == b"staymore"

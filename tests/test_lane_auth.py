@@ -58,7 +58,7 @@ def sides(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Side, Side
     root = tmp_path_factory.mktemp("laneauth")
     (root / "tokens.json").write_text(json.dumps(STATIC))
     access = ["--tokens-file", str(root / "tokens.json"), "--private", "stream:secret/", "--write-rate", "0",
-              "--create-rate", "0", "--log-format", "json", "--access-log"]
+              "--create-rate", "0", "--log-format", "json", "--access-log", "--jwt-leeway", "0"]
     made = []
     for name in ("fast", "slow"):
         store = f"file://{root / name / 'objects'}"
@@ -268,3 +268,22 @@ def test_the_lanes_log_the_token_s_subject(sides: tuple[Side, Side]) -> None:
                      if want in line and '"ds3.access"' in line]
             time.sleep(0.05)
         assert lines and lines[0]["sub"] == "sub:right", (p.args[0], lines)  # (as aiohttp logs it)
+
+
+@pytest.mark.parametrize("via", ["reader", "ingester"])
+def test_a_jwt_that_expires_is_refused_though_the_lane_knew_it(sides: tuple[Side, Side], via: str) -> None:
+    fast = sides[0].reader if via == "reader" else sides[0].ingester
+    name = f"expiring-{via}-{time.monotonic_ns()}"
+    _setup(fast.port, name)
+    now = int(time.time())
+    token = "Authorization: Bearer " + hs256({"sub": "brief", "scope": "write:stream:pub/", "exp": now + 2,
+                                              "iat": now, "jti": name})
+    path = f"/v1/stream/pub/{name}"
+    assert parsed(exchange(fast.port, post(path, b"j", TEXT, token))[0])[0] == 204  # verified (aiohttp's)
+    before = lane_taken(fast, via == "reader")
+    assert parsed(exchange(fast.port, post(path, b"j", TEXT, token))[0])[0] == 204  # the lane's
+    assert lane_taken(fast, via == "reader") == before + 1
+    time.sleep(max(0.0, now + 2 - time.time()) + 0.2)
+    answer = exchange(fast.port, post(path, b"j", TEXT, token))[0]
+    assert parsed(answer)[0] == 401 and "invalid_token" in parsed(answer)[1]["www-authenticate"]
+    assert lane_taken(fast, via == "reader") == before + 1
