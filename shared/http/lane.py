@@ -53,6 +53,7 @@ from aiohttp.web_protocol import RequestHandler
 
 from shared import extensions, logs
 from shared import protocol as P
+from shared.auth.authenticate import Authenticator
 from shared.auth.policy import Principal, target_of
 from shared.errors import DS3Error, RequestTimeout
 from shared.http.access import log_access
@@ -129,6 +130,8 @@ class Lane:
         self.switched_on = os.environ.get("DS3_FAST_LANE", "1") not in ("0", "false", "no", "off")
         self.http: HttpMetrics | None = None
         self.limits: Limits | None = None
+        self.auth: Authenticator | None = None
+        self.accepts_internal = False  # the service takes the internal token (the ingester)
         self.served = 0  # requests answered by the lane
         self.prefixes = tuple(m + b" /v1/stream/" for m in sorted(self.methods))
         self._date = ""
@@ -141,14 +144,17 @@ class Lane:
         if self.http is None:
             self.http = self.app[METRICS].http
             self.limits = self.app[LIMITS]
+            self.auth = self.app[AUTH]
+            self.accepts_internal = self.app[ACCEPTS_INTERNAL]
         return True
 
     def authorized(self, msg: Message) -> bool:
         """The auth middleware's checks (shared.http.auth.auth_middleware) where they pass at
         once (msg.private: the answer must be marked private); False leaves the request, and
         any refusal, to aiohttp."""
-        auth = self.app[AUTH]
-        if self.app[ACCEPTS_INTERNAL]:
+        auth = self.auth
+        assert auth is not None
+        if self.accepts_internal:
             presented = msg.headers.get(_INTERNAL_HEADER)
             if presented is not None:
                 if not auth.is_internal(presented.decode("utf-8", "replace")):
