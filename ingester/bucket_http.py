@@ -52,12 +52,12 @@ async def handle(request: web.Request) -> web.StreamResponse:
     try:
         return await handle_stream(request)
     except NotFound:
-        if await svc.reads.run(_bucket_sync, svc, bucket_id) is None:
+        if await svc.reads.run(bucket_sync, svc, bucket_id) is None:
             raise NotFound(f"bucket {bucket_id!r} not found") from None
         raise
 
 
-def _bucket_sync(svc: IngesterService, bucket_id: str) -> buckets.BucketMeta | None:
+def bucket_sync(svc: IngesterService, bucket_id: str) -> buckets.BucketMeta | None:
     with svc.wal.env.begin(buffers=False) as txn:
         return buckets.get(txn, svc.wal, bucket_id)
 
@@ -74,7 +74,7 @@ async def handle_bucket(request: web.Request, svc: IngesterService, bucket_id: s
         meta = await svc.committer.submit(create)
         return json_response(201, meta.describe(bucket_id), {"Location": str(request.url.with_query(None))})
     if method in ("GET", "HEAD"):
-        found = await svc.reads.run(_bucket_sync, svc, bucket_id)
+        found = await svc.reads.run(bucket_sync, svc, bucket_id)
         if found is None:
             raise NotFound(f"bucket {bucket_id!r} not found")
         return json_response(200, found.describe(bucket_id))

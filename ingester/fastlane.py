@@ -14,14 +14,18 @@ tests/test_fastlane.py compares its answers with aiohttp's, byte for byte.
 
 from __future__ import annotations
 
+import asyncio
 import time
+from collections.abc import Coroutine
 from typing import Any
 
 from aiohttp import web
 
+from ingester.bucket_http import bucket_sync
 from ingester.http import append_answer, append_request
 from ingester.service import SERVICE, IngesterService
-from shared.errors import DS3Error
+from shared.buckets import split_internal
+from shared.errors import DS3Error, NotFound
 from shared.http.handlers import stream_path_of
 from shared.http.lane import LANE, Lane, LaneHandler, LaneRunner, Message
 
@@ -83,6 +87,9 @@ class AppendLane(Lane):
 
         def done(result: Any, ok: bool) -> None:
             if not ok:
+                if isinstance(result, NotFound) and (bucket := split_internal(path)) is not None:
+                    _start(_bucket_refusal(svc, bucket[0], result, handler, msg, rid, started))
+                    return
                 handler.answer_failure(msg, result, rid, started)
                 return
             svc.append_seconds.observe(time.perf_counter() - started)
@@ -90,6 +97,27 @@ class AppendLane(Lane):
             handler.answer(msg, status, answer_headers, b"", rid, started)
 
         svc.committer.submit_callback(lambda txn: svc.store.append(txn, req), done)
+
+
+async def _bucket_refusal(svc: IngesterService, bucket_id: str, error: NotFound, handler: LaneHandler,
+                          msg: Message, rid: str, started: float) -> None:
+    """A bucketed stream not found: a missing bucket is named as such (ingester/bucket_http.py)."""
+    try:
+        if await svc.reads.run(bucket_sync, svc, bucket_id) is None:
+            error = NotFound(f"bucket {bucket_id!r} not found")
+    except Exception as e:  # (answer exactly once, whatever happens)
+        handler.answer_failure(msg, e, rid, started)
+        return
+    handler.answer_failure(msg, error, rid, started)
+
+
+_pending: set[asyncio.Task[None]] = set()  # bucket checks in progress (kept from the collector)
+
+
+def _start(coro: Coroutine[Any, Any, None]) -> None:
+    task = asyncio.ensure_future(coro)
+    _pending.add(task)
+    task.add_done_callback(_pending.discard)
 
 
 class FastLaneRunner(LaneRunner):

@@ -1,5 +1,5 @@
-"""What the reader's hop costs a forwarded request: sequential POSTs, HEADs and tail GETs on one
-keep-alive connection, straight to a `ds3 ingester` and through a `ds3 reader` in front of it (one worker,
+"""What the reader's hop costs a forwarded request: sequential POSTs, HEADs, tail GETs and
+appends to a bucket's stream on one keep-alive connection, straight to a `ds3 ingester` and through a `ds3 reader` in front of it (one worker,
 with its fast forwarding lane, and with DS3_FAST_LANE=0: aiohttp's server and client), in one run.
 
     .venv/bin/python scripts/bench_hop.py                  # 2,000 of each, best of 3 rounds
@@ -36,7 +36,7 @@ from tests.cluster import StoreView  # noqa: E402
 from tests.s3server import aws_test_env  # noqa: E402
 
 TARGET_ADDED_MS = 0.3
-METHODS = ("POST", "HEAD", "GET")
+METHODS = ("POST", "HEAD", "GET", "POST bucket")
 
 
 def cpu_seconds(pid: int) -> float:
@@ -81,6 +81,8 @@ def tail_offset(port: int, path: str) -> str:
 
 
 def run(port: int, path: str, n: int, method: str) -> list[float]:
+    if method == "POST bucket":  # an append to a bucket's stream
+        method, path = "POST", f"/v1/buckets/hop-{port}/s"
     if method == "POST":
         req = (f"POST {path} HTTP/1.1\r\nHost: b\r\nContent-Type: text/plain\r\nContent-Length: 100\r\n\r\n"
                .encode() + b"x" * 100)
@@ -137,9 +139,11 @@ def main() -> None:
             paths = {"ingester direct": ing, "reader (fast lane)": lane, "reader (aiohttp)": plain}
             for p in paths.values():
                 with socket.create_connection(("127.0.0.1", p.port)) as s:
-                    s.sendall(f"PUT /v1/stream/hop-{p.port} HTTP/1.1\r\nHost: b\r\nContent-Type: text/plain\r\n"
-                              "Content-Length: 0\r\n\r\n".encode())
-                    one_answer(s, bytearray(), True)
+                    buf = bytearray()
+                    for target in (f"/v1/stream/hop-{p.port}", f"/v1/buckets/hop-{p.port}", f"/v1/buckets/hop-{p.port}/s"):
+                        s.sendall(f"PUT {target} HTTP/1.1\r\nHost: b\r\nContent-Type: text/plain\r\n"
+                                  "Content-Length: 0\r\n\r\n".encode())
+                        one_answer(s, buf, False)
             results: dict[tuple[str, str], list[tuple[float, float, float]]] = {}
             for _ in range(args.rounds):
                 for method in METHODS:
@@ -153,7 +157,7 @@ def main() -> None:
             for p in reversed(started):
                 p.stop()
     print(f"\nsequential requests on one keep-alive connection, {args.requests} per row, median of {args.rounds} rounds")
-    print(f"  {'method':6} {'path':22} {'p50 ms':>8} {'p99 ms':>8} {'added p50':>10} {'CPU ms/req':>11}")
+    print(f"  {'request':11} {'path':22} {'p50 ms':>8} {'p99 ms':>8} {'added p50':>10} {'CPU ms/req':>11}")
     ok = True
     for method in METHODS:
         direct = statistics.median(r[0] for r in results[(method, "ingester direct")])
@@ -167,7 +171,7 @@ def main() -> None:
             if name == "reader (fast lane)":
                 mark = "  ok" if added <= TARGET_ADDED_MS else f"  over the {TARGET_ADDED_MS} ms target"
                 ok = ok and added <= TARGET_ADDED_MS
-            print(f"  {method:6} {name:22} {p50:8.3f} {p99:8.3f} {added:+10.3f} {cpu:11.3f}{mark}")
+            print(f"  {method:11} {name:22} {p50:8.3f} {p99:8.3f} {added:+10.3f} {cpu:11.3f}{mark}")
     print("(CPU ms/req: the process answering the client, per request: the ingester's own for the direct row, the "
           "reader's alone for the others)")
     sys.exit(0 if ok else 1)

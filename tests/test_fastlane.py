@@ -105,6 +105,17 @@ CASES = [
      post("/v1/stream/lk", b"\r\n\r\nPOST /v1/stream/lk HTTP/1.1\r\n\r\n", "Content-Type: text/plain")),
     ("escaped path", [put("/v1/stream/e%20s", "Content-Type: text/plain")],
      post("/v1/stream/e%20s", b"x", "Content-Type: text/plain")),
+    ("bucket stream", [put("/v1/buckets/bkt1"), put("/v1/buckets/bkt1/s1", "Content-Type: text/plain")],
+     post("/v1/buckets/bkt1/s1", b"abc", "Content-Type: text/plain")),
+    ("bucket stream, a nested id", [put("/v1/buckets/bkt6")], post("/v1/buckets/bkt6/a/b", b"abc", "Content-Type: text/plain")),
+    ("bucket missing", [], post("/v1/buckets/nobk/s1", b"x", "Content-Type: text/plain")),
+    ("bucket stream missing", [put("/v1/buckets/bkt2")], post("/v1/buckets/bkt2/none", b"x", "Content-Type: text/plain")),
+    ("bucket itself", [put("/v1/buckets/bkt3")], post("/v1/buckets/bkt3", b"x", "Content-Type: text/plain")),
+    ("bucket reserved id", [put("/v1/buckets/bkt4")], post("/v1/buckets/bkt4/streams", b"x", "Content-Type: text/plain")),
+    ("bucket empty stream id", [put("/v1/buckets/bkt5")], post("/v1/buckets/bkt5/", b"x", "Content-Type: text/plain")),
+    ("bucket invalid id", [], post("/v1/buckets/NO/s1", b"x", "Content-Type: text/plain")),
+    ("bucket stream content type mismatch", [put("/v1/buckets/bkt7"), put("/v1/buckets/bkt7/s", "Content-Type: text/plain")],
+     post("/v1/buckets/bkt7/s", b"x", "Content-Type: text/html")),
 ]
 
 
@@ -296,3 +307,22 @@ def test_more_than_32_pipelined_requests_for_aiohttp_are_all_answered(servers: t
         head = f"HEAD {path} HTTP/1.1\r\nHost: t\r\n\r\n".encode()
         answers = pipeline(p.port, [head * 100], 100, timeout=10)
         assert [parsed(a)[0] for a in answers] == [200] * 100
+
+
+def test_appends_to_a_bucket_s_streams_take_the_lane(servers: tuple[procs.Proc, procs.Proc]) -> None:
+    """Appends to /v1/buckets/{bucket}/{stream} are the lane's (a missing bucket named as such);
+    the bucket's own URL is aiohttp's."""
+    fast, _ = servers
+    assert parsed(exchange(fast.port, put("/v1/buckets/lanebk"))[0])[0] == 201
+    assert parsed(exchange(fast.port, put("/v1/buckets/lanebk/s", "Content-Type: text/plain"))[0])[0] == 201
+    before = fast_count(fast)
+    answers = [exchange(fast.port, post("/v1/buckets/lanebk/s", str(i).encode(), "Content-Type: text/plain"))[0]
+               for i in range(3)]
+    assert [parsed(a)[0] for a in answers] == [204, 204, 204]
+    missing = exchange(fast.port, post("/v1/buckets/nolanebk/s", b"x", "Content-Type: text/plain"))[0]
+    assert parsed(missing)[0] == 404 and b"bucket 'nolanebk' not found" in parsed(missing)[2]
+    assert fast_count(fast) == before + 4
+    assert parsed(exchange(fast.port, post("/v1/buckets/lanebk", b"x", "Content-Type: text/plain"))[0])[0] == 405
+    assert fast_count(fast) == before + 4
+    got = exchange(fast.port, b"GET /v1/buckets/lanebk/s?offset=-1 HTTP/1.1\r\nHost: t\r\n\r\n")[0]
+    assert parsed(got)[2] == b"012"

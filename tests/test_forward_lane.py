@@ -565,3 +565,35 @@ def test_a_client_that_leaves_a_shared_tail_read_does_not_take_it_from_the_other
     assert metric(tier.fast, "ds3_reader_ingester_requests_total") == upstream + 1
     assert parsed(exchange(tier.fast.port, post(path, b"more", TEXT))[0])[0] == 204
     assert read_all(tier.fast.port, path) == b"staymore"
+
+
+# (name, the request for bucket B, whether the reader's lane takes it, the status)
+BUCKET_CASES: list[tuple[str, str, bool, int]] = [
+    ("append", "POST /v1/buckets/B/s", True, 204),
+    ("head", "HEAD /v1/buckets/B/s", True, 200),
+    ("append to a missing stream", "POST /v1/buckets/B/nothing", True, 404),
+    ("append to a missing bucket", "POST /v1/buckets/B-none/s", True, 404),
+    ("the bucket itself", "POST /v1/buckets/B", False, 405),
+    ("the reserved stream id", "POST /v1/buckets/B/streams", False, 400),
+    ("a nested stream id", "POST /v1/buckets/B/a/b", False, 400),
+]
+
+
+@pytest.mark.parametrize(("request_", "taken", "status"), [c[1:] for c in BUCKET_CASES],
+                         ids=[c[0] for c in BUCKET_CASES])
+def test_a_bucket_s_streams_take_the_lane_as_aiohttp_answers_them(tier: Tier, request_: str, taken: bool,
+                                                                   status: int) -> None:
+    answers = []
+    for p, bucket in ((tier.fast, "bkt-zzfast"), (tier.slow, "bkt-zzslow")):
+        if parsed(exchange(p.port, put(f"/v1/buckets/{bucket}"))[0])[0] == 201:
+            assert parsed(exchange(p.port, put(f"/v1/buckets/{bucket}/s", TEXT))[0])[0] == 201
+        method, target = request_.split(" ")
+        target = target.replace("/B", f"/{bucket}")
+        raw_request = post(target, b"x", TEXT, RID) if method == "POST" else head(target, RID)
+        before = lane_count(p)
+        raw = exchange(p.port, raw_request, bodiless=method == "HEAD")[0]
+        if p is tier.fast:
+            assert lane_count(p) - before == (1 if taken else 0)
+        answers.append(_normal(raw.replace(bucket.encode(), b"BUCKET"), bucket))
+    assert answers[0][0] == status, answers[0]
+    assert answers[0] == answers[1]

@@ -7,7 +7,8 @@ aiohttp's RequestHandler plus a lane for the plain requests of their hot path:
 
     METHOD /v1/stream/{path} HTTP/1.1   (keep-alive; a body only with Content-Length; no
                                          query, %-escapes, dot segments, Transfer-Encoding,
-                                         Content-Encoding, Expect or Upgrade)
+                                         Content-Encoding, Expect or Upgrade; a bucket's
+                                         stream, /v1/buckets/{bucket}/{stream}, alike)
 
 with METHOD one the service's Lane takes (the ingester: POST; the reader: POST and HEAD).
 Such a request that begins while aiohttp has nothing in progress on the connection is parsed
@@ -67,7 +68,7 @@ log = logging.getLogger("ds3.http")
 access_log = logging.getLogger("ds3.access")
 
 # Plain stream URLs only: anything aiohttp might decode or normalise before routing is its.
-_PLAIN_URL: Final = re.compile(rb"/v1/stream/[A-Za-z0-9_~!$&'()*+,;=:@./-]+")
+_PLAIN_URL: Final = re.compile(rb"/v1/(?:stream/|buckets/[A-Za-z0-9_~!$&'()*+,;=:@.-]+/)[A-Za-z0-9_~!$&'()*+,;=:@./-]+")
 _REFUSED_HEADERS: Final = frozenset({b"transfer-encoding", b"content-encoding", b"expect", b"upgrade"})
 COMMON_HEADERS: Final = (
     "X-Content-Type-Options: nosniff\r\n"
@@ -133,7 +134,7 @@ class Lane:
         self.auth: Authenticator | None = None
         self.accepts_internal = False  # the service takes the internal token (the ingester)
         self.served = 0  # requests answered by the lane
-        self.prefixes = tuple(m + b" /v1/stream/" for m in sorted(self.methods))
+        self.prefixes = tuple(m + p for m in sorted(self.methods) for p in (b" /v1/stream/", b" /v1/buckets/"))
         self._date = ""
         self._date_at = 0
 
