@@ -451,8 +451,10 @@ def next_offset(p: procs.Proc, path: str) -> str:
     return parsed(exchange(p.port, head(path), bodiless=True)[0])[1]["stream-next-offset"]
 
 
+@pytest.mark.parametrize("where", ["stream", "bucket"])
 @pytest.mark.parametrize("content_type", ["text/plain", "application/json"])
-def test_reads_at_the_unsealed_tail_take_the_lane_and_answer_as_aiohttp_does(tier: Tier, content_type: str) -> None:
+def test_reads_at_the_unsealed_tail_take_the_lane_and_answer_as_aiohttp_does(tier: Tier, content_type: str,
+                                                                              where: str) -> None:
     """A catch-up read of what only the ingester holds, and the empty page at the end: the
     first asks the store (nothing sealed there), the next within a second is the lane's and
     answers byte for byte as aiohttp's path does."""
@@ -460,7 +462,11 @@ def test_reads_at_the_unsealed_tail_take_the_lane_and_answer_as_aiohttp_does(tie
     one, two = (b'{"a":1}', b'[{"b":2},{"c":3}]') if content_type == "application/json" else (b"one", b"two")
     answers: dict[str, list[tuple[int, dict[str, str], bytes]]] = {"middle": [], "end": []}
     for p, suffix in ((tier.fast, "_zzfast"), (tier.slow, "_zzslow")):
-        path = f"/v1/stream/tail-{content_type.replace('/', '-')}{suffix}"
+        name = f"tail-{content_type.replace('/', '-')}{suffix}"
+        path = f"/v1/stream/{name}"
+        if where == "bucket":
+            assert parsed(exchange(p.port, put(f"/v1/buckets/{name}"))[0])[0] == 201
+            path = f"/v1/buckets/{name}/s"
         assert parsed(exchange(p.port, put(path, ct))[0])[0] == 201
         assert parsed(exchange(p.port, post(path, one, ct))[0])[0] == 204
         middle = next_offset(p, path)
