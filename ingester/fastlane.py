@@ -22,18 +22,20 @@ from typing import Any
 from aiohttp import web
 
 from ingester.bucket_http import bucket_sync
-from ingester.http import append_answer, append_request
+from ingester.http import append_answer, append_request, head_headers
+from ingester.records import StreamMeta
 from ingester.service import SERVICE, IngesterService
 from shared.buckets import split_internal
-from shared.errors import DS3Error, NotFound
+from shared.errors import DS3Error, NotFound, Unavailable
 from shared.http.handlers import stream_path_of
 from shared.http.lane import LANE, Lane, LaneHandler, LaneRunner, Message
 
 
 class AppendLane(Lane):
-    """Plain appends, committed by the group committer and answered from its callback."""
+    """Plain appends, committed by the group committer and answered from its callback, and
+    HEADs, read on the read pool and answered from its future's callback."""
 
-    methods = frozenset({b"POST"})
+    methods = frozenset({b"POST", b"HEAD"})
 
     def __init__(self, app: web.Application) -> None:
         super().__init__(app)
@@ -64,6 +66,14 @@ class AppendLane(Lane):
             return svc.membership.owns(path) and not svc.moves.needs_pull(path)
         return True
 
+    def _head(self, handler: LaneHandler, msg: Message, rid: str, started: float) -> None:
+        svc = self.svc
+        assert svc is not None
+        path = self._path(handler, msg)
+        if svc.membership is not None:
+            svc.membership.check(path)
+        svc.reads.submit(svc.reads.head_sync, path).add_done_callback(_Head(svc, handler, msg, path, rid, started).done)
+
     def _path(self, handler: LaneHandler, msg: Message) -> str:
         assert self.svc is not None
         url = msg.url
@@ -76,6 +86,9 @@ class AppendLane(Lane):
     def serve(self, handler: LaneHandler, msg: Message, body: bytes, rid: str, started: float) -> None:
         svc, lim = self.svc, self.limits
         assert svc is not None and lim is not None
+        if msg.method == b"HEAD":
+            self._head(handler, msg, rid, started)
+            return
         if not msg.internal:  # a reader limits its own clients
             client = handler.client(msg)
             if client is not None:
@@ -87,16 +100,22 @@ class AppendLane(Lane):
 
         def done(result: Any, ok: bool) -> None:
             if not ok:
-                if isinstance(result, NotFound) and (bucket := split_internal(path)) is not None:
-                    _start(_bucket_refusal(svc, bucket[0], result, handler, msg, rid, started))
-                    return
-                handler.answer_failure(msg, result, rid, started)
+                _refused(svc, path, result, handler, msg, rid, started)
                 return
             svc.append_seconds.observe(time.perf_counter() - started)
             status, answer_headers = append_answer(result, req)
             handler.answer(msg, status, answer_headers, b"", rid, started)
 
         svc.committer.submit_callback(lambda txn: svc.store.append(txn, req), done)
+
+
+def _refused(svc: IngesterService, path: str, error: BaseException, handler: LaneHandler, msg: Message, rid: str,
+             started: float) -> None:
+    """A failure's answer; a bucketed stream not found names a missing bucket as such."""
+    if isinstance(error, NotFound) and (bucket := split_internal(path)) is not None:
+        _start(_bucket_refusal(svc, bucket[0], error, handler, msg, rid, started))
+    else:
+        handler.answer_failure(msg, error, rid, started)
 
 
 async def _bucket_refusal(svc: IngesterService, bucket_id: str, error: NotFound, handler: LaneHandler,
@@ -120,13 +139,33 @@ def _start(coro: Coroutine[Any, Any, None]) -> None:
     task.add_done_callback(_pending.discard)
 
 
+class _Head:
+    """A HEAD on its way through the read pool (an object, not closures: no reference cycle)."""
+
+    __slots__ = ("handler", "msg", "path", "rid", "started", "svc")
+
+    def __init__(self, svc: IngesterService, handler: LaneHandler, msg: Message, path: str, rid: str,
+                 started: float) -> None:
+        self.svc, self.handler, self.msg, self.path, self.rid, self.started = svc, handler, msg, path, rid, started
+
+    def done(self, fut: asyncio.Future[StreamMeta]) -> None:
+        if fut.cancelled():  # (the read pool shut down under it)
+            self.handler.answer_failure(self.msg, Unavailable("the ingester is shutting down"), self.rid, self.started)
+            return
+        error = fut.exception()
+        if error is not None:
+            _refused(self.svc, self.path, error, self.handler, self.msg, self.rid, self.started)
+            return
+        self.handler.answer(self.msg, 200, head_headers(fut.result()), b"", self.rid, self.started)
+
+
 class FastLaneRunner(LaneRunner):
     """web.AppRunner whose connections get the append lane (use it like an AppRunner)."""
 
     lane_class = AppendLane
 
 
-def served(app: web.Application) -> int | None:
-    """Appends the lane answered, or None when the app runs without one."""
+def served(app: web.Application) -> tuple[int, int] | None:
+    """(appends, requests) the lane answered, or None when the app runs without one."""
     lane = app.get(LANE)
-    return lane.served if lane is not None else None
+    return None if lane is None else (lane.served_by_route.get("stream_append", 0), lane.served)

@@ -108,7 +108,9 @@ def collect(app: web.Application) -> Iterator[Metric]:
     lane_served = served(app)
     if lane_served is not None:
         yield counter("ds3_http_fast_lane_appends", "Appends answered by the fast lane (ingester/fastlane.py), "
-                      "not by aiohttp's handlers.", lane_served)
+                      "not by aiohttp's handlers.", lane_served[0])
+        yield counter("ds3_http_fast_lane_requests", "Requests (appends and HEADs) answered by the fast lane.",
+                      lane_served[1])
     yield counter("ds3_wal_commits", "Group commits (durable write transactions).", committer.batches)
     yield counter("ds3_wal_operations", "Write operations committed (appends, creates, seals, ...).", committer.ops)
     yield from committer.batch_sizes.collect()

@@ -190,6 +190,11 @@ class Reads:
         """Run a read-only function on the read pool."""
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
+    def submit(self, fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
+        """Run a read-only function on the read pool: its future, done on the loop (the fast
+        lane answers from its callback, with no task)."""
+        return asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
     async def head(self, path: str) -> StreamMeta:
         return await asyncio.get_running_loop().run_in_executor(self._pool, self.head_sync, path)
 

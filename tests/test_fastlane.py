@@ -51,6 +51,18 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[procs.Pr
         fast.stop()
 
 
+def head(path: str, *headers: str) -> bytes:
+    return (f"HEAD {path} HTTP/1.1\r\nHost: t\r\n" + "".join(h + "\r\n" for h in headers) + "\r\n").encode()
+
+
+def lane_count(p: procs.Proc) -> float:
+    """Every request the lane answered (appends and HEADs)."""
+    with urllib.request.urlopen(f"{p.url}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    m = re.search(r"^ds3_http_fast_lane_requests_total (\S+)$", text, re.M)
+    return float(m.group(1)) if m else -1.0
+
+
 def fast_count(p: procs.Proc) -> float:
     with urllib.request.urlopen(f"{p.url}/metrics", timeout=5) as r:
         text = r.read().decode()
@@ -114,6 +126,21 @@ CASES = [
     ("bucket reserved id", [put("/v1/buckets/bkt4")], post("/v1/buckets/bkt4/streams", b"x", "Content-Type: text/plain")),
     ("bucket empty stream id", [put("/v1/buckets/bkt5")], post("/v1/buckets/bkt5/", b"x", "Content-Type: text/plain")),
     ("bucket invalid id", [], post("/v1/buckets/NO/s1", b"x", "Content-Type: text/plain")),
+    ("head", [put("/v1/stream/h1", "Content-Type: text/plain"), post("/v1/stream/h1", b"abc", "Content-Type: text/plain")],
+     head("/v1/stream/h1")),
+    ("head json", [put("/v1/stream/h2", "Content-Type: application/json")], head("/v1/stream/h2")),
+    ("head closed", [put("/v1/stream/h3", "Content-Type: text/plain", "Stream-Closed: true")], head("/v1/stream/h3")),
+    ("head ttl", [put("/v1/stream/h4", "Content-Type: text/plain", "Stream-TTL: 3600")], head("/v1/stream/h4")),
+    ("head expires", [put("/v1/stream/h5", "Content-Type: text/plain", "Stream-Expires-At: 2099-01-01T00:00:00Z")],
+     head("/v1/stream/h5")),
+    ("head missing", [], head("/v1/stream/h-absent")),
+    ("head bad path", [], head("/v1/stream/a//b")),
+    ("head with If-None-Match", [put("/v1/stream/h6", "Content-Type: text/plain")], head("/v1/stream/h6", 'If-None-Match: "x"')),
+    ("head bucket stream", [put("/v1/buckets/bkh1"), put("/v1/buckets/bkh1/s", "Content-Type: text/plain")],
+     head("/v1/buckets/bkh1/s")),
+    ("head bucket missing", [], head("/v1/buckets/nobkh/s")),
+    ("head bucket stream missing", [put("/v1/buckets/bkh2")], head("/v1/buckets/bkh2/none")),
+    ("head bucket itself", [put("/v1/buckets/bkh3")], head("/v1/buckets/bkh3")),
     ("bucket stream content type mismatch", [put("/v1/buckets/bkt7"), put("/v1/buckets/bkt7/s", "Content-Type: text/plain")],
      post("/v1/buckets/bkt7/s", b"x", "Content-Type: text/html")),
 ]
@@ -127,7 +154,7 @@ def test_the_lane_answers_as_aiohttp_does(servers: tuple[procs.Proc, procs.Proc]
     for p in (fast, slow):
         for r in setup:
             assert parsed(exchange(p.port, r)[0])[0] < 300
-        answers.append(parsed(exchange(p.port, request_)[0]))
+        answers.append(parsed(exchange(p.port, request_, bodiless=request_.startswith(b"HEAD"))[0]))
     (fs, fh, fb), (ss, sh, sb) = answers
     assert fs == ss
     assert {k: STREAM_OFFSET.sub(b"O", v.encode()) for k, v in fh.items()} == \
@@ -326,3 +353,17 @@ def test_appends_to_a_bucket_s_streams_take_the_lane(servers: tuple[procs.Proc, 
     assert fast_count(fast) == before + 4
     got = exchange(fast.port, b"GET /v1/buckets/lanebk/s?offset=-1 HTTP/1.1\r\nHost: t\r\n\r\n")[0]
     assert parsed(got)[2] == b"012"
+
+
+def test_heads_take_the_lane(servers: tuple[procs.Proc, procs.Proc]) -> None:
+    fast, _ = servers
+    exchange(fast.port, put("/v1/stream/lane-head", "Content-Type: text/plain"))
+    exchange(fast.port, post("/v1/stream/lane-head", b"abc", "Content-Type: text/plain"))
+    before = lane_count(fast)
+    answers = exchange(fast.port, head("/v1/stream/lane-head") * 3, answers=3, bodiless=True)
+    assert [parsed(a)[0] for a in answers] == [200, 200, 200]
+    assert {parsed(a)[1]["stream-next-offset"] for a in answers} == \
+        {parsed(exchange(fast.port, head("/v1/stream/lane-head"), bodiless=True)[0])[1]["stream-next-offset"]}
+    assert lane_count(fast) == before + 4
+    missing = exchange(fast.port, head("/v1/buckets/nolanebk/s"), bodiless=True)[0]
+    assert parsed(missing)[0] == 404 and lane_count(fast) == before + 5

@@ -134,6 +134,7 @@ class Lane:
         self.auth: Authenticator | None = None
         self.accepts_internal = False  # the service takes the internal token (the ingester)
         self.served = 0  # requests answered by the lane
+        self.served_by_route: dict[str, int] = {}  # the same by route label (stream_append, ...)
         self.prefixes = tuple(m + p for m in sorted(self.methods) for p in (b" /v1/stream/", b" /v1/buckets/"))
         self._date = ""
         self._date_at = 0
@@ -531,6 +532,8 @@ class LaneHandler(RequestHandler):
         seconds = time.perf_counter() - started
         http.observe(msg.route, status, seconds)
         lane.served += 1
+        by_route = lane.served_by_route
+        by_route[msg.route] = by_route.get(msg.route, 0) + 1
         self.pending_cancel = None
         if access_log.isEnabledFor(logging.INFO):
             self._log_access(msg, status, seconds, 0 if msg.method == b"HEAD" else len(body), rid)
@@ -561,7 +564,8 @@ class LaneHandler(RequestHandler):
                send_body: bool = True) -> None:
         if head is None:
             lines = [f"{name}: {value}\r\n" for name, value in headers.items()]
-            if status != 204 and status != 304:
+            if status != 204 and status != 304 and (send_body or body):
+                # (aiohttp answers a HEAD without a body with no Content-Length)
                 lines.append(f"Content-Length: {len(body)}\r\n")
             head = "".join(lines).encode("latin-1", "replace")
         status_line = _STATUS_LINES.get(status)
