@@ -22,20 +22,25 @@ from typing import Any
 from aiohttp import web
 
 from ingester.bucket_http import bucket_sync
-from ingester.http import append_answer, append_request, head_headers
+from ingester.http import append_answer, append_request, body_of, data_headers, head_headers
+from ingester.reads import ReadResult
 from ingester.records import StreamMeta
+from ingester.sealed_reads import read_sealed
 from ingester.service import SERVICE, IngesterService
+from shared import offsets
 from shared.buckets import split_internal
 from shared.errors import DS3Error, NotFound, Unavailable
 from shared.http.handlers import stream_path_of
-from shared.http.lane import LANE, Lane, LaneHandler, LaneRunner, Message
+from shared.http.lane import LANE, Lane, LaneHandler, LaneRunner, Message, catch_up_offset
 
 
 class AppendLane(Lane):
-    """Plain appends, committed by the group committer and answered from its callback, and
-    HEADs, read on the read pool and answered from its future's callback."""
+    """Plain appends, committed by the group committer and answered from its callback; HEADs
+    and catch-up reads (`?offset=<offset>` alone), read on the read pool and answered from its
+    future's callback."""
 
-    methods = frozenset({b"POST", b"HEAD"})
+    methods = frozenset({b"POST", b"HEAD", b"GET"})
+    query_methods = frozenset({b"GET"})
 
     def __init__(self, app: web.Application) -> None:
         super().__init__(app)
@@ -55,6 +60,11 @@ class AppendLane(Lane):
         return min(super().max_body(), self.svc.config.max_body_bytes)
 
     def accepts(self, handler: LaneHandler, msg: Message) -> bool:
+        if msg.method == b"GET":  # a catch-up read; live ones, `now`, -1 and 304s are aiohttp's
+            offset = catch_up_offset(msg.query)
+            if offset is None or b"if-none-match" in msg.headers or msg.total != msg.head_len:
+                return False
+            msg.note = offset
         svc = self.svc
         if svc is not None and svc.moves is not None and svc.membership is not None:
             # A stream moving in (aiohttp's path waits for it), or one we may not own (it re-reads
@@ -74,9 +84,19 @@ class AppendLane(Lane):
             svc.membership.check(path)
         svc.reads.submit(svc.reads.head_sync, path).add_done_callback(_Head(svc, handler, msg, path, rid, started).done)
 
+    def _read(self, handler: LaneHandler, msg: Message, rid: str, started: float) -> None:
+        svc = self.svc
+        assert svc is not None
+        path = self._path(handler, msg)
+        if svc.membership is not None:
+            svc.membership.check(path)
+        start = offsets.parse(msg.note)
+        read = _Read(svc, handler, msg, path, rid, started)
+        svc.reads.submit(svc.reads.read_sync, path, start, svc.config.max_read_bytes).add_done_callback(read.done)
+
     def _path(self, handler: LaneHandler, msg: Message) -> str:
         assert self.svc is not None
-        url = msg.url
+        url = msg.path  # (a read has a query)
         if url == handler.path_of[0]:
             return handler.path_of[1]
         path = stream_path_of(url.decode("utf-8", "surrogateescape"), self.svc.config.max_path_bytes)
@@ -88,6 +108,9 @@ class AppendLane(Lane):
         assert svc is not None and lim is not None
         if msg.method == b"HEAD":
             self._head(handler, msg, rid, started)
+            return
+        if msg.method == b"GET":
+            self._read(handler, msg, rid, started)
             return
         if not msg.internal:  # a reader limits its own clients
             client = handler.client(msg)
@@ -157,6 +180,48 @@ class _Head:
             _refused(self.svc, self.path, error, self.handler, self.msg, self.rid, self.started)
             return
         self.handler.answer(self.msg, 200, head_headers(fut.result()), b"", self.rid, self.started)
+
+
+class _Read:
+    """A catch-up read on its way through the read pool, and the object store when it starts in
+    a sealed chunk (IngesterService.read's steps, answered as ingester.http.data_response)."""
+
+    __slots__ = ("handler", "msg", "path", "rid", "started", "svc")
+
+    def __init__(self, svc: IngesterService, handler: LaneHandler, msg: Message, path: str, rid: str,
+                 started: float) -> None:
+        self.svc, self.handler, self.msg, self.path, self.rid, self.started = svc, handler, msg, path, rid, started
+
+    def done(self, fut: asyncio.Future[ReadResult]) -> None:
+        if fut.cancelled():  # (the read pool shut down under it)
+            self.handler.answer_failure(self.msg, Unavailable("the ingester is shutting down"), self.rid, self.started)
+            return
+        error = fut.exception()
+        if error is not None:
+            _refused(self.svc, self.path, error, self.handler, self.msg, self.rid, self.started)
+            return
+        res = fut.result()
+        if res.sealed is not None:
+            _start(self._sealed(res))
+        else:
+            self.finish(res)
+
+    async def _sealed(self, res: ReadResult) -> None:
+        svc = self.svc
+        assert svc.chunk_reader is not None
+        try:
+            await read_sealed(svc.chunk_reader, res, svc.config.max_read_bytes)
+        except Exception as e:  # (answer exactly once, whatever happens)
+            self.handler.answer_failure(self.msg, e, self.rid, self.started)
+            return
+        self.finish(res)
+
+    def finish(self, res: ReadResult) -> None:
+        svc = self.svc
+        if res.meta.ttl is not None:  # a read renews a stream's TTL (IngesterService.read)
+            svc.store.touches[self.path] = time.time()
+        self.handler.answer(self.msg, 200, data_headers(res, None, svc.config.tail_max_age), body_of(res), self.rid,
+                            self.started)
 
 
 class FastLaneRunner(LaneRunner):

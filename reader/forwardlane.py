@@ -33,7 +33,7 @@ from typing import Final
 
 from aiohttp import web
 
-from reader.lane_long_poll import DROP_ANSWER_HEADERS, OFFSET, long_poll_query, serve_long_poll
+from reader.lane_long_poll import DROP_ANSWER_HEADERS, long_poll_query, serve_long_poll
 from reader.proxy import DROP_REQUEST
 from reader.routing import MISDIRECTED, Link, Router
 from reader.state import READER, ReaderState, servable
@@ -41,7 +41,7 @@ from reader.upstream import Answer
 from shared import offsets
 from shared.errors import DS3Error, Unavailable
 from shared.http.handlers import stream_path_of
-from shared.http.lane import Lane, LaneHandler, LaneRunner, Message
+from shared.http.lane import Lane, LaneHandler, LaneRunner, Message, catch_up_offset
 from shared.placement import GENERATION_HEADER, placement_key
 
 log = logging.getLogger("ds3.reader.lane")
@@ -107,7 +107,7 @@ class ForwardLane(Lane):
         from what the reader knows now (the checks it makes first, in the same order)."""
         st = self.st
         assert st is not None
-        offset = _catch_up_query(msg.query)
+        offset = catch_up_offset(msg.query)
         if offset is None:
             return False
         try:
@@ -303,14 +303,6 @@ def _generation(answer: Answer) -> str | None:
     return None
 
 
-
-
-def _catch_up_query(query: bytes) -> str | None:
-    """The offset of a plain catch-up query (`offset=<concrete offset>` and nothing else)."""
-    key, _, value = query.partition(b"=")
-    if key == b"offset" and OFFSET.fullmatch(value):
-        return value.decode()
-    return None
 
 
 class ForwardLaneRunner(LaneRunner):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import re
+import time
 import urllib.request
 import uuid
 from collections.abc import Iterator
@@ -367,3 +368,104 @@ def test_heads_take_the_lane(servers: tuple[procs.Proc, procs.Proc]) -> None:
     assert lane_count(fast) == before + 4
     missing = exchange(fast.port, head("/v1/buckets/nolanebk/s"), bodiless=True)[0]
     assert parsed(missing)[0] == 404 and lane_count(fast) == before + 5
+
+
+
+# --- catch-up reads -------------------------------------------------------------------------
+
+
+def get(path: str, query: str, *headers: str) -> bytes:
+    return (f"GET {path}?{query} HTTP/1.1\r\nHost: t\r\n" + "".join(h + "\r\n" for h in headers) + "\r\n").encode()
+
+
+def _head_of(p: procs.Proc, path: str) -> dict[str, str]:
+    return parsed(exchange(p.port, head(path), bodiless=True)[0])[1]
+
+
+@pytest.fixture(scope="module")
+def sealing(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[procs.Proc, procs.Proc]]:
+    """Two ingesters sealing 4 KiB chunks into local stores, one with the lane."""
+    root = tmp_path_factory.mktemp("fastlane-reads")
+    made = []
+    for name in ("fast", "slow"):
+        p = procs.ingester(root / name / "wal", "--store", f"file://{root / name / 'objects'}", "--write-rate", "0",
+                           "--seal-bytes", "4096", "--seal-age", "0.2")
+        if name == "slow":
+            p.env["DS3_FAST_LANE"] = "0"
+        made.append(p)
+    made[0].start()
+    try:
+        made[1].start()
+        try:
+            yield made[0], made[1]
+        finally:
+            made[1].stop()
+    finally:
+        made[0].stop()
+
+
+@pytest.mark.parametrize("content_type", ["text/plain", "application/json", "application/octet-stream"])
+@pytest.mark.parametrize("where", ["start", "middle", "end", "sealed"])
+def test_catch_up_reads_take_the_lane_and_answer_as_aiohttp_does(
+        sealing: tuple[procs.Proc, procs.Proc], content_type: str, where: str) -> None:
+    """Reads from the stream's start, its middle, its end (the empty tail page) and inside a
+    sealed chunk (read from the store) answer byte for byte as aiohttp's path does."""
+    json_ = content_type == "application/json"
+    answers = []
+    for p in sealing:
+        path = f"/v1/stream/read-{where}-{content_type.replace('/', '-')}-{p.port}"
+        assert parsed(exchange(p.port, put(path, f"Content-Type: {content_type}", "Stream-TTL: 3600"))[0])[0] == 201
+        offsets_after = []
+        for i in range(12 if where == "sealed" else 3):
+            body = (b'{"n":%d,"pad":"%s"}' % (i, b"x" * 500)) if json_ else bytes([65 + i]) * 600
+            assert parsed(exchange(p.port, post(path, body, f"Content-Type: {content_type}"))[0])[0] == 204
+            offsets_after.append(_head_of(p, path)["stream-next-offset"])
+        if where == "sealed":  # wait until the first chunks are in the store
+            deadline = time.monotonic() + 20
+            while not any((Path(p.args[p.args.index("--store") + 1][7:]) / "chunks").rglob("*")):
+                assert time.monotonic() < deadline, "nothing sealed"
+                time.sleep(0.05)
+            time.sleep(0.5)
+        offset = {"start": "0000000000000000_0000000000000000", "middle": offsets_after[0],
+                  "end": offsets_after[-1], "sealed": offsets_after[1]}[where]
+        before = lane_count(p)
+        raw = exchange(p.port, get(path, f"offset={offset}"))[0]
+        if p is sealing[0]:
+            assert lane_count(p) == before + 1
+        answers.append(_normal_read(raw, str(p.port)))
+    assert answers[0][0] == 200, answers[0]
+    assert answers[0] == answers[1]
+
+
+def _normal_read(raw: bytes, port: str) -> tuple[int, dict[str, str], bytes]:
+    status, headers, body = parsed(raw)
+    if "etag" in headers:
+        headers["etag"] = re.sub(r'^"\d+\.', '"SID.', headers["etag"])
+    out = {k: STREAM_OFFSET.sub(b"O", v.encode()).decode().replace(port, "PORT") for k, v in headers.items()}
+    return status, out, STREAM_OFFSET.sub(b"O", body)
+
+
+@pytest.mark.parametrize(("query", "taken"), [
+    ("offset=0000000000000000_0000000000000099", True),  # not an offset of this stream
+    ("offset=-1", False), ("offset=now", False), ("offset=0000000000000000_0000000000000000&live=long-poll", False),
+    ("offset=bad", False),
+])
+def test_reads_the_ingester_s_lane_leaves_or_refuses_as_aiohttp(servers: tuple[procs.Proc, procs.Proc], query: str,
+                                                                taken: bool) -> None:
+    answers = []
+    for p in servers:
+        path = f"/v1/stream/read-other-{p.port}"
+        exchange(p.port, put(path, "Content-Type: text/plain"))
+        exchange(p.port, post(path, b"abc", "Content-Type: text/plain"))
+        before = lane_count(p)
+        answers.append(_normal_read(exchange(p.port, get(path, query), timeout=10)[0], str(p.port)))
+        if p is servers[0]:
+            assert lane_count(p) == before + (1 if taken else 0)
+    assert answers[0] == answers[1]
+
+
+def test_a_missing_bucket_s_stream_read_names_the_bucket(servers: tuple[procs.Proc, procs.Proc]) -> None:
+    answers = [parsed(exchange(p.port, get("/v1/buckets/nobkread/s", "offset=0000000000000000_0000000000000000"))[0])
+               for p in servers]
+    assert answers[0][0] == 404 and b"bucket 'nobkread' not found" in answers[0][2]
+    assert answers[0][2] == answers[1][2]

@@ -88,6 +88,17 @@ _HEADER_KEYS: dict[str, bytes] = {}
 _STATUS_LINES: dict[int, bytes] = {}
 
 
+_CONCRETE_OFFSET: Final = re.compile(rb"\d{16}_\d{16}")
+
+
+def catch_up_offset(query: bytes) -> str | None:
+    """The offset of a plain catch-up query (`offset=<concrete offset>` and nothing else)."""
+    key, _, value = query.partition(b"=")
+    if key == b"offset" and _CONCRETE_OFFSET.fullmatch(value):
+        return value.decode()
+    return None
+
+
 class Message:
     """A request the lane took: where it ends in the buffer, its head, and (once in) its body."""
 
