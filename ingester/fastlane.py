@@ -10,6 +10,11 @@ off the connection without a task or a Request object; AppendLane answers it fro
 on its group commit: the same validation (ingester.http.append_request), the same answers
 (append_answer, shared.http.handlers.error_response), the same headers, metrics and limits.
 tests/test_fastlane.py compares its answers with aiohttp's, byte for byte.
+
+A reader forwards every HEAD and every read at a stream's unsealed tail, so the lane also takes
+plain HEADs and catch-up reads (`GET ...?offset=<offset>`, nothing else in the query): read on
+the read pool and answered from the future's callback with the headers aiohttp's handlers use
+(ingester.http.head_headers, data_headers).
 """
 
 from __future__ import annotations

@@ -10,7 +10,8 @@ aiohttp's RequestHandler plus a lane for the plain requests of their hot path:
                                          Content-Encoding, Expect or Upgrade; a bucket's
                                          stream, /v1/buckets/{bucket}/{stream}, alike)
 
-with METHOD one the service's Lane takes (the ingester: POST; the reader: POST and HEAD).
+with METHOD one the service's Lane takes (both: POST, HEAD, and GET with a plain query the
+Lane judges: a catch-up read on the ingester, a tail read or a followed long-poll on the reader).
 Such a request that begins while aiohttp has nothing in progress on the connection is parsed
 with httptools and handed to `Lane.serve`, which answers it from a callback (`LaneHandler.answer`):
 no task, no Request object. The Lane does the same validation, limits, metrics and request ids
