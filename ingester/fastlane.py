@@ -213,8 +213,8 @@ class _Read:
 
     async def _sealed(self, res: ReadResult) -> None:
         svc = self.svc
-        assert svc.chunk_reader is not None
         try:
+            assert svc.chunk_reader is not None  # (something sealed: there is a store)
             await read_sealed(svc.chunk_reader, res, svc.config.max_read_bytes)
         except Exception as e:  # (answer exactly once, whatever happens)
             self.handler.answer_failure(self.msg, e, self.rid, self.started)
