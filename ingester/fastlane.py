@@ -81,23 +81,20 @@ class AppendLane(Lane):
             return svc.membership.owns(path) and not svc.moves.needs_pull(path)
         return True
 
-    def _head(self, handler: LaneHandler, msg: Message, rid: str, started: float) -> None:
+    def _pool_read(self, handler: LaneHandler, msg: Message, rid: str, started: float) -> None:
+        """A HEAD or a catch-up read, on the read pool."""
         svc = self.svc
         assert svc is not None
         path = self._path(handler, msg)
         if svc.membership is not None:
             svc.membership.check(path)
-        svc.reads.submit(svc.reads.head_sync, path).add_done_callback(_Head(svc, handler, msg, path, rid, started).done)
-
-    def _read(self, handler: LaneHandler, msg: Message, rid: str, started: float) -> None:
-        svc = self.svc
-        assert svc is not None
-        path = self._path(handler, msg)
-        if svc.membership is not None:
-            svc.membership.check(path)
-        start = offsets.parse(msg.note)
-        read = _Read(svc, handler, msg, path, rid, started)
-        svc.reads.submit(svc.reads.read_sync, path, start, svc.config.max_read_bytes).add_done_callback(read.done)
+        if msg.method == b"HEAD":
+            head = _Head(svc, handler, msg, path, rid, started)
+            svc.reads.submit(svc.reads.head_sync, path).add_done_callback(head.done)
+        else:
+            read = _Read(svc, handler, msg, path, rid, started)
+            start = offsets.parse(msg.note)
+            svc.reads.submit(svc.reads.read_sync, path, start, svc.config.max_read_bytes).add_done_callback(read.done)
 
     def _path(self, handler: LaneHandler, msg: Message) -> str:
         assert self.svc is not None
@@ -111,11 +108,8 @@ class AppendLane(Lane):
     def serve(self, handler: LaneHandler, msg: Message, body: bytes, rid: str, started: float) -> None:
         svc, lim = self.svc, self.limits
         assert svc is not None and lim is not None
-        if msg.method == b"HEAD":
-            self._head(handler, msg, rid, started)
-            return
-        if msg.method == b"GET":
-            self._read(handler, msg, rid, started)
+        if msg.method != b"POST":
+            self._pool_read(handler, msg, rid, started)
             return
         if not msg.internal:  # a reader limits its own clients
             client = handler.client(msg)
@@ -167,43 +161,44 @@ def _start(coro: Coroutine[Any, Any, None]) -> None:
     task.add_done_callback(_pending.discard)
 
 
-class _Head:
-    """A HEAD on its way through the read pool (an object, not closures: no reference cycle)."""
+class _PoolRead:
+    """A HEAD or a read on its way through the read pool (an object, not closures: no
+    reference cycle), answered from its future's callback."""
 
     __slots__ = ("handler", "msg", "path", "rid", "started", "svc")
 
     def __init__(self, svc: IngesterService, handler: LaneHandler, msg: Message, path: str, rid: str,
                  started: float) -> None:
         self.svc, self.handler, self.msg, self.path, self.rid, self.started = svc, handler, msg, path, rid, started
+
+    def failed(self, fut: asyncio.Future[Any]) -> bool:
+        """Whether the read failed (then its refusal is answered)."""
+        if fut.cancelled():  # (the read pool shut down under it)
+            self.handler.answer_failure(self.msg, Unavailable("the ingester is shutting down"), self.rid, self.started)
+            return True
+        error = fut.exception()
+        if error is not None:
+            _refused(self.svc, self.path, error, self.handler, self.msg, self.rid, self.started)
+            return True
+        return False
+
+
+class _Head(_PoolRead):
+    __slots__ = ()
 
     def done(self, fut: asyncio.Future[StreamMeta]) -> None:
-        if fut.cancelled():  # (the read pool shut down under it)
-            self.handler.answer_failure(self.msg, Unavailable("the ingester is shutting down"), self.rid, self.started)
-            return
-        error = fut.exception()
-        if error is not None:
-            _refused(self.svc, self.path, error, self.handler, self.msg, self.rid, self.started)
-            return
-        self.handler.answer(self.msg, 200, head_headers(fut.result()), b"", self.rid, self.started)
+        if not self.failed(fut):
+            self.handler.answer(self.msg, 200, head_headers(fut.result()), b"", self.rid, self.started)
 
 
-class _Read:
-    """A catch-up read on its way through the read pool, and the object store when it starts in
-    a sealed chunk (IngesterService.read's steps, answered as ingester.http.data_response)."""
+class _Read(_PoolRead):
+    """A catch-up read, from the object store too when it starts in a sealed chunk
+    (IngesterService.read's steps, answered as ingester.http.data_response)."""
 
-    __slots__ = ("handler", "msg", "path", "rid", "started", "svc")
-
-    def __init__(self, svc: IngesterService, handler: LaneHandler, msg: Message, path: str, rid: str,
-                 started: float) -> None:
-        self.svc, self.handler, self.msg, self.path, self.rid, self.started = svc, handler, msg, path, rid, started
+    __slots__ = ()
 
     def done(self, fut: asyncio.Future[ReadResult]) -> None:
-        if fut.cancelled():  # (the read pool shut down under it)
-            self.handler.answer_failure(self.msg, Unavailable("the ingester is shutting down"), self.rid, self.started)
-            return
-        error = fut.exception()
-        if error is not None:
-            _refused(self.svc, self.path, error, self.handler, self.msg, self.rid, self.started)
+        if self.failed(fut):
             return
         res = fut.result()
         if res.sealed is not None:
