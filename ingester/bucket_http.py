@@ -51,10 +51,15 @@ async def handle(request: web.Request) -> web.StreamResponse:
         return await handle_listing(request, svc, bucket_id)
     try:
         return await handle_stream(request)
-    except NotFound:
-        if await svc.reads.run(bucket_sync, svc, bucket_id) is None:
-            raise NotFound(f"bucket {bucket_id!r} not found") from None
-        raise
+    except NotFound as e:
+        raise await naming_missing_bucket(svc, bucket_id, e) from None
+
+
+async def naming_missing_bucket(svc: IngesterService, bucket_id: str, error: NotFound) -> NotFound:
+    """A bucketed stream's NotFound, or the bucket's when the bucket itself is missing."""
+    if await svc.reads.run(bucket_sync, svc, bucket_id) is None:
+        return NotFound(f"bucket {bucket_id!r} not found")
+    return error
 
 
 def bucket_sync(svc: IngesterService, bucket_id: str) -> buckets.BucketMeta | None:

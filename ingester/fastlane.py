@@ -26,7 +26,7 @@ from typing import Any
 
 from aiohttp import web
 
-from ingester.bucket_http import bucket_sync
+from ingester.bucket_http import naming_missing_bucket
 from ingester.http import append_answer, append_request, body_of, data_headers, head_headers
 from ingester.reads import ReadResult
 from ingester.records import StreamMeta
@@ -144,8 +144,7 @@ async def _bucket_refusal(svc: IngesterService, bucket_id: str, error: NotFound,
                           msg: Message, rid: str, started: float) -> None:
     """A bucketed stream not found: a missing bucket is named as such (ingester/bucket_http.py)."""
     try:
-        if await svc.reads.run(bucket_sync, svc, bucket_id) is None:
-            error = NotFound(f"bucket {bucket_id!r} not found")
+        error = await naming_missing_bucket(svc, bucket_id, error)
     except Exception as e:  # (answer exactly once, whatever happens)
         handler.answer_failure(msg, e, rid, started)
         return
@@ -218,8 +217,7 @@ class _Read(_PoolRead):
 
     def finish(self, res: ReadResult) -> None:
         svc = self.svc
-        if res.meta.ttl is not None:  # a read renews a stream's TTL (IngesterService.read)
-            svc.store.touches[self.path] = time.time()
+        svc.touch(res.meta)  # a read renews a stream's TTL (IngesterService.read)
         self.handler.answer(self.msg, 200, data_headers(res, None, svc.config.tail_max_age), body_of(res), self.rid,
                             self.started)
 

@@ -16,7 +16,7 @@ from reader.proxy import DROP_RESPONSE, Upstream
 from shared import protocol as P
 from shared.errors import TooManyRequests, Unavailable
 from shared.http.access import CLIENT_CLOSED
-from shared.http.lane import LaneHandler, Message
+from shared.http.lane import CONCRETE_OFFSET, LaneHandler, Message
 from shared.http.limits import LIVE_RETRY_AFTER
 from shared.logs import REQUEST_ID_HEADER
 
@@ -29,7 +29,6 @@ DROP_ANSWER_HEADERS: Final = frozenset(n.encode("ascii") for n in DROP_RESPONSE)
     REQUEST_ID_HEADER.lower().encode(), b"x-content-type-options", b"cross-origin-resource-policy",
     b"access-control-allow-origin", b"access-control-expose-headers",
 }
-OFFSET: Final = re.compile(rb"\d{16}_\d{16}")  # a concrete offset
 _CURSOR: Final = re.compile(rb"\d{1,18}")
 
 
@@ -124,7 +123,7 @@ def long_poll_query(query: bytes) -> tuple[str, str | None] | None:
     live = False
     for part in query.split(b"&"):
         key, _, value = part.partition(b"=")
-        if key == b"offset" and offset is None and OFFSET.fullmatch(value):
+        if key == b"offset" and offset is None and CONCRETE_OFFSET.fullmatch(value):
             offset = value.decode()
         elif key == b"live" and not live and value == b"long-poll":
             live = True

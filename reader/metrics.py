@@ -35,7 +35,7 @@ def collect(app: web.Application) -> Iterator[Metric]:
     yield counter("ds3_reader_chunk_lookups", "Sealed chunks looked for to answer a catch-up read (cached "
                   "heads and remembered misses included).", st.locator.lookups)
     yield counter("ds3_reader_chunk_misses_remembered", "Chunk lookups answered 'not sealed yet' from "
-                  "memory (reader/sealed.py, for a second): object store requests avoided.",
+                  "memory (reader/sealed.py, for --descriptor-ttl): object store requests avoided.",
                   st.locator.missing_hits)
     yield counter("ds3_reader_forwarded", "Client requests forwarded to the ingester (before collapsing).",
                   st.forwarded)

@@ -60,12 +60,11 @@ class SealedLocator:
     def known_unsealed(self, desc: Descriptor, start: offsets.Offset) -> bool:
         """Whether `start` is, as far as this reader knows now, not sealed (without asking
         anything): a read there goes to the ingester. False when the store must be asked."""
-        if desc.closed and desc.final_offset is not None and start.position >= _position(desc.final_offset):
+        if _at_closed_end(desc, start):
             return True
         if desc.fork_source is not None and start.position < desc.fork_position:
             return False  # inherited: the source's chunks
-        own_start = desc.fork_position if desc.fork_source is not None else 0
-        candidates = (desc.first_chunk,) if start.position == own_start else (start.chunk, start.chunk + 1)
+        candidates = _candidates(desc, start)
         now = time.monotonic()
         if not all(self._is_missing(desc.uid, chunk, now) for chunk in candidates):
             return False
@@ -98,7 +97,7 @@ class SealedLocator:
     async def find(self, desc: Descriptor, start: offsets.Offset, *, remembered: bool = True) -> SealedRead | None:
         """The sealed read for `start`, or None when that position is not sealed (yet).
         remembered=False: ask the store even about chunks found missing a moment ago."""
-        if desc.closed and desc.final_offset is not None and start.position >= _position(desc.final_offset):
+        if _at_closed_end(desc, start):
             return None  # a closed stream's end: nothing is sealed there (no store request to say so)
         owner, cap = desc, None
         for _ in range(64):  # fork chains are short; the bound only guards against cycles
@@ -111,8 +110,7 @@ class SealedLocator:
             owner = source
         else:
             return None
-        own_start = owner.fork_position if owner.fork_source is not None else 0
-        candidates = (owner.first_chunk,) if start.position == own_start else (start.chunk, start.chunk + 1)
+        candidates = _candidates(owner, start)
         now = time.monotonic()
         for chunk in candidates:
             self.lookups += 1
@@ -129,6 +127,17 @@ class SealedLocator:
                 piece = await self.chunks.slice(owner.uid, chunk, start.position, self.max_bytes, cap=cap)
                 return SealedRead(desc, owner.uid, chunk, piece, offsets.encode(chunk, piece.end))
         return None
+
+
+def _at_closed_end(desc: Descriptor, start: offsets.Offset) -> bool:
+    return desc.closed and desc.final_offset is not None and start.position >= _position(desc.final_offset)
+
+
+def _candidates(owner: Descriptor, start: offsets.Offset) -> tuple[int, ...]:
+    """The chunks of `owner` that can hold the byte at `start`: its first where its own data
+    begins (position 0, or a fork's fork position), else the offset's chunk or the next."""
+    own_start = owner.fork_position if owner.fork_source is not None else 0
+    return (owner.first_chunk,) if start.position == own_start else (start.chunk, start.chunk + 1)
 
 
 def _position(offset: str) -> int:

@@ -89,13 +89,13 @@ _HEADER_KEYS: dict[str, bytes] = {}
 _STATUS_LINES: dict[int, bytes] = {}
 
 
-_CONCRETE_OFFSET: Final = re.compile(rb"\d{16}_\d{16}")
+CONCRETE_OFFSET: Final = re.compile(rb"\d{16}_\d{16}")  # a concrete offset in a query
 
 
 def catch_up_offset(query: bytes) -> str | None:
     """The offset of a plain catch-up query (`offset=<concrete offset>` and nothing else)."""
     key, _, value = query.partition(b"=")
-    if key == b"offset" and _CONCRETE_OFFSET.fullmatch(value):
+    if key == b"offset" and CONCRETE_OFFSET.fullmatch(value):
         return value.decode()
     return None
 
@@ -145,11 +145,15 @@ class Lane:
         self.limits: Limits | None = None
         self.auth: Authenticator | None = None
         self.accepts_internal = False  # the service takes the internal token (the ingester)
-        self.served = 0  # requests answered by the lane
-        self.served_by_route: dict[str, int] = {}  # the same by route label (stream_append, ...)
+        self.served_by_route: dict[str, int] = {}  # requests answered by the lane, by route label
         self.prefixes = tuple(m + p for m in sorted(self.methods) for p in (b" /v1/stream/", b" /v1/buckets/"))
         self._date = ""
         self._date_at = 0
+
+    @property
+    def served(self) -> int:
+        """Requests answered by the lane."""
+        return sum(self.served_by_route.values())
 
     def ready(self) -> bool:
         """Whether the lane may take requests now (the service is up)."""
@@ -543,7 +547,6 @@ class LaneHandler(RequestHandler):
         http.in_flight -= 1
         seconds = time.perf_counter() - started
         http.observe(msg.route, status, seconds)
-        lane.served += 1
         by_route = lane.served_by_route
         by_route[msg.route] = by_route.get(msg.route, 0) + 1
         self.pending_cancel = None

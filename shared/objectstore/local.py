@@ -102,6 +102,23 @@ def _etag(target: int | str | Path, st: os.stat_result, xattrs: bool) -> str:
     return _stat_etag(st)
 
 
+def _in_directory(key: str, parent: Path, create: Callable[[], _R]) -> _R:
+    """create() a file in `parent`, making the directory first if it is missing (again if a
+    concurrent delete prunes it, now empty, in between). Other OSErrors are the caller's."""
+    for _ in range(_PUT_ATTEMPTS):
+        try:
+            return create()
+        except FileNotFoundError:
+            pass
+        except NotADirectoryError as exc:
+            raise ObjectStoreError(f"local object store: {key}: a parent is an object, not a directory") from exc
+        try:
+            parent.mkdir(parents=True, exist_ok=True)
+        except (FileExistsError, NotADirectoryError) as exc:
+            raise ObjectStoreError(f"local object store: {key}: a parent is an object, not a directory") from exc
+    raise ObjectStoreUnavailable(f"local object store: {key}: its directory keeps disappearing")
+
+
 def _converted(key: str, exc: OSError) -> Exception:
     if isinstance(exc, _MISSING):
         return ObjectNotFound(key)
@@ -281,29 +298,13 @@ class LocalStore:
         """An if_absent write through an unnamed file (O_TMPFILE) linked to the key once it is
         complete and durable; None where this system cannot (then never tried again)."""
         parent = path.parent
-        fd = -1
-        for _ in range(_PUT_ATTEMPTS):
-            try:
-                fd = os.open(parent, os.O_TMPFILE | os.O_WRONLY | os.O_CLOEXEC, 0o644)
-                break
-            except FileNotFoundError:
-                # (or a concurrent delete pruned the empty directory meanwhile: again)
-                try:
-                    parent.mkdir(parents=True, exist_ok=True)
-                except (FileExistsError, NotADirectoryError) as exc:
-                    raise ObjectStoreError(f"local object store: {key}: a parent is an object, not a directory") \
-                        from exc
-                except OSError as exc:
-                    raise _converted(key, exc) from exc
-            except NotADirectoryError as exc:
-                raise ObjectStoreError(f"local object store: {key}: a parent is an object, not a directory") from exc
-            except OSError as exc:
-                if exc.errno in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
-                    self._unnamed = False  # (an old kernel or a file system without it)
-                    return None
-                raise _converted(key, exc) from exc
-        else:
-            raise ObjectStoreUnavailable(f"local object store: {key}: its directory keeps disappearing")
+        try:
+            fd = _in_directory(key, parent, lambda: os.open(parent, os.O_TMPFILE | os.O_WRONLY | os.O_CLOEXEC, 0o644))
+        except OSError as exc:
+            if exc.errno in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
+                self._unnamed = False  # (an old kernel or a file system without it)
+                return None
+            raise _converted(key, exc) from exc
         try:
             etag, _ = self._write_and_sync(fd, data, content_type)
             dir_fd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
@@ -327,19 +328,10 @@ class LocalStore:
             os.close(fd)
 
     def _create_temp(self, key: str, parent: Path) -> tuple[int, str]:
-        for _ in range(_PUT_ATTEMPTS):
-            try:
-                parent.mkdir(parents=True, exist_ok=True)
-                return tempfile.mkstemp(prefix=TEMP_PREFIX, dir=parent)
-            except FileNotFoundError:
-                # A concurrent delete pruned the (empty) directory between mkdir and create.
-                continue
-            except (FileExistsError, NotADirectoryError) as exc:
-                why = "a parent is an object, not a directory"
-                raise ObjectStoreError(f"local object store: {key}: {why}") from exc
-            except OSError as exc:
-                raise _converted(key, exc) from exc
-        raise ObjectStoreUnavailable(f"local object store: {key}: its directory keeps disappearing")
+        try:
+            return _in_directory(key, parent, lambda: tempfile.mkstemp(prefix=TEMP_PREFIX, dir=parent))
+        except OSError as exc:
+            raise _converted(key, exc) from exc
 
     def _set_xattr(self, fd: int, name: str, value: str) -> bool:
         """Whether the attribute was set (False: the file system keeps none)."""
