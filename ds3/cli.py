@@ -238,14 +238,16 @@ def _run(app: web.Application, host: str, port: int, banner: str, config: Ingest
                               handler_cancellation=True, keepalive_timeout=config.limits.keepalive_timeout)
         await runner.setup()
         try:
-            from reader.workers import inherited_sockets
+            from reader.workers import LISTEN_BACKLOG, inherited_sockets
 
+            # (aiohttp's sites listen again with a backlog of 128 unless told: a burst of
+            # connections beyond it waits for SYN retries, a second or more)
             shared = inherited_sockets() if reuse_port else None
             if shared is not None:  # a reader worker: its parent's listening sockets
                 for sock in shared:
-                    await web.SockSite(runner, sock).start()
+                    await web.SockSite(runner, sock, backlog=LISTEN_BACKLOG).start()
             else:
-                await web.TCPSite(runner, host, port, reuse_port=reuse_port or None).start()
+                await web.TCPSite(runner, host, port, reuse_port=reuse_port or None, backlog=LISTEN_BACKLOG).start()
             if unix_path is not None:
                 await web.UnixSite(runner, unix_path).start()
             log.info("%s listening on http://%s", banner, _host_port(host, port))

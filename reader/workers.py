@@ -2,11 +2,15 @@
 
 A reader is stateless, so it scales over cores by running it N times. The parent starts each
 worker as `ds3 reader` with the same arguments and DS3_READER_WORKER=<index> in its
-environment. The parent makes the public listening socket(s) once and every worker inherits
-them (pre-fork style): connections wait in one accept queue that whichever worker is free takes
-from, so a worker that dies loses only the connections it had accepted, never ones queued
-behind it (with SO_REUSEPORT each worker had a queue of its own, and a SIGKILLed worker's went
-with it). The parent serves nothing itself:
+environment. The parent makes the public listening sockets, one set per worker, bound with
+SO_REUSEPORT, and keeps them open; worker i inherits set i. The kernel spreads new connections
+over the sets by their addresses, so each worker gets its share (with one accept queue shared
+by all, the worker that was awake took most of a burst of connections: 29 of 32 in the append
+benchmark, one core busy and the other idle). Because the parent holds every set, a worker
+that dies loses only the connections it had accepted: those queued on its socket wait there
+for its replacement, which inherits the same socket. The parent serves nothing itself:
+
+The parent serves nothing itself:
 
 - a worker that dies is started again (after a short, capped pause); if workers keep dying as
   they start (a port in use, a bad setting the parent could not see), the parent gives up and
@@ -81,9 +85,10 @@ class _Worker:
     started: float
 
 
-def listen(host: str, port: int) -> list[socket.socket]:
-    """The public listening sockets (one per address `host` resolves to), made by the parent
-    for every worker to inherit. OSError when one cannot be made (the port is taken)."""
+def listen(host: str, port: int, *, reuse_port: bool = False) -> list[socket.socket]:
+    """Listening sockets on `host`:`port` (one per address `host` resolves to), made by the
+    parent for a worker to inherit; `reuse_port`: bound with SO_REUSEPORT, so that several sets
+    share the port. OSError when one cannot be made (the port is taken)."""
     made: list[socket.socket] = []
     seen: set[tuple[int, Any]] = set()
     try:
@@ -95,6 +100,8 @@ def listen(host: str, port: int) -> list[socket.socket]:
             sock = socket.socket(family, kind, proto)
             made.append(sock)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if reuse_port:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
             if family == socket.AF_INET6:
                 sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
             sock.bind(addr)
@@ -107,6 +114,26 @@ def listen(host: str, port: int) -> list[socket.socket]:
     return made
 
 
+def listen_per_worker(host: str, port: int, count: int) -> list[list[socket.socket]]:
+    """`count` sets of listening sockets sharing `host`:`port` (SO_REUSEPORT), one per worker.
+    The port is first bound without SO_REUSEPORT, so that one another program holds (even a
+    second ds3 reader, whose sockets would otherwise join the group) is refused: OSError."""
+    for probe in listen(host, port):
+        if port == 0:  # an ephemeral port: every set takes the one the kernel gave the probe
+            port = probe.getsockname()[1]
+        probe.close()
+    sets: list[list[socket.socket]] = []
+    try:
+        for _ in range(count):
+            sets.append(listen(host, port, reuse_port=True))
+    except OSError:
+        for made in sets:
+            for sock in made:
+                sock.close()
+        raise
+    return sets
+
+
 def inherited_sockets() -> list[socket.socket] | None:
     """A worker's listening sockets, made by its parent; None when it has none (a lone reader)."""
     fds = os.environ.get(LISTEN_FDS_ENV)
@@ -116,15 +143,14 @@ def inherited_sockets() -> list[socket.socket] | None:
 
 
 def supervise(argv: list[str], count: int, host: str, port: int) -> int:
-    """Run `count` workers of `ds3 reader` with `argv`, sharing listening sockets on `host`:`port`,
-    until SIGTERM/SIGINT; the exit code."""
+    """Run `count` workers of `ds3 reader` with `argv`, each with its own listening sockets on
+    `host`:`port` (listen_per_worker), until SIGTERM/SIGINT; the exit code."""
     stopping = False
     try:
-        socks = listen(host, port)
+        sets = listen_per_worker(host, port, count)
     except OSError as e:
         log.error("ds3 reader: cannot listen on %s port %d: %s", host, port, e)
         return 1
-    fds = [s.fileno() for s in socks]
 
     def stop(signum: int, _frame: Any) -> None:
         nonlocal stopping
@@ -135,12 +161,12 @@ def supervise(argv: list[str], count: int, host: str, port: int) -> int:
     sweep_stale_run_dirs()
     with tempfile.TemporaryDirectory(prefix=RUN_DIR_PREFIX) as run_dir:
         (Path(run_dir) / PARENT_FILE).write_text(str(os.getpid()))
-        base_env = {**os.environ, WORKERS_ENV: str(count), RUN_DIR_ENV: run_dir, PARENT_ENV: str(os.getpid()),
-                    LISTEN_FDS_ENV: ",".join(map(str, fds))}
+        base_env = {**os.environ, WORKERS_ENV: str(count), RUN_DIR_ENV: run_dir, PARENT_ENV: str(os.getpid())}
 
         def start(index: int) -> _Worker:
-            popen = subprocess.Popen([sys.executable, "-m", "ds3.cli", "reader", *argv],
-                                     env={**base_env, WORKER_ENV: str(index)}, pass_fds=fds)
+            fds = [s.fileno() for s in sets[index]]
+            env = {**base_env, WORKER_ENV: str(index), LISTEN_FDS_ENV: ",".join(map(str, fds))}
+            popen = subprocess.Popen([sys.executable, "-m", "ds3.cli", "reader", *argv], env=env, pass_fds=fds)
             return _Worker(index, popen, time.monotonic())
 
         workers = [start(i) for i in range(count)]
@@ -169,8 +195,9 @@ def supervise(argv: list[str], count: int, host: str, port: int) -> int:
                         workers[i] = start(w.index)
         finally:
             _stop_all(workers)
-            for sock in socks:
-                sock.close()
+            for made in sets:
+                for sock in made:
+                    sock.close()
     return code
 
 
