@@ -5,6 +5,8 @@ Metadata is cached here (the writer is the only mutator); a stream's metadata is
 once per batch however many appends it took. A record and the producer state that
 admitted it are written in the same transaction, so a crash can never keep one without
 the other: an idempotent producer retrying after a restart is deduplicated exactly.
+Chunk bookkeeping (store_sealing.py) and expiry (store_expiry.py) are mixins of Store, over
+the state store_core.StoreCore names.
 """
 
 from __future__ import annotations
@@ -20,24 +22,19 @@ from ingester import remote_forks
 from ingester.buckets import Buckets
 from ingester.chain import (
     refresh_tail,
-    stream_records,
 )
 from ingester.fork_source import fork_source
 from ingester.journal import FOLD_RECORDS, JournalWriter
 from ingester.records import (
     FLAG_END_OF_APPEND,
-    SEALED,
-    SEALING,
     SID,
-    ChunkInfo,
-    ChunkRef,
     ProducerState,
     StreamMeta,
-    chunk_key,
     new_first_chunk,
     producer_key,
-    record_key,
 )
+from ingester.store_expiry import ExpiryBook
+from ingester.store_sealing import SealingBook
 from ingester.wal import WalEnv
 from ingester.writes import (  # the operations' vocabulary; imported from here by the callers too
     AppendRequest,
@@ -65,7 +62,10 @@ from shared.protocol import DEFAULT_CONTENT_TYPE, ProducerHeaders, is_json, medi
 PRODUCER_STATE_TTL_S = 7 * 24 * 3600
 
 
-class Store:
+class Store(SealingBook, ExpiryBook):
+    """Streams' writes: create, append, delete, producers, metadata cached for the batch;
+    chunk bookkeeping in SealingBook (store_sealing.py), expiry in ExpiryBook (store_expiry.py)."""
+
     def __init__(
         self, wal: WalEnv, clock: Callable[[], float] = time.time, seal: SealPolicy | None = None
     ) -> None:
@@ -155,11 +155,6 @@ class Store:
         sid = SID.unpack(raw)[0] if raw else 1
         txn.put(b"next_sid", SID.pack(sid + 1), db=self.wal.sys)
         return sid
-
-    def _track_expiry(self, meta: StreamMeta) -> None:
-        d = meta.deadline()
-        if d is not None:
-            heapq.heappush(self._expiry, (d, meta.path))
 
     def _lookup(self, txn: lmdb.Transaction) -> Callable[[str], StreamMeta | None]:
         return lambda path: self._load(txn, path)
@@ -353,130 +348,6 @@ class Store:
                 if self.seal is not None:
                     heapq.heappush(self._aging, (now, meta.path))
 
-    # --- sealing -------------------------------------------------------------------------
-
-    def _maybe_roll(self, txn: lmdb.Transaction, meta: StreamMeta, now: float) -> None:
-        if self.seal is not None and meta.tail - meta.chunk_start >= self.seal.seal_bytes:
-            self._roll(txn, meta, now)
-
-    def _roll(self, txn: lmdb.Transaction, meta: StreamMeta, now: float) -> None:
-        """Close the open chunk (if it holds anything) and queue it for upload."""
-        if self.seal is None or meta.tail == meta.chunk_start:
-            return
-        info = ChunkInfo(meta.chunk_start, meta.tail, 0, meta.closed, now)
-        txn.put(chunk_key(meta.sid, meta.chunk), info.encode(), db=self.wal.chunks)
-        self._news.rolled.append(ChunkRef(meta.path, meta.sid, meta.uid, meta.chunk))
-        meta.chunk += 1
-        meta.chunk_start = meta.tail
-        meta.chunk_opened_at = None
-
-    def _unsealed_bytes(self, txn: lmdb.Transaction) -> int:
-        return self.wal.record_bytes(txn)
-
-    def seal_aged(self, txn: lmdb.Transaction) -> int:
-        """Roll open chunks older than the seal age."""
-        if self.seal is None:
-            return 0
-        now = self.clock()
-        rolled = 0
-        while self._aging and self._aging[0][0] + self.seal.seal_age <= now:
-            _, path = heapq.heappop(self._aging)
-            meta = self._load(txn, path)
-            if meta is None or meta.chunk_opened_at is None or meta.moved_to is not None:
-                continue  # rolled or deleted since, or frozen for a move (its new owner seals it)
-            if meta.chunk_opened_at + self.seal.seal_age > now:  # a younger chunk opened since
-                heapq.heappush(self._aging, (meta.chunk_opened_at, path))
-                continue
-            self._roll(txn, meta, now)
-            self._save(meta)
-            rolled += 1
-        return rolled
-
-    def mark_sealed(self, txn: lmdb.Transaction, ref: ChunkRef) -> bool:
-        """The chunk's object is confirmed in the store: drop its records from the WAL."""
-        raw = txn.get(chunk_key(ref.sid, ref.chunk), db=self.wal.chunks)
-        if raw is None:
-            return False  # the stream was deleted meanwhile
-        info = ChunkInfo.decode(raw)
-        if info.state == SEALED:
-            return True
-        info.state = SEALED
-        txn.put(chunk_key(ref.sid, ref.chunk), info.encode(), db=self.wal.chunks)
-        self.journal.fold_stream(txn, ref.sid)  # the chunk's newest records may be journaled
-        prefix = SID.pack(ref.sid)
-        cur = txn.cursor(self.wal.records)
-        if cur.set_range(record_key(ref.sid, info.start + 1)):
-            while True:
-                key = cur.key()
-                if key[:8] != prefix or SID.unpack(key[8:16])[0] > info.end:
-                    break
-                if not cur.delete():
-                    break
-        self._news.changed.add(ref.path)
-        return True
-
-    def chunk_records(
-        self, txn: lmdb.Transaction, ref: ChunkRef
-    ) -> tuple[ChunkInfo, list[tuple[int, int, bytes]]] | None:
-        """A rolled chunk's manifest entry and records (end, flags, data), for its upload."""
-        raw = txn.get(chunk_key(ref.sid, ref.chunk), db=self.wal.chunks)
-        if raw is None:
-            return None
-        info = ChunkInfo.decode(raw)
-        out: list[tuple[int, int, bytes]] = []
-        for rec in stream_records(txn, self.wal, ref.sid, info.start):
-            if rec.end > info.end:
-                break
-            out.append((rec.end, rec.flags, rec.data))
-        return info, out
-
-    def gc_done(self, txn: lmdb.Transaction, uid: str) -> None:
-        txn.delete(b"gc:" + uid.encode(), db=self.wal.sys)
-
-    def load_gc(self, txn: lmdb.Transaction) -> list[tuple[str, str]]:
-        out: list[tuple[str, str]] = []
-        cur = txn.cursor(self.wal.sys)
-        if cur.set_range(b"gc:"):
-            for key, value in cur:
-                if not bytes(key).startswith(b"gc:"):
-                    break
-                out.append((bytes(key[3:]).decode(), bytes(value).decode()))
-        return out
-
-    def published(self, txn: lmdb.Transaction, path: str) -> None:
-        txn.delete(b"pub:" + path.encode(), db=self.wal.sys)
-
-    def load_unpublished(self, txn: lmdb.Transaction) -> dict[str, StreamMeta | None]:
-        """At start: descriptors whose change was committed but maybe not published (a crash
-        came between the two); publishing again is idempotent."""
-        out: dict[str, StreamMeta | None] = {}
-        cur = txn.cursor(self.wal.sys)
-        if cur.set_range(b"pub:"):
-            for key, _value in cur:
-                if not bytes(key).startswith(b"pub:"):
-                    break
-                path = bytes(key[4:]).decode()
-                out[path] = self._load(txn, path)
-        return out
-
-    def load_sealing_index(self, txn: lmdb.Transaction) -> list[ChunkRef]:
-        """At start: chunks rolled but not confirmed (to upload again); open chunks' ages."""
-        refs: list[ChunkRef] = []
-        owners: dict[int, StreamMeta] = {}
-        for key, _raw in txn.cursor(db=self.wal.streams):
-            meta = self._load(txn, bytes(key).decode())
-            assert meta is not None
-            owners[meta.sid] = meta
-            if meta.chunk_opened_at is not None and self.seal is not None:
-                heapq.heappush(self._aging, (meta.chunk_opened_at, meta.path))
-        for key, raw in txn.cursor(db=self.wal.chunks):
-            if ChunkInfo.decode(raw).state == SEALING:
-                sid, chunk = SID.unpack(key[:8])[0], SID.unpack(key[8:16])[0]
-                owner = owners.get(sid)
-                if owner is not None:
-                    refs.append(ChunkRef(owner.path, sid, owner.uid, chunk))
-        return refs
-
     def _producer(self, txn: lmdb.Transaction, sid: int, producer_id: str) -> ProducerState | None:
         key = (sid, producer_id)
         if key not in self._producers:
@@ -511,72 +382,4 @@ class Store:
         if meta.soft_deleted:
             raise Gone("stream was already deleted")
         self._remove(txn, meta)
-
-    # --- housekeeping ------------------------------------------------------------------
-
-    def expire_due(self, txn: lmdb.Transaction, path: str) -> StreamMeta | None:
-        """The stream at `path` after removing it if its time is up (a bucket delete)."""
-        return self._live(txn, path, self.clock())
-
-    def fold_last_writes(self, txn: lmdb.Transaction) -> int:
-        """At shutdown: persist the last-append times plain appends kept in memory only."""
-        n = 0
-        for path, t in list(self.last_writes.items()):
-            meta = self._load(txn, path)  # the cached meta has the time; the stored one may not
-            if meta is not None:
-                meta.last_write_at = max(meta.last_write_at or 0.0, t)
-                self._dirty[path] = meta
-                n += 1
-        return n
-
-    def fold_touches(self, txn: lmdb.Transaction) -> int:
-        """Persist TTL renewals that reads recorded, so they survive a restart. An entry is
-        forgotten by a later fold, once a commit holds it (reads need it until then, and an
-        aborted batch must not lose it), and only if no read renewed it since."""
-        n = 0
-        for path, t in list(self.touches.items()):
-            meta = self._load(txn, path)
-            if meta is not None and not meta.soft_deleted and t > meta.last_access:
-                meta.last_access = t
-                self._dirty[path] = meta
-                n += 1
-            elif self._stored_covers(txn, path, t):
-                self.touches.forget(path, t)
-        return n
-
-    def _stored_covers(self, txn: lmdb.Transaction, path: str, touched: float) -> bool:
-        """The last commit renewed the stream at `touched` or later, or holds no live stream
-        (metadata reaches the transaction only in flush: txn.get sees the last commit's)."""
-        raw = txn.get(path.encode(), db=self.wal.streams)
-        stored = StreamMeta.decode(raw) if raw is not None else None
-        return stored is None or stored.soft_deleted or stored.last_access >= touched
-
-    def sweep_expired(self, txn: lmdb.Transaction, limit: int = 1000) -> int:
-        """Delete streams whose time is up (soft-delete those that forks still read)."""
-        now = self.clock()
-        removed = 0
-        while self._expiry and self._expiry[0][0] <= now and removed < limit:
-            _, path = heapq.heappop(self._expiry)
-            meta = self._load(txn, path)
-            if meta is None or meta.soft_deleted or meta.moved_to is not None:  # moved: the new owner expires it
-                continue
-            if meta.expired(now, self.touches.get(path)):
-                self._remove(txn, meta)
-                removed += 1
-            else:
-                d = meta.deadline(self.touches.get(path))
-                if d is not None:
-                    heapq.heappush(self._expiry, (d, path))
-        return removed
-
-    def load_expiry_index(self, txn: lmdb.Transaction) -> int:
-        """At start: find every stream with a TTL or expiry time."""
-        n = 0
-        for _key, raw in txn.cursor(db=self.wal.streams):
-            meta = StreamMeta.decode(raw)
-            if not meta.soft_deleted and meta.moved_to is None and meta.deadline() is not None:
-                self._track_expiry(meta)
-                n += 1
-        return n
-
 

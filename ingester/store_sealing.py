@@ -1,0 +1,139 @@
+"""The WAL store's chunk bookkeeping, a mixin of ingester/store.py's Store: open chunks roll
+(by size as records arrive, by age on the sealing loop's tick) into rolled chunks to upload; a
+chunk confirmed in the object store drops its records from the WAL; removed streams' objects
+and changed descriptors wait in `sys` (gc:, pub:) until the sealing loop has dealt with them,
+so a crash between the commit and the store cannot lose that work (reloaded at start)."""
+
+from __future__ import annotations
+
+import heapq
+
+import lmdb
+
+from ingester.chain import stream_records
+from ingester.records import SEALED, SEALING, SID, ChunkInfo, ChunkRef, StreamMeta, chunk_key, record_key
+from ingester.store_core import StoreCore
+
+
+class SealingBook:
+    def _maybe_roll(self: StoreCore, txn: lmdb.Transaction, meta: StreamMeta, now: float) -> None:
+        if self.seal is not None and meta.tail - meta.chunk_start >= self.seal.seal_bytes:
+            self._roll(txn, meta, now)
+
+    def _roll(self: StoreCore, txn: lmdb.Transaction, meta: StreamMeta, now: float) -> None:
+        """Close the open chunk (if it holds anything) and queue it for upload."""
+        if self.seal is None or meta.tail == meta.chunk_start:
+            return
+        info = ChunkInfo(meta.chunk_start, meta.tail, 0, meta.closed, now)
+        txn.put(chunk_key(meta.sid, meta.chunk), info.encode(), db=self.wal.chunks)
+        self._news.rolled.append(ChunkRef(meta.path, meta.sid, meta.uid, meta.chunk))
+        meta.chunk += 1
+        meta.chunk_start = meta.tail
+        meta.chunk_opened_at = None
+
+    def _unsealed_bytes(self: StoreCore, txn: lmdb.Transaction) -> int:
+        return self.wal.record_bytes(txn)
+
+    def seal_aged(self: StoreCore, txn: lmdb.Transaction) -> int:
+        """Roll open chunks older than the seal age."""
+        if self.seal is None:
+            return 0
+        now = self.clock()
+        rolled = 0
+        while self._aging and self._aging[0][0] + self.seal.seal_age <= now:
+            _, path = heapq.heappop(self._aging)
+            meta = self._load(txn, path)
+            if meta is None or meta.chunk_opened_at is None or meta.moved_to is not None:
+                continue  # rolled or deleted since, or frozen for a move (its new owner seals it)
+            if meta.chunk_opened_at + self.seal.seal_age > now:  # a younger chunk opened since
+                heapq.heappush(self._aging, (meta.chunk_opened_at, path))
+                continue
+            self._roll(txn, meta, now)
+            self._save(meta)
+            rolled += 1
+        return rolled
+
+    def mark_sealed(self: StoreCore, txn: lmdb.Transaction, ref: ChunkRef) -> bool:
+        """The chunk's object is confirmed in the store: drop its records from the WAL."""
+        raw = txn.get(chunk_key(ref.sid, ref.chunk), db=self.wal.chunks)
+        if raw is None:
+            return False  # the stream was deleted meanwhile
+        info = ChunkInfo.decode(raw)
+        if info.state == SEALED:
+            return True
+        info.state = SEALED
+        txn.put(chunk_key(ref.sid, ref.chunk), info.encode(), db=self.wal.chunks)
+        self.journal.fold_stream(txn, ref.sid)  # the chunk's newest records may be journaled
+        prefix = SID.pack(ref.sid)
+        cur = txn.cursor(self.wal.records)
+        if cur.set_range(record_key(ref.sid, info.start + 1)):
+            while True:
+                key = cur.key()
+                if key[:8] != prefix or SID.unpack(key[8:16])[0] > info.end:
+                    break
+                if not cur.delete():
+                    break
+        self._news.changed.add(ref.path)
+        return True
+
+    def chunk_records(
+        self: StoreCore, txn: lmdb.Transaction, ref: ChunkRef
+    ) -> tuple[ChunkInfo, list[tuple[int, int, bytes]]] | None:
+        """A rolled chunk's manifest entry and records (end, flags, data), for its upload."""
+        raw = txn.get(chunk_key(ref.sid, ref.chunk), db=self.wal.chunks)
+        if raw is None:
+            return None
+        info = ChunkInfo.decode(raw)
+        out: list[tuple[int, int, bytes]] = []
+        for rec in stream_records(txn, self.wal, ref.sid, info.start):
+            if rec.end > info.end:
+                break
+            out.append((rec.end, rec.flags, rec.data))
+        return info, out
+
+    def gc_done(self: StoreCore, txn: lmdb.Transaction, uid: str) -> None:
+        txn.delete(b"gc:" + uid.encode(), db=self.wal.sys)
+
+    def load_gc(self: StoreCore, txn: lmdb.Transaction) -> list[tuple[str, str]]:
+        out: list[tuple[str, str]] = []
+        cur = txn.cursor(self.wal.sys)
+        if cur.set_range(b"gc:"):
+            for key, value in cur:
+                if not bytes(key).startswith(b"gc:"):
+                    break
+                out.append((bytes(key[3:]).decode(), bytes(value).decode()))
+        return out
+
+    def published(self: StoreCore, txn: lmdb.Transaction, path: str) -> None:
+        txn.delete(b"pub:" + path.encode(), db=self.wal.sys)
+
+    def load_unpublished(self: StoreCore, txn: lmdb.Transaction) -> dict[str, StreamMeta | None]:
+        """At start: descriptors whose change was committed but maybe not published (a crash
+        came between the two); publishing again is idempotent."""
+        out: dict[str, StreamMeta | None] = {}
+        cur = txn.cursor(self.wal.sys)
+        if cur.set_range(b"pub:"):
+            for key, _value in cur:
+                if not bytes(key).startswith(b"pub:"):
+                    break
+                path = bytes(key[4:]).decode()
+                out[path] = self._load(txn, path)
+        return out
+
+    def load_sealing_index(self: StoreCore, txn: lmdb.Transaction) -> list[ChunkRef]:
+        """At start: chunks rolled but not confirmed (to upload again); open chunks' ages."""
+        refs: list[ChunkRef] = []
+        owners: dict[int, StreamMeta] = {}
+        for key, _raw in txn.cursor(db=self.wal.streams):
+            meta = self._load(txn, bytes(key).decode())
+            assert meta is not None
+            owners[meta.sid] = meta
+            if meta.chunk_opened_at is not None and self.seal is not None:
+                heapq.heappush(self._aging, (meta.chunk_opened_at, meta.path))
+        for key, raw in txn.cursor(db=self.wal.chunks):
+            if ChunkInfo.decode(raw).state == SEALING:
+                sid, chunk = SID.unpack(key[:8])[0], SID.unpack(key[8:16])[0]
+                owner = owners.get(sid)
+                if owner is not None:
+                    refs.append(ChunkRef(owner.path, sid, owner.uid, chunk))
+        return refs
