@@ -221,6 +221,10 @@ def tail_response(res: ReadResult) -> web.Response:
 
 
 def no_content(res: ReadResult, cursor: str | None, tail_max_age: int) -> web.Response:
+    return web.Response(status=204, headers=no_content_headers(res, cursor, tail_max_age))
+
+
+def no_content_headers(res: ReadResult, cursor: str | None, tail_max_age: int) -> dict[str, str]:
     """A long-poll that found nothing new (or the end of a closed stream). Cacheable for
     --tail-max-age: keyed by offset and cursor, and the cursor it names differs from the one
     asked with, so a cached 204 answers one round of a client's polling, never the next."""
@@ -230,7 +234,7 @@ def no_content(res: ReadResult, cursor: str | None, tail_max_age: int) -> web.Re
         headers[P.CLOSED] = "true"
     if cursor is not None and not res.meta.closed:
         headers[P.CURSOR] = cursor
-    return web.Response(status=204, headers=headers)
+    return headers
 
 
 def data_response(request: web.Request, res: ReadResult, cursor: str | None, tail_max_age: int) -> web.Response:

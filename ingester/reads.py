@@ -21,6 +21,7 @@ from shared.errors import BadRequest, Gone, Misdirected, NotFound, Retained
 from shared.protocol import is_json
 
 T = TypeVar("T")
+INLINE_READ_BYTES = 64 * 1024  # Reads.read_small: what the event loop reads itself
 
 
 @dataclass(slots=True)
@@ -139,6 +140,17 @@ class Reads:
             return self._visible(txn, path)
 
     def read_sync(self, path: str, start: offsets.Offset | str, max_bytes: int) -> ReadResult:
+        res = self.read_small(path, start, max_bytes, None)
+        assert res is not None
+        return res
+
+    def read_small(self, path: str, start: offsets.Offset | str, max_bytes: int,
+                   limit: int | None = INLINE_READ_BYTES) -> ReadResult | None:
+        """read_sync's read if it has at most `limit` bytes to look at, else None (having read
+        only the stream's metadata). The event loop may run such a read itself: what lies
+        between an offset near the tail and the tail is what the last commits wrote, in the
+        page cache, and a hand-off to the pool (two thread switches and the GIL passed back and
+        forth) costs more than the read."""
         with self.wal.env.begin(buffers=False) as txn:
             meta = self._visible(txn, path)
 
@@ -162,6 +174,8 @@ class Reads:
                     is_message_boundary(txn, self.wal, meta, lookup, pos) is False
                 ):
                     raise BadRequest("offset is not at a message boundary of this JSON stream")
+            if limit is not None and meta.tail - pos > limit:
+                return None
             result = ReadResult(meta=meta, start=pos, end=pos)
             size = 0
             last_chunk = -1

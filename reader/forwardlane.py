@@ -33,7 +33,7 @@ from typing import Final
 
 from aiohttp import web
 
-from reader.lane_long_poll import DROP_ANSWER_HEADERS, long_poll_query, serve_long_poll
+from reader.lane_long_poll import DROP_ANSWER_HEADERS, serve_long_poll
 from reader.proxy import DROP_REQUEST
 from reader.routing import MISDIRECTED, Link, Router
 from reader.state import READER, ReaderState, servable
@@ -42,6 +42,7 @@ from shared import offsets
 from shared.errors import DS3Error, Unavailable
 from shared.http.handlers import stream_path_of
 from shared.http.lane import Lane, LaneHandler, LaneRunner, Message, catch_up_offset
+from shared.http.lane_live import long_poll_query
 from shared.placement import GENERATION_HEADER, placement_key
 
 log = logging.getLogger("ds3.reader.lane")

@@ -7,17 +7,16 @@ gauge of the access middleware; a client that leaves frees its place at once."""
 from __future__ import annotations
 
 import asyncio
-import re
 import time
 from typing import TYPE_CHECKING, Final
 
 from reader.fanout import Answer
 from reader.proxy import DROP_RESPONSE, Upstream
 from shared import protocol as P
-from shared.errors import TooManyRequests, Unavailable
+from shared.errors import Unavailable
 from shared.http.access import CLIENT_CLOSED
-from shared.http.lane import CONCRETE_OFFSET, LaneHandler, Message
-from shared.http.limits import LIVE_RETRY_AFTER
+from shared.http.lane import LaneHandler, Message
+from shared.http.lane_live import live_slot
 from shared.logs import REQUEST_ID_HEADER
 
 if TYPE_CHECKING:
@@ -29,34 +28,17 @@ DROP_ANSWER_HEADERS: Final = frozenset(n.encode("ascii") for n in DROP_RESPONSE)
     REQUEST_ID_HEADER.lower().encode(), b"x-content-type-options", b"cross-origin-resource-policy",
     b"access-control-allow-origin", b"access-control-expose-headers",
 }
-_CURSOR: Final = re.compile(rb"\d{1,18}")
 
 
 def serve_long_poll(lane: ForwardLane, handler: LaneHandler, msg: Message, rid: str, started: float) -> None:
     """Answered from the stream's live channel (reader.fanout.LiveHub.join), as
     reader.http.handle_get's first branch answers it, with the limits' live cap and the
     live gauge of the access middleware."""
-    st, lim, http = lane.st, lane.limits, lane.http
-    assert st is not None and lim is not None and http is not None
+    st, http = lane.st, lane.http
+    assert st is not None and http is not None
     offset, cursor = msg.note
     path = lane.stream_path(handler, msg)
-    client = handler.client(msg)
-    if client is not None and not lim.live.acquire(client):
-        raise TooManyRequests(
-            f"too many live connections: at most {lim.live.cap} long-polls and SSE streams at once per client",
-            LIVE_RETRY_AFTER,
-        )
-    http.live["long-poll"] += 1
-    released = False
-
-    def release() -> None:
-        nonlocal released
-        if not released:
-            released = True
-            http.live["long-poll"] -= 1
-            if client is not None:
-                lim.live.release(client)
-
+    release = live_slot(lane, handler, msg)
     try:
         joined = st.sse.join(path, offset)
     except BaseException:
@@ -114,24 +96,6 @@ def answer_page(handler: LaneHandler, msg: Message, ans: Answer, cursor: str | N
         ) + b"Content-Length: %d\r\n" % len(ans.body)
     cursor_line = b"Stream-Cursor: " + P.response_cursor(cursor).encode() + b"\r\n"
     handler.answer(msg, 200, {}, ans.body, rid, started, head=head + cursor_line)
-
-
-def long_poll_query(query: bytes) -> tuple[str, str | None] | None:
-    """(offset, cursor) of a plain long-poll query (offset=<concrete offset>&live=long-poll
-    [&cursor=<digits>], any order, each once), else None."""
-    offset = cursor = None
-    live = False
-    for part in query.split(b"&"):
-        key, _, value = part.partition(b"=")
-        if key == b"offset" and offset is None and CONCRETE_OFFSET.fullmatch(value):
-            offset = value.decode()
-        elif key == b"live" and not live and value == b"long-poll":
-            live = True
-        elif key == b"cursor" and cursor is None and _CURSOR.fullmatch(value):
-            cursor = value.decode()
-        else:
-            return None
-    return (offset, cursor) if offset is not None and live else None
 
 
 def upstream_head(up: Upstream) -> bytes:

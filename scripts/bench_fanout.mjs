@@ -3,7 +3,11 @@
 //
 //   node bench_fanout.mjs '{"base": "http://127.0.0.1:4437", "path": "/v1/stream/fanout-1",
 //                          "mode": "long-poll"|"sse"|"mixed", "subscribers": 1000, "rate": 20,
-//                          "seconds": 10, "addresses": 20, "settle": 3}'
+//                          "seconds": 10, "addresses": 20, "settle": 3, "streams": 1}'
+//
+// With "streams": S > 1 (a chat-like load: many streams, a few followers each), the streams are
+// PATH-0 .. PATH-(S-1), subscriber k follows stream k % S and message i goes to stream i % S:
+// each subscriber must see every message of its stream, in order.
 //
 // The writer first appends `warmup` seconds of messages at the same rate (default 2): every
 // subscriber must get those too, in order, but their delays are reported apart
@@ -43,14 +47,19 @@ const warmLatencies = []
 const warm = Math.round(cfg.rate * (cfg.warmup ?? 2))
 const subs = []
 
+const S = cfg.streams ?? 1
+const pathOf = (s) => (S === 1 ? cfg.path : `${cfg.path}-${s}`)
+// how many of messages lo .. hi-1 go to stream s
+const countOf = (s, lo, hi) => Math.max(0, Math.ceil((hi - s) / S) - Math.ceil((lo - s) / S))
+
 function note(sub, messages, at) {
   for (const m of messages) {
     if (m.i !== sub.next) {
       stats.outOfOrder++
-      sub.next = m.i + 1
+      sub.next = m.i + S
       continue
     }
-    sub.next++
+    sub.next += S
     sub.got++
     if (m.i >= warm) latencies.push(at - m.t)
     else if (m.i >= 0) warmLatencies.push(at - m.t)
@@ -71,7 +80,7 @@ async function longPoller(sub, agent, addr, offset) {
     try {
       stats.requests++
       if (first) { stats.connected++; first = false }
-      r = await request(agent, addr, "GET", cfg.path + q)
+      r = await request(agent, addr, "GET", sub.path + q)
     } catch (e) {
       fail(e)
       await new Promise((ok) => setTimeout(ok, 100))
@@ -91,7 +100,7 @@ function sseSubscriber(sub, agent, addr, offset) {
       if (stopping) return resolve()
       stats.requests++
       const req = http.request({ host: base.hostname, port: base.port, agent, localAddress: addr,
-        path: `${cfg.path}?offset=${encodeURIComponent(from)}&live=sse` }, (res) => {
+        path: `${sub.path}?offset=${encodeURIComponent(from)}&live=sse` }, (res) => {
         if (res.statusCode !== 200) { fail(`SSE HTTP ${res.statusCode}`); res.resume(); return setTimeout(() => open(from), 100) }
         stats.connected++
         let buf = ""
@@ -130,20 +139,25 @@ let stopping = false
 const addresses = Array.from({ length: cfg.addresses ?? 20 }, (_, k) => `127.0.0.${11 + k}`)
 const writerAgent = new http.Agent({ keepAlive: true, maxSockets: 1 })
 
-const created = await request(writerAgent, undefined, "PUT", cfg.path, null, { "Content-Type": "application/json" })
-if (created.status !== 201 && created.status !== 200) throw new Error(`PUT ${cfg.path}: ${created.status}`)
-const seed = await request(writerAgent, undefined, "POST", cfg.path, JSON.stringify({ i: -1, t: 0 }),
-  { "Content-Type": "application/json" })
-const tail = seed.headers["stream-next-offset"]
+const tails = []
+for (let s = 0; s < S; s++) {
+  const created = await request(writerAgent, undefined, "PUT", pathOf(s), null, { "Content-Type": "application/json" })
+  if (created.status !== 201 && created.status !== 200) throw new Error(`PUT ${pathOf(s)}: ${created.status}`)
+  const seed = await request(writerAgent, undefined, "POST", pathOf(s), JSON.stringify({ i: -1, t: 0 }),
+    { "Content-Type": "application/json" })
+  tails.push(seed.headers["stream-next-offset"])
+}
 
 const agents = addresses.map(() => new http.Agent({ keepAlive: true, maxSockets: Infinity }))
 const tasks = []
 for (let k = 0; k < cfg.subscribers; k++) {
-  const sub = { next: 0, got: 0 }
+  const stream = k % S
+  const sub = { next: stream, got: 0, stream, path: pathOf(stream) }
   subs.push(sub)
   const a = k % addresses.length
   const mode = cfg.mode === "mixed" ? (k % 2 ? "sse" : "long-poll") : cfg.mode
   sub.mode = mode
+  const tail = tails[stream]
   tasks.push(mode === "sse" ? sseSubscriber(sub, agents[a], addresses[a], tail) : longPoller(sub, agents[a], addresses[a], tail))
 }
 const settleUntil = now() + (cfg.settle ?? 3) * 1000
@@ -166,7 +180,7 @@ for (let i = 0; i < all; i++) {
   if (wait > 0) await new Promise((ok) => setTimeout(ok, wait))
   if (i === warm) { measuredFrom = now(); cpuBefore = process.cpuUsage() }
   const t = now()
-  const r = await request(writerAgent, undefined, "POST", cfg.path, JSON.stringify({ i, t }), { "Content-Type": "application/json" })
+  const r = await request(writerAgent, undefined, "POST", pathOf(i % S), JSON.stringify({ i, t }), { "Content-Type": "application/json" })
   if (r.status !== 200 && r.status !== 204) { fail(`append HTTP ${r.status}`); continue }
   if (i >= warm) {
     writeLatencies.push(now() - t)
@@ -176,7 +190,7 @@ for (let i = 0; i < all; i++) {
 const writeSeconds = (now() - measuredFrom) / 1000
 // Wait for every subscriber to see every message (or give up after 15 s).
 const deadline = now() + 15000
-while (now() < deadline && subs.some((s) => s.next < all)) await new Promise((ok) => setTimeout(ok, 20))
+while (now() < deadline && subs.some((s) => s.got < countOf(s.stream, 0, all))) await new Promise((ok) => setTimeout(ok, 20))
 const cpu = process.cpuUsage(cpuBefore)
 stopping = true
 for (const s of subs) s.req?.destroy()
@@ -188,12 +202,13 @@ const pct = (xs, p) => {
   const s = Float64Array.from(xs).sort()
   return s[Math.min(s.length - 1, Math.floor((p / 100) * s.length))]
 }
-const complete = subs.filter((s) => s.next === all && s.got === all).length
+const complete = subs.filter((s) => s.got === countOf(s.stream, 0, all) && s.next >= all).length
+const expected = subs.reduce((n, s) => n + countOf(s.stream, warm, all), 0)
 console.log(JSON.stringify({
   mode: cfg.mode, subscribers: cfg.subscribers, connected_at_start: connectedAtStart,
   messages: total, written, writer_rate: written / writeSeconds, target_rate: cfg.rate,
   append_ms_p50: pct(writeLatencies, 50), append_ms_p99: pct(writeLatencies, 99),
-  complete_subscribers: complete, deliveries: latencies.length, expected_deliveries: total * cfg.subscribers,
+  complete_subscribers: complete, deliveries: latencies.length, expected_deliveries: expected, streams: S,
   out_of_order: stats.outOfOrder, errors: stats.errors, error_samples: stats.errorSamples,
   requests: stats.requests, delivery_ms_p50: pct(latencies, 50), delivery_ms_p99: pct(latencies, 99),
   delivery_ms_max: pct(latencies, 100), loadgen_cpu_s: (cpu.user + cpu.system) / 1e6,

@@ -10,6 +10,7 @@ The writer starts with --warmup seconds of messages (default 2) whose delays are
 
     .venv/bin/python scripts/bench_fanout.py                   # 1,000 long-poll, then 1,000 SSE
     .venv/bin/python scripts/bench_fanout.py --mode many --subscribers 10000   # one reader worker
+    .venv/bin/python scripts/bench_fanout.py --streams 500 --rate 500    # 500 streams, 2 followers each
 
 Targets (issue 13): delivery p99 <= 100 ms and <= the reference's in-memory p99; the writer keeps
 its rate; nothing lost or reordered. The load (scripts/bench_fanout.mjs, Node) connects from 20
@@ -89,7 +90,8 @@ def ds3_pair(work: Path, long_poll_s: float) -> tuple[Server, Server]:
 def run_load(base: str, path: str, mode: str, p: argparse.Namespace, subscribers: int,
              watch: psutil.Process | None = None) -> dict[str, Any]:
     cfg = {"base": base, "path": path, "mode": mode, "subscribers": subscribers, "rate": p.rate,
-           "seconds": p.seconds, "warmup": p.warmup, "addresses": p.addresses, "settle": p.settle}
+           "seconds": p.seconds, "warmup": p.warmup, "addresses": p.addresses, "settle": p.settle,
+           "streams": p.streams}
     proc = subprocess.Popen(["node", str(LOAD), json.dumps(cfg)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, preexec_fn=_raise_nofile)
     peak: dict[str, float] = {}
@@ -202,6 +204,9 @@ def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--mode", choices=["pair", "many"], default="pair")
     ap.add_argument("--subscribers", type=int, default=1000)
+    ap.add_argument("--streams", type=int, default=1,
+                    help="streams the subscribers follow (subscriber k follows stream k %% S, message i goes to "
+                         "stream i %% S): many streams with a few followers each, as a chat has")
     ap.add_argument("--rate", type=float, default=20.0)
     ap.add_argument("--seconds", type=float, default=10.0)
     ap.add_argument("--long-poll", type=float, default=30.0, help="long-poll timeout of both servers (s)")

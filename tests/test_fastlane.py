@@ -447,7 +447,7 @@ def _normal_read(raw: bytes, port: str) -> tuple[int, dict[str, str], bytes]:
 
 @pytest.mark.parametrize(("query", "taken"), [
     ("offset=0000000000000000_0000000000000099", True),  # not an offset of this stream
-    ("offset=-1", False), ("offset=now", False), ("offset=0000000000000000_0000000000000000&live=long-poll", False),
+    ("offset=-1", False), ("offset=now", False), ("offset=0000000000000000_0000000000000000&live=long-poll", True),
     ("offset=bad", False),
 ])
 def test_reads_the_ingester_s_lane_leaves_or_refuses_as_aiohttp(servers: tuple[procs.Proc, procs.Proc], query: str,
