@@ -330,7 +330,7 @@ class Channel:
     async def _poll(self) -> Upstream:
         qs = f"{url_path(self.path)}?offset={self.offset}&live=long-poll"
         # the stream's owner now (reader.routing): a changed description moves the next poll
-        return await self.hub.router.call(self.key, "GET", qs, {}, None)
+        return await self.hub.router.poll(self.key, qs)
 
 
 class LiveHub:
