@@ -299,6 +299,8 @@ class _LongPoll(_Read):
             super().done(fut)
 
     def refused(self, error: BaseException) -> None:
+        if self.gone:  # (cancel() accounted for it)
+            return
         self.end()
         super().refused(error)
 
@@ -325,6 +327,8 @@ class _LongPoll(_Read):
             self.read()
 
     def woke(self) -> None:
+        if not self.watching:  # (ended while the commit's wake-ups ran)
+            return
         self.watching = False
         self.read()
 

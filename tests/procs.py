@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import os
 import re
@@ -12,6 +13,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -137,3 +139,26 @@ def write_cluster(store_root: Path, ingesters: dict[str, str]) -> Cluster:
             await store.close()
 
     return asyncio.run(run())
+
+
+@contextlib.contextmanager
+def lane_and_aiohttp(root: Path, *extra: str) -> Iterator[tuple[Proc, Proc]]:
+    """Two started `ds3 ingester`s sealing into local stores under `root` with `extra`
+    arguments: the first with the fast lane, the second without (DS3_FAST_LANE=0, aiohttp's
+    handlers answer everything), for tests comparing their answers."""
+    made = []
+    for name in ("fast", "slow"):
+        p = ingester(root / name / "wal", "--store", f"file://{root / name / 'objects'}", *extra)
+        if name == "slow":
+            p.env["DS3_FAST_LANE"] = "0"
+        made.append(p)
+    made[0].start()
+    try:
+        made[1].start()
+        try:
+            yield made[0], made[1]
+        finally:
+            made[1].stop()
+    finally:
+        made[0].stop()
+

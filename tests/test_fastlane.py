@@ -385,23 +385,9 @@ def _head_of(p: procs.Proc, path: str) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def sealing(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[procs.Proc, procs.Proc]]:
     """Two ingesters sealing 4 KiB chunks into local stores, one with the lane."""
-    root = tmp_path_factory.mktemp("fastlane-reads")
-    made = []
-    for name in ("fast", "slow"):
-        p = procs.ingester(root / name / "wal", "--store", f"file://{root / name / 'objects'}", "--write-rate", "0",
-                           "--seal-bytes", "4096", "--seal-age", "0.2")
-        if name == "slow":
-            p.env["DS3_FAST_LANE"] = "0"
-        made.append(p)
-    made[0].start()
-    try:
-        made[1].start()
-        try:
-            yield made[0], made[1]
-        finally:
-            made[1].stop()
-    finally:
-        made[0].stop()
+    with procs.lane_and_aiohttp(tmp_path_factory.mktemp("fastlane-reads"), "--write-rate", "0",
+                                "--seal-bytes", "4096", "--seal-age", "0.2") as pair:
+        yield pair
 
 
 @pytest.mark.parametrize("content_type", ["text/plain", "application/json", "application/octet-stream"])

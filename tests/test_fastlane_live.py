@@ -30,24 +30,10 @@ LIVE_CAP = 3  # --max-live-per-client of both ingesters
 @pytest.fixture(scope="module")
 def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[procs.Proc, procs.Proc]]:
     """Two ingesters sealing 4 KiB chunks into local stores, one with the lane."""
-    root = tmp_path_factory.mktemp("fastlane-live")
-    made = []
-    for name in ("fast", "slow"):
-        p = procs.ingester(root / name / "wal", "--store", f"file://{root / name / 'objects'}", "--write-rate", "0",
-                           "--seal-bytes", "4096", "--seal-age", "0.2", "--long-poll-timeout", str(TIMEOUT),
-                           "--max-live-per-client", str(LIVE_CAP))
-        if name == "slow":
-            p.env["DS3_FAST_LANE"] = "0"
-        made.append(p)
-    made[0].start()
-    try:
-        made[1].start()
-        try:
-            yield made[0], made[1]
-        finally:
-            made[1].stop()
-    finally:
-        made[0].stop()
+    with procs.lane_and_aiohttp(tmp_path_factory.mktemp("fastlane-live"), "--write-rate", "0", "--seal-bytes", "4096",
+                                "--seal-age", "0.2", "--long-poll-timeout", str(TIMEOUT),
+                                "--max-live-per-client", str(LIVE_CAP)) as pair:
+        yield pair
 
 
 def metric(p: procs.Proc, pattern: str) -> float:

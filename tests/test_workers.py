@@ -203,14 +203,12 @@ def test_bursts_of_connections_are_spread_over_every_worker(cluster: Cluster) ->
     assert min(sum(held[pid] for held in bursts) for pid in workers) >= 25, bursts  # fair: 50 of 150
 
 
-def test_a_second_reader_on_the_port_is_refused(cluster: Cluster, tmp_path: Path) -> None:
-    """The workers' sockets share the port (SO_REUSEPORT), yet a second `ds3 reader --workers`
-    started on it does not join them: it exits 1 with a clear message."""
+def _refused_start(work: Path, port: int) -> str:
+    """Start `ds3 reader --workers 2` on `port`, which must exit 1 at once; its log."""
     from tests.procs import DS3
 
-    port = cluster.reader.port
-    proc = reader(tmp_path / "r2", "http://127.0.0.1:1", (tmp_path / "o2").as_uri(), "--workers", "2", port=port)
-    (tmp_path / "o2").mkdir()
+    proc = reader(work / "r", "http://127.0.0.1:1", (work / "o").as_uri(), "--workers", "2", port=port)
+    (work / "o").mkdir()
     with open(proc.log_path, "wb") as log:
         p = subprocess.Popen([DS3, *proc.args], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
@@ -218,7 +216,14 @@ def test_a_second_reader_on_the_port_is_refused(cluster: Cluster, tmp_path: Path
     finally:
         if p.poll() is None:
             os.killpg(p.pid, signal.SIGKILL)
-    assert f"cannot listen on 127.0.0.1 port {port}" in proc.log_path.read_text()
+    return proc.log_path.read_text()
+
+
+def test_a_second_reader_on_the_port_is_refused(cluster: Cluster, tmp_path: Path) -> None:
+    """The workers' sockets share the port (SO_REUSEPORT), yet a second `ds3 reader --workers`
+    started on it does not join them: it exits 1 with a clear message."""
+    port = cluster.reader.port
+    assert f"cannot listen on 127.0.0.1 port {port}" in _refused_start(tmp_path, port)
 
 
 def test_a_taken_port_stops_the_parent_at_once(tmp_path: Path) -> None:
@@ -228,18 +233,7 @@ def test_a_taken_port_stops_the_parent_at_once(tmp_path: Path) -> None:
     with socket.socket() as taken:  # an ordinary listener holds the port
         taken.bind(("127.0.0.1", port))
         taken.listen()
-        proc = reader(tmp_path / "r", "http://127.0.0.1:1", (tmp_path / "o").as_uri(), "--workers", "2", port=port)
-        (tmp_path / "o").mkdir()
-        with open(proc.log_path, "wb") as log:
-            from tests.procs import DS3
-
-            p = subprocess.Popen([DS3, *proc.args], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            assert p.wait(30) == 1
-        finally:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-    text = proc.log_path.read_text()
+        text = _refused_start(tmp_path, port)
     assert f"cannot listen on 127.0.0.1 port {port}" in text and "workers (pids" not in text
 
 
