@@ -13,7 +13,7 @@ import logging
 from functools import partial
 
 from ingester import retention
-from ingester.sealing import Backoff
+from ingester.backoff import Backoff
 from ingester.store import Store
 from ingester.wal import GroupCommitter
 from shared.objectstore.base import ObjectStore

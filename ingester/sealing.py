@@ -6,7 +6,8 @@
   is a pure function of the records), so nothing is lost and nothing is half-visible.
 - Cleaner: deletes the objects of removed streams (their uids are recorded in the WAL in
   the same transaction as the removal, so a crash cannot leak them).
-- Publisher: writes stream descriptors (create, close, delete) for readers.
+- Publisher (ingester/publisher.py): writes stream descriptors (create, close, delete) for
+  readers.
 
 Each loop retries with capped exponential backoff while the store is down; appends keep
 being acknowledged from the WAL meanwhile (until --wal-max-bytes, then 503).
@@ -24,6 +25,8 @@ from typing import Any
 
 from prometheus_client import Histogram
 
+from ingester.backoff import Backoff
+from ingester.publisher import Publisher
 from ingester.records import ChunkRef, StreamMeta
 from ingester.store import Store
 from ingester.wal import GroupCommitter
@@ -35,29 +38,6 @@ from shared.objectstore.base import ObjectStore
 log = logging.getLogger("ds3.sealing")
 CHUNK_CONTENT_TYPE = "application/vnd.ds3.chunk"
 UPLOAD_SECONDS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
-
-
-def descriptor_of(meta: StreamMeta) -> Descriptor:
-    return Descriptor(
-        path=meta.path, uid=meta.uid, content_type=meta.content_type, created_at=meta.created_at,
-        ttl=meta.ttl, expires_at=meta.expires_at, closed=meta.closed,
-        final_offset=meta.tail_offset if meta.closed else None, soft_deleted=meta.soft_deleted,
-        fork_source=meta.fork_source, fork_source_uid=meta.fork_source_uid,
-        fork_position=meta.fork_position, first_chunk=meta.first_chunk,
-        snapshot_offset=meta.snapshot_offset, snapshot_type=meta.snapshot_type, snapshot_key=meta.snapshot_key,
-    )
-
-
-class Backoff:
-    def __init__(self, first: float = 0.2, cap: float = 30.0) -> None:
-        self.first, self.cap, self.delay = first, cap, first
-
-    def reset(self) -> None:
-        self.delay = self.first
-
-    async def sleep(self) -> None:
-        await asyncio.sleep(self.delay)
-        self.delay = min(self.cap, self.delay * 2)
 
 
 class Sealer:
@@ -76,8 +56,7 @@ class Sealer:
         self._uploads = uploads
         self._queue: asyncio.Queue[ChunkRef] = asyncio.Queue()
         self._gc: asyncio.Queue[tuple[str, str]] = asyncio.Queue()
-        self._descriptors: dict[str, StreamMeta | None] = {}
-        self._descriptor_wake = asyncio.Event()
+        self.publisher = Publisher(store, committer, objects)
         self._tasks: list[asyncio.Task[None]] = []
         self.uploaded = 0
         self.upload_failures = 0
@@ -100,8 +79,7 @@ class Sealer:
             self._gc.put_nowait(item)
 
     def enqueue_descriptors(self, changes: dict[str, StreamMeta | None]) -> None:
-        self._descriptors.update(changes)
-        self._descriptor_wake.set()
+        self.publisher.enqueue(changes)
 
     @property
     def backlog(self) -> int:
@@ -111,7 +89,7 @@ class Sealer:
         for i in range(self._uploads):
             self._tasks.append(asyncio.create_task(self._upload_loop(), name=f"ds3-upload-{i}"))
         self._tasks.append(asyncio.create_task(self._gc_loop(), name="ds3-gc"))
-        self._tasks.append(asyncio.create_task(self._publish_loop(), name="ds3-publish"))
+        self._tasks.append(asyncio.create_task(self.publisher.run(), name="ds3-publish"))
 
     async def stop(self) -> None:
         for t in self._tasks:
@@ -204,35 +182,4 @@ class Sealer:
     async def published(self, path: str, timeout: float) -> bool:
         """Wait (bounded) until the path's descriptor change has reached the store, so a
         create or delete is visible to every reader once it is acknowledged."""
-        deadline = asyncio.get_running_loop().time() + timeout
-        while path in self._descriptors:
-            if asyncio.get_running_loop().time() > deadline:
-                return False
-            await asyncio.sleep(0.005)
-        return True
-
-    async def _publish_loop(self) -> None:
-        backoff = Backoff()
-        while True:
-            await self._descriptor_wake.wait()
-            self._descriptor_wake.clear()
-            while self._descriptors:
-                path, meta = next(iter(self._descriptors.items()))
-                try:
-                    if meta is not None:
-                        await self.objects.put(
-                            keys.descriptor_key(path), descriptor_of(meta).encode(),
-                            content_type="application/json",
-                        )
-                    else:  # removed: readers must stop serving it now, not after the GC
-                        with contextlib.suppress(ObjectNotFound):
-                            await self.objects.delete(keys.descriptor_key(path))
-                    if self._descriptors.get(path) is meta:
-                        del self._descriptors[path]
-                        await self.committer.submit(partial(self.store.published, path=path))
-                    backoff.reset()
-                except asyncio.CancelledError:
-                    raise
-                except Exception as e:
-                    log.warning("publishing the descriptor of %s failed (%s)", path, e)
-                    await backoff.sleep()
+        return await self.publisher.published(path, timeout)

@@ -13,6 +13,19 @@ import lmdb
 from ingester.chain import stream_records
 from ingester.records import SEALED, SEALING, SID, ChunkInfo, ChunkRef, StreamMeta, chunk_key, record_key
 from ingester.store_core import StoreCore
+from shared.descriptor import Descriptor
+
+
+def descriptor_of(meta: StreamMeta) -> Descriptor:
+    """What readers are told of a stream (the object at shared.keys.descriptor_key)."""
+    return Descriptor(
+        path=meta.path, uid=meta.uid, content_type=meta.content_type, created_at=meta.created_at,
+        ttl=meta.ttl, expires_at=meta.expires_at, closed=meta.closed,
+        final_offset=meta.tail_offset if meta.closed else None, soft_deleted=meta.soft_deleted,
+        fork_source=meta.fork_source, fork_source_uid=meta.fork_source_uid,
+        fork_position=meta.fork_position, first_chunk=meta.first_chunk,
+        snapshot_offset=meta.snapshot_offset, snapshot_type=meta.snapshot_type, snapshot_key=meta.snapshot_key,
+    )
 
 
 class SealingBook:
@@ -104,8 +117,18 @@ class SealingBook:
                 out.append((bytes(key[3:]).decode(), bytes(value).decode()))
         return out
 
-    def published(self: StoreCore, txn: lmdb.Transaction, path: str) -> None:
+    def published(self: StoreCore, txn: lmdb.Transaction, path: str, meta: StreamMeta | None) -> bool:
+        """The descriptor of `meta` (None: no stream) reached the store: drop the path's mark,
+        unless the stream changed since (its new descriptor is still to publish, and the mark
+        must survive a crash until it is). Whether the mark went."""
+        current = self._load(txn, path)
+        if current is None or meta is None:
+            if current is not meta:  # (created since it was removed, or removed since it was made)
+                return False
+        elif descriptor_of(current) != descriptor_of(meta):
+            return False
         txn.delete(b"pub:" + path.encode(), db=self.wal.sys)
+        return True
 
     def load_unpublished(self: StoreCore, txn: lmdb.Transaction) -> dict[str, StreamMeta | None]:
         """At start: descriptors whose change was committed but maybe not published (a crash

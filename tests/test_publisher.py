@@ -1,0 +1,170 @@
+"""ingester/publisher.py on a real WAL (tests/wal_harness.py) and a local-directory store whose
+writes a test can hold back or fail: descriptors of different streams are written at once, one
+stream's changes one at a time and the newest last, a failing store is retried, waiters are
+told, and a stream's mark in the WAL goes only once what the store has is current."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Any
+
+from ingester.publisher import Publisher
+from ingester.writes import SealPolicy
+from shared import keys
+from shared.objectstore.local import LocalStore
+from tests.wal_harness import Clock, Harness
+
+SEAL = SealPolicy(seal_bytes=1 << 20, seal_age=60.0, wal_max_bytes=1 << 30)
+
+
+class HeldStore:
+    """A LocalStore whose descriptor writes wait for `gate` and may fail first."""
+
+    def __init__(self, root: Path) -> None:
+        self.inner = LocalStore(root)
+        self.gate = asyncio.Event()
+        self.gate.set()
+        self.now = 0  # writes in progress
+        self.most = 0  # the most at once
+        self.by_key: dict[str, int] = {}  # writes of each key in progress
+        self.fail = 0  # the next this many writes fail
+        self.writes = 0
+
+    async def put(self, key: str, data: bytes, **kw: Any) -> str:
+        self.now += 1
+        self.most = max(self.most, self.now)
+        self.by_key[key] = self.by_key.get(key, 0) + 1
+        assert self.by_key[key] == 1, f"two writes of {key} at once"
+        try:
+            await self.gate.wait()
+            self.writes += 1
+            if self.fail:
+                self.fail -= 1
+                raise OSError("the store is down")
+            return await self.inner.put(key, data, **kw)
+        finally:
+            self.now -= 1
+            self.by_key[key] -= 1
+
+    async def delete(self, key: str) -> None:
+        await self.inner.delete(key)
+
+    def stored(self, path: str) -> dict[str, Any] | None:
+        file = self.inner.root / keys.descriptor_key(path)
+        return json.loads(file.read_bytes()) if file.exists() else None
+
+
+def harness(tmp_path: Path) -> Harness:
+    return Harness(tmp_path / "wal", Clock(), seal=SEAL)
+
+
+def marks(h: Harness) -> set[str]:
+    return set(h.run(h.store.load_unpublished))
+
+
+def test_descriptors_of_different_streams_are_written_at_once(tmp_path: Path) -> None:
+    h = harness(tmp_path)
+    try:
+        objects = HeldStore(tmp_path / "objects")
+        pub = Publisher(h.store, h.committer, objects, concurrency=8)  # type: ignore[arg-type]
+        paths = [f"s{i}" for i in range(20)]
+        for p in paths:
+            h.create(p)
+        assert marks(h) == set(paths)
+
+        async def main() -> list[bool]:
+            runner = asyncio.ensure_future(pub.run())
+            objects.gate.clear()
+            pub.enqueue({p: h.meta(p) for p in paths})
+            await asyncio.sleep(0.05)
+            assert objects.now == 8  # as many as it may, no more
+            early = await pub.published("s0", 0.05)
+            objects.gate.set()
+            done = await asyncio.gather(*(pub.published(p, 5) for p in paths))
+            await asyncio.sleep(0.2)  # (the marks go in a commit of their own)
+            runner.cancel()
+            return [early, *done]
+
+        early, *done = h.loop.run_until_complete(main())
+        assert not early and all(done)
+        assert objects.most == 8
+        assert all(objects.stored(p)["uid"] == h.meta(p).uid for p in paths)  # type: ignore[index, union-attr]
+        assert marks(h) == set()
+    finally:
+        h.close()
+
+
+def test_a_change_while_its_stream_is_written_is_written_after_it(tmp_path: Path) -> None:
+    h = harness(tmp_path)
+    try:
+        objects = HeldStore(tmp_path / "objects")
+        pub = Publisher(h.store, h.committer, objects)  # type: ignore[arg-type]
+        h.create("p")
+        made = h.meta("p")
+
+        async def main() -> None:
+            runner = asyncio.ensure_future(pub.run())
+            objects.gate.clear()
+            pub.enqueue({"p": made})
+            await asyncio.sleep(0.05)
+            h.append("p", b"", close=True)  # (a closed stream: a new descriptor)
+            pub.enqueue({"p": h.meta("p")})
+            await asyncio.sleep(0.05)
+            assert objects.now == 1  # not a second write of the same key meanwhile
+            objects.gate.set()
+            assert await pub.published("p", 5)
+            await asyncio.sleep(0.2)
+            runner.cancel()
+
+        h.loop.run_until_complete(main())
+        assert objects.writes == 2
+        assert objects.stored("p")["closed"] is True  # type: ignore[index]
+        assert marks(h) == set()
+    finally:
+        h.close()
+
+
+def test_a_failing_store_is_tried_again(tmp_path: Path) -> None:
+    h = harness(tmp_path)
+    try:
+        objects = HeldStore(tmp_path / "objects")
+        objects.fail = 2
+        pub = Publisher(h.store, h.committer, objects)  # type: ignore[arg-type]
+        h.create("f")
+
+        async def main() -> bool:
+            runner = asyncio.ensure_future(pub.run())
+            pub.enqueue({"f": h.meta("f")})
+            ok = await pub.published("f", 10)  # backoff 0.2 s, then 0.4 s
+            runner.cancel()
+            return ok
+
+        assert h.loop.run_until_complete(main())
+        assert objects.writes == 3 and objects.stored("f") is not None
+    finally:
+        h.close()
+
+
+def test_a_mark_goes_only_when_the_store_has_the_stream_as_it_is(tmp_path: Path) -> None:
+    """What was written is compared with the stream now (Store.published): a change committed
+    meanwhile keeps its mark, so a crash before its own descriptor is written cannot lose it."""
+    h = harness(tmp_path)
+    try:
+        h.create("m")
+        before = h.meta("m")
+        assert before is not None
+        h.append("m", b"x", close=True)
+        assert not h.run(lambda txn: h.store.published(txn, "m", before))  # an older descriptor
+        assert marks(h) == {"m"}
+        assert not h.run(lambda txn: h.store.published(txn, "m", None))  # "removed", but it is there
+        assert h.run(lambda txn: h.store.published(txn, "m", h.meta("m")))
+        assert marks(h) == set()
+        h.delete("m")
+        assert marks(h) == {"m"}
+        assert not h.run(lambda txn: h.store.published(txn, "m", before))  # it is gone now
+        assert h.run(lambda txn: h.store.published(txn, "m", None))
+        assert marks(h) == set()
+    finally:
+        h.close()
