@@ -13,17 +13,19 @@ tests/test_fastlane.py compares its answers with aiohttp's, byte for byte.
 
 A reader forwards every HEAD and every read at a stream's unsealed tail, so the lane also takes
 plain HEADs and catch-up reads (`GET ...?offset=<offset>`, nothing else in the query), answered
-with the headers aiohttp's handlers use (ingester.http.head_headers, data_headers). They are
-read on the loop when small (a HEAD's metadata; a read with at most 64 KiB to look at,
-Reads.read_small: at the tail, what the last commits wrote, in the page cache), else on the
-read pool and answered from the future's callback. A hand-off to the pool costs two thread
-switches and the GIL passed back and forth, more than such a read: with 500 streams live, 1.3
-long-polls per message, the ingester spent 6.5 CPU seconds on 6,000 messages with every read
-on the pool and 4.2 with small ones on the loop (scripts/bench_fanout.py --streams 500). And plain long-polls (`offset=<offset>&live=long-poll
-[&cursor=N]`): every reader's live channel keeps one per stream it follows, renewed after each
-answer, so with many streams live they are most of what the ingester serves. The lane runs
-ingester.http.handle_get's loop without a task: read; nothing new, so watch the stream's
-version (Notifier.watch) until a commit changes it or the timeout comes; read again; answer.
+with the headers aiohttp's handlers use (ingester.http.head_headers, data_headers). And plain
+long-polls (`offset=<offset>&live=long-poll[&cursor=N]`): every reader's live channel keeps one
+per stream it follows, renewed after each answer, so with many streams live they are most of
+what the ingester serves. `_LongPoll` runs ingester.http.handle_get's loop without a task: read;
+nothing new, so watch the stream's version (Notifier.watch) until a commit changes it or the
+timeout comes; read again; answer.
+
+Reads run on the loop when small (a HEAD's metadata; a read with at most 64 KiB to look at,
+Reads.read_small: at the tail, what the last commits wrote, in the page cache), else on the read
+pool, answered from the future's callback. A hand-off to the pool costs two thread switches and
+the GIL passed back and forth, more than such a read: with 500 streams live (1.3 long-polls per
+message) the ingester spent 6.5 CPU seconds on 6,000 messages with every read on the pool, 4.2
+with the small ones on the loop (scripts/bench_fanout.py --streams 500).
 """
 
 from __future__ import annotations

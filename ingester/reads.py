@@ -1,5 +1,7 @@
-"""Read side of the WAL: short read transactions on a small thread pool, so the event
-loop never waits on LMDB. A read sees one committed snapshot: metadata and records agree."""
+"""Read side of the WAL: short read transactions on a small thread pool, so the event loop
+does not wait on LMDB for a read of any size; the fast lane runs the small ones (read_small: a
+few KiB at a stream's tail, in the page cache) on the loop itself, where a hand-off to the pool
+would cost more than the read. A read sees one committed snapshot: metadata and records agree."""
 
 from __future__ import annotations
 
