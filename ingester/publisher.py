@@ -52,6 +52,7 @@ class Publisher:
         self._tasks: set[asyncio.Task[None]] = set()
         self._dropping: asyncio.Task[None] | None = None
         self._backoff = Backoff()
+        self._failed = False  # a write failed since the last round began: back off before the next
 
     def enqueue(self, changes: dict[str, StreamMeta | None]) -> None:
         self._pending.update(changes)
@@ -80,6 +81,9 @@ class Publisher:
             while True:
                 await self._wake.wait()
                 self._wake.clear()
+                if self._failed:  # one backoff step per round of failures, not per failed path
+                    self._failed = False
+                    await self._backoff.sleep()
                 for path in list(self._pending):
                     if len(self._busy) >= self.concurrency:
                         break
@@ -89,8 +93,10 @@ class Publisher:
                         self._tasks.add(task)
                         task.add_done_callback(self._tasks.discard)
         finally:
-            for task in [*self._tasks, *([self._dropping] if self._dropping else [])]:
+            pending = [*self._tasks, *([self._dropping] if self._dropping else [])]
+            for task in pending:
                 task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
 
     async def _write(self, path: str, meta: StreamMeta | None) -> None:
         try:
@@ -104,7 +110,7 @@ class Publisher:
             raise
         except Exception as e:
             log.warning("publishing the descriptor of %s failed (%s)", path, e)
-            await self._backoff.sleep()  # (then it is tried again: still pending)
+            self._failed = True  # (it is still pending: tried again after a backoff)
         else:
             self._backoff.reset()
             if path in self._pending and self._pending[path] is meta:  # (else a newer change follows)

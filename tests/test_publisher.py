@@ -6,6 +6,7 @@ told, and a stream's mark in the WAL goes only once what the store has is curren
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from pathlib import Path
 from typing import Any
@@ -56,6 +57,12 @@ class HeldStore:
         return json.loads(file.read_bytes()) if file.exists() else None
 
 
+async def stopped(runner: asyncio.Future[None]) -> None:
+    runner.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await runner
+
+
 def harness(tmp_path: Path) -> Harness:
     return Harness(tmp_path / "wal", Clock(), seal=SEAL)
 
@@ -84,7 +91,7 @@ def test_descriptors_of_different_streams_are_written_at_once(tmp_path: Path) ->
             objects.gate.set()
             done = await asyncio.gather(*(pub.published(p, 5) for p in paths))
             await asyncio.sleep(0.2)  # (the marks go in a commit of their own)
-            runner.cancel()
+            await stopped(runner)
             return [early, *done]
 
         early, *done = h.loop.run_until_complete(main())
@@ -116,7 +123,7 @@ def test_a_change_while_its_stream_is_written_is_written_after_it(tmp_path: Path
             objects.gate.set()
             assert await pub.published("p", 5)
             await asyncio.sleep(0.2)
-            runner.cancel()
+            await stopped(runner)
 
         h.loop.run_until_complete(main())
         assert objects.writes == 2
@@ -138,7 +145,7 @@ def test_a_failing_store_is_tried_again(tmp_path: Path) -> None:
             runner = asyncio.ensure_future(pub.run())
             pub.enqueue({"f": h.meta("f")})
             ok = await pub.published("f", 10)  # backoff 0.2 s, then 0.4 s
-            runner.cancel()
+            await stopped(runner)
             return ok
 
         assert h.loop.run_until_complete(main())
@@ -166,5 +173,31 @@ def test_a_mark_goes_only_when_the_store_has_the_stream_as_it_is(tmp_path: Path)
         assert not h.run(lambda txn: h.store.published(txn, "m", before))  # it is gone now
         assert h.run(lambda txn: h.store.published(txn, "m", None))
         assert marks(h) == set()
+    finally:
+        h.close()
+
+
+def test_a_round_of_failures_backs_off_once(tmp_path: Path) -> None:
+    """Every write of two rounds fails (the store is down a moment): each next round comes after
+    one backoff step (0.2 s, then 0.4 s), not one per failed write (16 doublings a round: the
+    30 s cap before the third round)."""
+    h = harness(tmp_path)
+    try:
+        objects = HeldStore(tmp_path / "objects")
+        objects.fail = 32
+        pub = Publisher(h.store, h.committer, objects, concurrency=16)  # type: ignore[arg-type]
+        paths = [f"r{i}" for i in range(16)]
+        for p in paths:
+            h.create(p)
+
+        async def main() -> list[bool]:
+            runner = asyncio.ensure_future(pub.run())
+            pub.enqueue({p: h.meta(p) for p in paths})
+            done = await asyncio.gather(*(pub.published(p, 3) for p in paths))
+            await stopped(runner)
+            return done
+
+        assert all(h.loop.run_until_complete(main()))
+        assert objects.writes == 48
     finally:
         h.close()
