@@ -99,8 +99,8 @@ def scenario(h: Harness, clock: Clock) -> None:
     assert len(refs) > 3
     for ref in refs[: len(refs) // 2]:
         h.run(partial(h.store.mark_sealed, ref=ref))
-    for path in ("a", "j"):
-        h.run(partial(h.store.published, path=path))
+    for path in ("a", "j"):  # (written as the streams are now: their marks go)
+        assert h.run(partial(h.store.published, path=path, meta=h.meta(path)))
     h.run(h.store.seal_aged)
     # forks: the source deleted while the fork reads it (soft), then the fork (both go)
     h.create("src")
