@@ -8,7 +8,8 @@ finds the new stream, or stops serving the old one.
 
 Descriptors of different paths are written concurrently (`concurrency` at once); one path's
 changes one at a time, newest last (a change that comes while its path is being written is
-written after it). Marks of written paths are dropped in one commit for all that finished
+written after it; descriptors are compared by value, taken on the writer thread as each commit
+left the stream). Marks of written paths are dropped in one commit for all that finished
 meanwhile, not one commit each, and nobody waits for it: the mark only matters to a restart.
 A mark is dropped only if the stream is still what was written (Store.published), so a change
 committed meanwhile keeps its mark until its own descriptor is written.
@@ -27,11 +28,10 @@ from functools import partial
 import lmdb
 
 from ingester.backoff import Backoff
-from ingester.records import StreamMeta
 from ingester.store import Store
-from ingester.store_sealing import descriptor_of
 from ingester.wal import GroupCommitter
 from shared import keys
+from shared.descriptor import Descriptor
 from shared.errors import ObjectNotFound
 from shared.objectstore.base import ObjectStore
 
@@ -44,17 +44,17 @@ class Publisher:
         self.committer = committer
         self.objects = objects
         self.concurrency = concurrency
-        self._pending: dict[str, StreamMeta | None] = {}  # each path's newest change not yet written
+        self._pending: dict[str, Descriptor | None] = {}  # each path's newest descriptor not yet written
         self._busy: set[str] = set()  # paths being written now
         self._waiters: dict[str, list[asyncio.Future[None]]] = {}
-        self._written: dict[str, StreamMeta | None] = {}  # marks to drop (what was written for each)
+        self._written: dict[str, Descriptor | None] = {}  # marks to drop (what was written for each)
         self._wake = asyncio.Event()
         self._tasks: set[asyncio.Task[None]] = set()
         self._dropping: asyncio.Task[None] | None = None
         self._backoff = Backoff()
         self._failed = False  # a write failed since the last round began: back off before the next
 
-    def enqueue(self, changes: dict[str, StreamMeta | None]) -> None:
+    def enqueue(self, changes: dict[str, Descriptor | None]) -> None:
         self._pending.update(changes)
         self._wake.set()
 
@@ -98,11 +98,10 @@ class Publisher:
                 task.cancel()
             await asyncio.gather(*pending, return_exceptions=True)
 
-    async def _write(self, path: str, meta: StreamMeta | None) -> None:
+    async def _write(self, path: str, desc: Descriptor | None) -> None:
         try:
-            if meta is not None:
-                await self.objects.put(keys.descriptor_key(path), descriptor_of(meta).encode(),
-                                       content_type="application/json")
+            if desc is not None:
+                await self.objects.put(keys.descriptor_key(path), desc.encode(), content_type="application/json")
             else:  # removed: readers must stop serving it now, not after the GC
                 with contextlib.suppress(ObjectNotFound):
                     await self.objects.delete(keys.descriptor_key(path))
@@ -113,12 +112,12 @@ class Publisher:
             self._failed = True  # (it is still pending: tried again after a backoff)
         else:
             self._backoff.reset()
-            if path in self._pending and self._pending[path] is meta:  # (else a newer change follows)
+            if path in self._pending and self._pending[path] == desc:  # (else a newer change follows)
                 del self._pending[path]
                 for done in self._waiters.pop(path, ()):
                     if not done.done():
                         done.set_result(None)
-                self._written[path] = meta
+                self._written[path] = desc
                 if self._dropping is None:
                     self._dropping = asyncio.create_task(self._drop_marks())
         finally:
@@ -141,6 +140,6 @@ class Publisher:
         finally:
             self._dropping = None
 
-    def _drop(self, txn: lmdb.Transaction, written: dict[str, StreamMeta | None]) -> None:
-        for path, meta in written.items():
-            self.store.published(txn, path, meta)
+    def _drop(self, txn: lmdb.Transaction, written: dict[str, Descriptor | None]) -> None:
+        for path, desc in written.items():
+            self.store.published(txn, path, desc)

@@ -78,7 +78,7 @@ class Sealer:
         for item in items:
             self._gc.put_nowait(item)
 
-    def enqueue_descriptors(self, changes: dict[str, StreamMeta | None]) -> None:
+    def enqueue_descriptors(self, changes: dict[str, Descriptor | None]) -> None:
         self.publisher.enqueue(changes)
 
     @property

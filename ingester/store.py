@@ -34,7 +34,7 @@ from ingester.records import (
     producer_key,
 )
 from ingester.store_expiry import ExpiryBook
-from ingester.store_sealing import SealingBook
+from ingester.store_sealing import SealingBook, descriptor_of
 from ingester.wal import WalEnv
 from ingester.writes import (  # the operations' vocabulary; imported from here by the callers too
     AppendRequest,
@@ -82,6 +82,7 @@ class Store(SealingBook, ExpiryBook):
         self._metas: dict[str, StreamMeta | None] = {}
         self._producers: dict[tuple[int, str], ProducerState | None] = {}
         self._dirty: dict[str, StreamMeta] = {}
+        self._unpublished: dict[str, StreamMeta | None] = {}  # the batch's descriptor changes (see flush)
         self._news = Committed()
         self._expiry: list[tuple[float, str]] = []  # (deadline hint, path) min-heap
         self._aging: list[tuple[float, str]] = []  # (open chunk's first record time, path)
@@ -100,6 +101,10 @@ class Store(SealingBook, ExpiryBook):
         if self.journal.entries(txn) >= FOLD_RECORDS:
             self.journal.fold(txn)
         news, self._news = self._news, Committed()
+        # Descriptors as this commit leaves the streams, taken here, on the writer thread: the
+        # metadata objects go on changing with later batches while the publisher writes.
+        news.descriptors = {p: None if m is None else descriptor_of(m) for p, m in self._unpublished.items()}
+        self._unpublished.clear()
         return news
 
     def reset(self) -> None:
@@ -107,6 +112,7 @@ class Store(SealingBook, ExpiryBook):
         self._metas.clear()
         self._producers.clear()
         self._dirty.clear()
+        self._unpublished.clear()
         self.journal.reset()
         self._news = Committed()
 
@@ -135,7 +141,7 @@ class Store(SealingBook, ExpiryBook):
         need is recorded with the change, so a crash before the publish cannot lose it."""
         if self.seal is not None:
             txn.put(b"pub:" + path.encode(), b"", db=self.wal.sys)
-            self._news.descriptors[path] = meta
+            self._unpublished[path] = meta
 
     def _live(self, txn: lmdb.Transaction, path: str, now: float, own: bool = True) -> StreamMeta | None:
         """The stream at `path`, expiring it first if its time is up (soft-deleted included).

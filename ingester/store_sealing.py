@@ -117,30 +117,28 @@ class SealingBook:
                 out.append((bytes(key[3:]).decode(), bytes(value).decode()))
         return out
 
-    def published(self: StoreCore, txn: lmdb.Transaction, path: str, meta: StreamMeta | None) -> bool:
-        """The descriptor of `meta` (None: no stream) reached the store: drop the path's mark,
-        unless the stream changed since (its new descriptor is still to publish, and the mark
+    def published(self: StoreCore, txn: lmdb.Transaction, path: str, written: Descriptor | None) -> bool:
+        """The store has `written` for the path (None: no object): drop the path's mark,
+        unless the stream is no longer that (a change since is still to publish, and its mark
         must survive a crash until it is). Whether the mark went."""
         current = self._load(txn, path)
-        if current is None or meta is None:
-            if current is not meta:  # (created since it was removed, or removed since it was made)
-                return False
-        elif descriptor_of(current) != descriptor_of(meta):
+        if (None if current is None else descriptor_of(current)) != written:
             return False
         txn.delete(b"pub:" + path.encode(), db=self.wal.sys)
         return True
 
-    def load_unpublished(self: StoreCore, txn: lmdb.Transaction) -> dict[str, StreamMeta | None]:
+    def load_unpublished(self: StoreCore, txn: lmdb.Transaction) -> dict[str, Descriptor | None]:
         """At start: descriptors whose change was committed but maybe not published (a crash
         came between the two); publishing again is idempotent."""
-        out: dict[str, StreamMeta | None] = {}
+        out: dict[str, Descriptor | None] = {}
         cur = txn.cursor(self.wal.sys)
         if cur.set_range(b"pub:"):
             for key, _value in cur:
                 if not bytes(key).startswith(b"pub:"):
                     break
                 path = bytes(key[4:]).decode()
-                out[path] = self._load(txn, path)
+                meta = self._load(txn, path)
+                out[path] = None if meta is None else descriptor_of(meta)
         return out
 
     def load_sealing_index(self: StoreCore, txn: lmdb.Transaction) -> list[ChunkRef]:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from ingester.records import ChunkRef, StreamMeta
 from ingester.remote_forks import PinnedSource
+from shared.descriptor import Descriptor
 from shared.errors import BadRequest
 from shared.protocol import ProducerHeaders
 
@@ -111,7 +112,9 @@ class Committed:
     changed: set[str] = field(default_factory=set)  # stream paths: wake their readers
     rolled: list[ChunkRef] = field(default_factory=list)  # chunks to upload
     removed: list[tuple[str, str]] = field(default_factory=list)  # (uid, path): delete objects
-    descriptors: dict[str, StreamMeta | None] = field(default_factory=dict)  # to publish
+    # to publish: each path's descriptor as the commit left it (None: no stream), taken on the
+    # writer thread (the metadata objects go on changing there)
+    descriptors: dict[str, Descriptor | None] = field(default_factory=dict)
 
     def __bool__(self) -> bool:
         return bool(self.changed or self.rolled or self.removed or self.descriptors)

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from ingester.publisher import Publisher
+from ingester.store_sealing import descriptor_of
 from ingester.writes import SealPolicy
 from shared import keys
 from shared.objectstore.local import LocalStore
@@ -67,6 +68,11 @@ def harness(tmp_path: Path) -> Harness:
     return Harness(tmp_path / "wal", Clock(), seal=SEAL)
 
 
+def desc(h: Harness, path: str) -> Any:
+    meta = h.meta(path)
+    return None if meta is None else descriptor_of(meta)
+
+
 def marks(h: Harness) -> set[str]:
     return set(h.run(h.store.load_unpublished))
 
@@ -84,7 +90,7 @@ def test_descriptors_of_different_streams_are_written_at_once(tmp_path: Path) ->
         async def main() -> list[bool]:
             runner = asyncio.ensure_future(pub.run())
             objects.gate.clear()
-            pub.enqueue({p: h.meta(p) for p in paths})
+            pub.enqueue({p: desc(h, p) for p in paths})
             await asyncio.sleep(0.05)
             assert objects.now == 8  # as many as it may, no more
             early = await pub.published("s0", 0.05)
@@ -109,7 +115,7 @@ def test_a_change_while_its_stream_is_written_is_written_after_it(tmp_path: Path
         objects = HeldStore(tmp_path / "objects")
         pub = Publisher(h.store, h.committer, objects)  # type: ignore[arg-type]
         h.create("p")
-        made = h.meta("p")
+        made = desc(h, "p")
 
         async def main() -> None:
             runner = asyncio.ensure_future(pub.run())
@@ -117,7 +123,7 @@ def test_a_change_while_its_stream_is_written_is_written_after_it(tmp_path: Path
             pub.enqueue({"p": made})
             await asyncio.sleep(0.05)
             h.append("p", b"", close=True)  # (a closed stream: a new descriptor)
-            pub.enqueue({"p": h.meta("p")})
+            pub.enqueue({"p": desc(h, "p")})
             await asyncio.sleep(0.05)
             assert objects.now == 1  # not a second write of the same key meanwhile
             objects.gate.set()
@@ -143,7 +149,7 @@ def test_a_failing_store_is_tried_again(tmp_path: Path) -> None:
 
         async def main() -> bool:
             runner = asyncio.ensure_future(pub.run())
-            pub.enqueue({"f": h.meta("f")})
+            pub.enqueue({"f": desc(h, "f")})
             ok = await pub.published("f", 10)  # backoff 0.2 s, then 0.4 s
             await stopped(runner)
             return ok
@@ -160,19 +166,35 @@ def test_a_mark_goes_only_when_the_store_has_the_stream_as_it_is(tmp_path: Path)
     h = harness(tmp_path)
     try:
         h.create("m")
-        before = h.meta("m")
-        assert before is not None
+        before = desc(h, "m")
         h.append("m", b"x", close=True)
         assert not h.run(lambda txn: h.store.published(txn, "m", before))  # an older descriptor
         assert marks(h) == {"m"}
         assert not h.run(lambda txn: h.store.published(txn, "m", None))  # "removed", but it is there
-        assert h.run(lambda txn: h.store.published(txn, "m", h.meta("m")))
+        assert h.run(lambda txn: h.store.published(txn, "m", desc(h, "m")))
         assert marks(h) == set()
         h.delete("m")
         assert marks(h) == {"m"}
         assert not h.run(lambda txn: h.store.published(txn, "m", before))  # it is gone now
         assert h.run(lambda txn: h.store.published(txn, "m", None))
         assert marks(h) == set()
+    finally:
+        h.close()
+
+
+def test_each_commit_hands_on_the_descriptor_as_it_left_the_stream(tmp_path: Path) -> None:
+    """The writer keeps changing its metadata objects after a commit; what a commit hands the
+    publisher is a snapshot taken on the writer thread. (It was the object itself: a close
+    committed while the create's descriptor was being written looked like the same change, and
+    the closed descriptor was never written.)"""
+    h = harness(tmp_path)
+    try:
+        h.create("n")
+        h.append("n", b"x", close=True)
+        h.loop.run_until_complete(asyncio.sleep(0.1))  # (commits' outcomes reach the loop)
+        published = [d.descriptors["n"] for d in h.durable if "n" in d.descriptors]
+        assert [d.closed for d in published] == [False, True]
+        assert published[1].final_offset is not None and published[0].final_offset is None
     finally:
         h.close()
 
@@ -192,7 +214,7 @@ def test_a_round_of_failures_backs_off_once(tmp_path: Path) -> None:
 
         async def main() -> list[bool]:
             runner = asyncio.ensure_future(pub.run())
-            pub.enqueue({p: h.meta(p) for p in paths})
+            pub.enqueue({p: desc(h, p) for p in paths})
             done = await asyncio.gather(*(pub.published(p, 3) for p in paths))
             await stopped(runner)
             return done

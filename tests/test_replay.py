@@ -21,6 +21,7 @@ from ingester.journal import FOLD_RECORDS
 from ingester.listing import _cursor_secret
 from ingester.records import ChunkRef
 from ingester.replay import ReplayGap, replay
+from ingester.store_sealing import descriptor_of
 from ingester.wal import WalEnv
 from ingester.writes import AppendRequest, SealPolicy
 from shared import offsets
@@ -100,7 +101,8 @@ def scenario(h: Harness, clock: Clock) -> None:
     for ref in refs[: len(refs) // 2]:
         h.run(partial(h.store.mark_sealed, ref=ref))
     for path in ("a", "j"):  # (written as the streams are now: their marks go)
-        assert h.run(partial(h.store.published, path=path, meta=h.meta(path)))
+        meta = h.meta(path)
+        assert h.run(partial(h.store.published, path=path, written=None if meta is None else descriptor_of(meta)))
     h.run(h.store.seal_aged)
     # forks: the source deleted while the fork reads it (soft), then the fork (both go)
     h.create("src")
