@@ -258,8 +258,10 @@ async def test_paging_reader_sees_every_byte_once_across_seals(
                     else:
                         got_bytes.append(p.body)
                 last_pos, offset = position(nxt), nxt
-                # now and then fall behind, so that what is left to read gets sealed meanwhile
-                await asyncio.sleep(pauses.choice((0, 0, 0, 0, 0, 0.05, 0.25)))
+                # now and then fall behind, so that what is left to read gets sealed meanwhile;
+                # once for longer than the reader remembers chunks missing from the store
+                # (--descriptor-ttl, 1 s), so that a page certainly comes from a sealed chunk
+                await asyncio.sleep(2.0 if polls == 3 else pauses.choice((0, 0, 0, 0, 0, 0.05, 0.25)))
             await w
             if is_json:
                 assert got == sent
