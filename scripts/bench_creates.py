@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-from bench_run import Server, ds3_problem, ds3_server, log, reference_server
+from bench_run import Server, cannot_run, ds3_server, log, reference_server
 
 
 async def _phase(base: str, method: str, paths: list[str], clients: int) -> dict[str, float]:
@@ -73,12 +73,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--clients", type=int, default=32)
     ap.add_argument("--json", type=Path, help="write the results here")
     p = ap.parse_args(argv)
-    problem = ds3_problem()
-    if problem:
-        log(f"bench_creates: {problem}")
-        return 2
-    if shutil.which("node") is None:
-        log("bench_creates: node is required (the reference server)")
+    if cannot_run("bench_creates", node_for="the reference server"):
         return 2
     work = Path(tempfile.mkdtemp(prefix="bench-creates-"))
     results: dict[str, Any] = {}

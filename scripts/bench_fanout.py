@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import psutil  # type: ignore[import-untyped, unused-ignore]
-from bench_run import CONFORMANCE, Server, ds3_problem, ensure_reference_deps, log, machine_busy
+from bench_run import CONFORMANCE, Server, cannot_run, ensure_reference_deps, log, machine_busy
 from benchlib import DS3, ROOT, free_port
 
 LOAD = ROOT / "scripts" / "bench_fanout.mjs"
@@ -217,12 +217,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--repeat", type=int, default=1, help="rounds per server (the best p99 is compared)")
     ap.add_argument("--json", type=Path, help="write the results here")
     p = ap.parse_args(argv)
-    problem = ds3_problem()
-    if problem:
-        log(f"bench_fanout: {problem}")
-        return 2
-    if shutil.which("node") is None:
-        log("bench_fanout: node is required (the load generator and the reference server)")
+    if cannot_run("bench_fanout", node_for="the load generator and the reference server"):
         return 2
     work = Path(tempfile.mkdtemp(prefix="bench-fanout-"))
     try:

@@ -220,6 +220,17 @@ def ds3_problem() -> str | None:
     return None
 
 
+def cannot_run(bench: str, node_for: str | None = None) -> bool:
+    """Say why `bench` cannot run here (ds3 not installed; node missing when it is needed, for
+    `node_for`), and whether so."""
+    problem = ds3_problem()
+    if problem is None and node_for is not None and shutil.which("node") is None:
+        problem = f"node is required ({node_for})"
+    if problem is not None:
+        log(f"{bench}: {problem}")
+    return problem is not None
+
+
 def ds3_long_poll_args(long_poll_ms: int) -> list[str]:
     """The ingester's long-poll timeout option, found in its --help (seconds unless the name says ms)."""
     r = subprocess.run([str(DS3), "ingester", "--help"], capture_output=True, text=True, timeout=60)
