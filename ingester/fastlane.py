@@ -53,11 +53,9 @@ from shared import offsets
 from shared import protocol as P
 from shared.buckets import split_internal
 from shared.errors import DS3Error, NotFound, Unavailable
-from shared.http.access import CLIENT_CLOSED
 from shared.http.handlers import stream_path_of
 from shared.http.lane import LANE, Lane, LaneHandler, LaneRunner, Message, catch_up_offset
 from shared.http.lane_live import live_slot, long_poll_query
-from shared.http.metrics import HttpMetrics
 
 
 class AppendLane(Lane):
@@ -117,8 +115,7 @@ class AppendLane(Lane):
         if msg.route == "stream_long_poll":
             offset, cursor = msg.note
             release = live_slot(self, handler, msg)
-            assert self.http is not None
-            _LongPoll(svc, handler, msg, path, rid, started).begin(offsets.parse(offset), cursor, release, self.http)
+            _LongPoll(svc, handler, msg, path, rid, started).begin(offsets.parse(offset), cursor, release)
         elif msg.method == b"HEAD":
             _Head(svc, handler, msg, path, rid, started).run()
         else:
@@ -238,17 +235,18 @@ class _Read(_LaneRead):
         svc = self.svc
         try:
             res = svc.reads.read_small(self.path, start, svc.config.max_read_bytes)
-            if res is None:
-                svc.reads.submit(svc.reads.read_sync, self.path, start, svc.config.max_read_bytes).add_done_callback(
-                    self.done)
-                return
-        except RuntimeError:  # (the read pool shut down: the ingester is stopping)
-            self.refused(Unavailable("the ingester is shutting down"))
-            return
         except Exception as e:
             self.refused(e)
             return
-        self.got(res)
+        if res is not None:
+            self.got(res)
+            return
+        try:
+            fut = svc.reads.submit(svc.reads.read_sync, self.path, start, svc.config.max_read_bytes)
+        except RuntimeError:  # (the read pool shut down: the ingester is stopping)
+            self.refused(Unavailable("the ingester is shutting down"))
+            return
+        fut.add_done_callback(self.done)
 
     def done(self, fut: asyncio.Future[ReadResult]) -> None:
         if not self.failed(fut):
@@ -282,10 +280,10 @@ class _LongPoll(_Read):
     change the stream, or the timeout; read again) with callbacks for its awaits. Holds its
     place among the live requests (live_slot) until it answers or the client leaves."""
 
-    __slots__ = ("cursor", "deadline", "gone", "http", "release", "seen", "start", "timer", "watching")
+    __slots__ = ("cursor", "deadline", "gone", "release", "seen", "start", "timer", "watching")
 
-    def begin(self, start: offsets.Offset, cursor: str | None, release: Callable[[], None], http: HttpMetrics) -> None:
-        self.start, self.cursor, self.release, self.http = start, cursor, release, http
+    def begin(self, start: offsets.Offset, cursor: str | None, release: Callable[[], None]) -> None:
+        self.start, self.cursor, self.release = start, cursor, release
         self.deadline = time.monotonic() + self.svc.config.long_poll_timeout
         self.timer: asyncio.TimerHandle | None = None
         self.gone = self.watching = False
@@ -356,8 +354,7 @@ class _LongPoll(_Read):
         """The client left, or the server stops, while it waited."""
         self.gone = True
         self.end()
-        self.http.in_flight -= 1
-        self.http.observe(self.msg.route, CLIENT_CLOSED, time.perf_counter() - self.started)
+        self.handler.abandoned(self.msg, self.started)
 
 
 class FastLaneRunner(LaneRunner):

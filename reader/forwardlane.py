@@ -70,8 +70,7 @@ class ForwardLane(Lane):
             if st is None:
                 return False
             self.st, self.router = st, st.router
-            token = st.router.internal_headers
-            self._tail = b"".join(f"{k}: {v}\r\n".encode("latin-1") for k, v in token.items())
+            self._tail = st.router.internal_lines
         return super().ready()
 
     def max_body(self) -> int:

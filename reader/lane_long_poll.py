@@ -7,14 +7,12 @@ gauge of the access middleware; a client that leaves frees its place at once."""
 from __future__ import annotations
 
 import asyncio
-import time
 from typing import TYPE_CHECKING, Final
 
 from reader.fanout import Answer
 from reader.proxy import DROP_RESPONSE, Upstream
 from shared import protocol as P
 from shared.errors import Unavailable
-from shared.http.access import CLIENT_CLOSED
 from shared.http.lane import LaneHandler, Message
 from shared.http.lane_live import live_slot
 from shared.logs import REQUEST_ID_HEADER
@@ -80,8 +78,7 @@ def serve_long_poll(lane: ForwardLane, handler: LaneHandler, msg: Message, rid: 
         ch.waiters.pop(fut, None)
         fut.cancel()
         release()
-        http.in_flight -= 1
-        http.observe(msg.route, CLIENT_CLOSED, time.perf_counter() - started)
+        handler.abandoned(msg, started)
 
     fut.add_done_callback(done)
     handler.pending_cancel = cancel

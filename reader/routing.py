@@ -65,6 +65,8 @@ class Router:
                  internal_headers: dict[str, str] | None = None, owner: OwnerWatcher | None = None) -> None:
         # sent with every request (reader.proxy.IngesterClient.internal_headers)
         self.internal_headers = internal_headers or {}
+        # the same as raw header lines, for requests on the pooled connections (fast lane, polls)
+        self.internal_lines = b"".join(f"{k}: {v}\r\n".encode("latin-1") for k, v in self.internal_headers.items())
         self._make_client = make_client
         self._make_pool = make_pool
         self.watcher = watcher
@@ -200,8 +202,7 @@ class Router:
         if pool is None:
             return await self.call(key, "GET", path_qs, {}, None)
         link.client.requests += 1
-        lines = [b"GET ", path_qs.encode("ascii"), b" HTTP/1.1\r\nHost: ", pool.netloc, b"\r\n"]
-        lines += (f"{k}: {v}\r\n".encode("latin-1") for k, v in self.internal_headers.items())
+        lines = [b"GET ", path_qs.encode("ascii"), b" HTTP/1.1\r\nHost: ", pool.netloc, b"\r\n", self.internal_lines]
         rid = request_id()
         if rid is not None:
             lines += (b"X-Request-Id: ", rid.encode("ascii"), b"\r\n")

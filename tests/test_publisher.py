@@ -8,8 +8,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 from ingester.publisher import Publisher
 from ingester.store_sealing import descriptor_of
@@ -64,8 +67,14 @@ async def stopped(runner: asyncio.Future[None]) -> None:
         await runner
 
 
-def harness(tmp_path: Path) -> Harness:
-    return Harness(tmp_path / "wal", Clock(), seal=SEAL)
+@pytest.fixture
+def hs(tmp_path: Path) -> Iterator[tuple[Harness, HeldStore]]:
+    """A WAL harness that marks descriptors to publish (a seal policy), and a held store."""
+    h = Harness(tmp_path / "wal", Clock(), seal=SEAL)
+    try:
+        yield h, HeldStore(tmp_path / "objects")
+    finally:
+        h.close()
 
 
 def desc(h: Harness, path: str) -> Any:
@@ -77,149 +86,127 @@ def marks(h: Harness) -> set[str]:
     return set(h.run(h.store.load_unpublished))
 
 
-def test_descriptors_of_different_streams_are_written_at_once(tmp_path: Path) -> None:
-    h = harness(tmp_path)
-    try:
-        objects = HeldStore(tmp_path / "objects")
-        pub = Publisher(h.store, h.committer, objects, concurrency=8)  # type: ignore[arg-type]
-        paths = [f"s{i}" for i in range(20)]
-        for p in paths:
-            h.create(p)
-        assert marks(h) == set(paths)
+def test_descriptors_of_different_streams_are_written_at_once(hs: tuple[Harness, HeldStore]) -> None:
+    h, objects = hs
+    pub = Publisher(h.store, h.committer, objects, concurrency=8)  # type: ignore[arg-type]
+    paths = [f"s{i}" for i in range(20)]
+    for p in paths:
+        h.create(p)
+    assert marks(h) == set(paths)
 
-        async def main() -> list[bool]:
-            runner = asyncio.ensure_future(pub.run())
-            objects.gate.clear()
-            pub.enqueue({p: desc(h, p) for p in paths})
-            await asyncio.sleep(0.05)
-            assert objects.now == 8  # as many as it may, no more
-            early = await pub.published("s0", 0.05)
-            objects.gate.set()
-            done = await asyncio.gather(*(pub.published(p, 5) for p in paths))
-            await asyncio.sleep(0.2)  # (the marks go in a commit of their own)
-            await stopped(runner)
-            return [early, *done]
+    async def main() -> list[bool]:
+        runner = asyncio.ensure_future(pub.run())
+        objects.gate.clear()
+        pub.enqueue({p: desc(h, p) for p in paths})
+        await asyncio.sleep(0.05)
+        assert objects.now == 8  # as many as it may, no more
+        early = await pub.published("s0", 0.05)
+        objects.gate.set()
+        done = await asyncio.gather(*(pub.published(p, 5) for p in paths))
+        await asyncio.sleep(0.2)  # (the marks go in a commit of their own)
+        await stopped(runner)
+        return [early, *done]
 
-        early, *done = h.loop.run_until_complete(main())
-        assert not early and all(done)
-        assert objects.most == 8
-        assert all(objects.stored(p)["uid"] == h.meta(p).uid for p in paths)  # type: ignore[index, union-attr]
-        assert marks(h) == set()
-    finally:
-        h.close()
+    early, *done = h.loop.run_until_complete(main())
+    assert not early and all(done)
+    assert objects.most == 8
+    assert all(objects.stored(p)["uid"] == h.meta(p).uid for p in paths)  # type: ignore[index, union-attr]
+    assert marks(h) == set()
 
 
-def test_a_change_while_its_stream_is_written_is_written_after_it(tmp_path: Path) -> None:
-    h = harness(tmp_path)
-    try:
-        objects = HeldStore(tmp_path / "objects")
-        pub = Publisher(h.store, h.committer, objects)  # type: ignore[arg-type]
-        h.create("p")
-        made = desc(h, "p")
+def test_a_change_while_its_stream_is_written_is_written_after_it(hs: tuple[Harness, HeldStore]) -> None:
+    h, objects = hs
+    pub = Publisher(h.store, h.committer, objects)  # type: ignore[arg-type]
+    h.create("p")
+    made = desc(h, "p")
 
-        async def main() -> None:
-            runner = asyncio.ensure_future(pub.run())
-            objects.gate.clear()
-            pub.enqueue({"p": made})
-            await asyncio.sleep(0.05)
-            h.append("p", b"", close=True)  # (a closed stream: a new descriptor)
-            pub.enqueue({"p": desc(h, "p")})
-            await asyncio.sleep(0.05)
-            assert objects.now == 1  # not a second write of the same key meanwhile
-            objects.gate.set()
-            assert await pub.published("p", 5)
-            await asyncio.sleep(0.2)
-            await stopped(runner)
+    async def main() -> None:
+        runner = asyncio.ensure_future(pub.run())
+        objects.gate.clear()
+        pub.enqueue({"p": made})
+        await asyncio.sleep(0.05)
+        h.append("p", b"", close=True)  # (a closed stream: a new descriptor)
+        pub.enqueue({"p": desc(h, "p")})
+        await asyncio.sleep(0.05)
+        assert objects.now == 1  # not a second write of the same key meanwhile
+        objects.gate.set()
+        assert await pub.published("p", 5)
+        await asyncio.sleep(0.2)
+        await stopped(runner)
 
-        h.loop.run_until_complete(main())
-        assert objects.writes == 2
-        assert objects.stored("p")["closed"] is True  # type: ignore[index]
-        assert marks(h) == set()
-    finally:
-        h.close()
+    h.loop.run_until_complete(main())
+    assert objects.writes == 2
+    assert objects.stored("p")["closed"] is True  # type: ignore[index]
+    assert marks(h) == set()
 
 
-def test_a_failing_store_is_tried_again(tmp_path: Path) -> None:
-    h = harness(tmp_path)
-    try:
-        objects = HeldStore(tmp_path / "objects")
-        objects.fail = 2
-        pub = Publisher(h.store, h.committer, objects)  # type: ignore[arg-type]
-        h.create("f")
+def test_a_failing_store_is_tried_again(hs: tuple[Harness, HeldStore]) -> None:
+    h, objects = hs
+    objects.fail = 2
+    pub = Publisher(h.store, h.committer, objects)  # type: ignore[arg-type]
+    h.create("f")
 
-        async def main() -> bool:
-            runner = asyncio.ensure_future(pub.run())
-            pub.enqueue({"f": desc(h, "f")})
-            ok = await pub.published("f", 10)  # backoff 0.2 s, then 0.4 s
-            await stopped(runner)
-            return ok
+    async def main() -> bool:
+        runner = asyncio.ensure_future(pub.run())
+        pub.enqueue({"f": desc(h, "f")})
+        ok = await pub.published("f", 10)  # backoff 0.2 s, then 0.4 s
+        await stopped(runner)
+        return ok
 
-        assert h.loop.run_until_complete(main())
-        assert objects.writes == 3 and objects.stored("f") is not None
-    finally:
-        h.close()
+    assert h.loop.run_until_complete(main())
+    assert objects.writes == 3 and objects.stored("f") is not None
 
 
-def test_a_mark_goes_only_when_the_store_has_the_stream_as_it_is(tmp_path: Path) -> None:
+def test_a_mark_goes_only_when_the_store_has_the_stream_as_it_is(hs: tuple[Harness, HeldStore]) -> None:
     """What was written is compared with the stream now (Store.published): a change committed
     meanwhile keeps its mark, so a crash before its own descriptor is written cannot lose it."""
-    h = harness(tmp_path)
-    try:
-        h.create("m")
-        before = desc(h, "m")
-        h.append("m", b"x", close=True)
-        assert not h.run(lambda txn: h.store.published(txn, "m", before))  # an older descriptor
-        assert marks(h) == {"m"}
-        assert not h.run(lambda txn: h.store.published(txn, "m", None))  # "removed", but it is there
-        assert h.run(lambda txn: h.store.published(txn, "m", desc(h, "m")))
-        assert marks(h) == set()
-        h.delete("m")
-        assert marks(h) == {"m"}
-        assert not h.run(lambda txn: h.store.published(txn, "m", before))  # it is gone now
-        assert h.run(lambda txn: h.store.published(txn, "m", None))
-        assert marks(h) == set()
-    finally:
-        h.close()
+    h, _ = hs
+    h.create("m")
+    before = desc(h, "m")
+    h.append("m", b"x", close=True)
+    assert not h.run(lambda txn: h.store.published(txn, "m", before))  # an older descriptor
+    assert marks(h) == {"m"}
+    assert not h.run(lambda txn: h.store.published(txn, "m", None))  # "removed", but it is there
+    assert h.run(lambda txn: h.store.published(txn, "m", desc(h, "m")))
+    assert marks(h) == set()
+    h.delete("m")
+    assert marks(h) == {"m"}
+    assert not h.run(lambda txn: h.store.published(txn, "m", before))  # it is gone now
+    assert h.run(lambda txn: h.store.published(txn, "m", None))
+    assert marks(h) == set()
 
 
-def test_each_commit_hands_on_the_descriptor_as_it_left_the_stream(tmp_path: Path) -> None:
+def test_each_commit_hands_on_the_descriptor_as_it_left_the_stream(hs: tuple[Harness, HeldStore]) -> None:
     """The writer keeps changing its metadata objects after a commit; what a commit hands the
     publisher is a snapshot taken on the writer thread. (It was the object itself: a close
     committed while the create's descriptor was being written looked like the same change, and
     the closed descriptor was never written.)"""
-    h = harness(tmp_path)
-    try:
-        h.create("n")
-        h.append("n", b"x", close=True)
-        h.loop.run_until_complete(asyncio.sleep(0.1))  # (commits' outcomes reach the loop)
-        published = [d.descriptors["n"] for d in h.durable if "n" in d.descriptors]
-        assert [d.closed for d in published] == [False, True]
-        assert published[1].final_offset is not None and published[0].final_offset is None
-    finally:
-        h.close()
+    h, _ = hs
+    h.create("n")
+    h.append("n", b"x", close=True)
+    h.loop.run_until_complete(asyncio.sleep(0.1))  # (commits' outcomes reach the loop)
+    published = [d.descriptors["n"] for d in h.durable if "n" in d.descriptors]
+    assert [d.closed for d in published] == [False, True]
+    assert published[1].final_offset is not None and published[0].final_offset is None
 
 
-def test_a_round_of_failures_backs_off_once(tmp_path: Path) -> None:
+def test_a_round_of_failures_backs_off_once(hs: tuple[Harness, HeldStore]) -> None:
     """Every write of two rounds fails (the store is down a moment): each next round comes after
     one backoff step (0.2 s, then 0.4 s), not one per failed write (16 doublings a round: the
     30 s cap before the third round)."""
-    h = harness(tmp_path)
-    try:
-        objects = HeldStore(tmp_path / "objects")
-        objects.fail = 32
-        pub = Publisher(h.store, h.committer, objects, concurrency=16)  # type: ignore[arg-type]
-        paths = [f"r{i}" for i in range(16)]
-        for p in paths:
-            h.create(p)
+    h, objects = hs
+    objects.fail = 32
+    pub = Publisher(h.store, h.committer, objects, concurrency=16)  # type: ignore[arg-type]
+    paths = [f"r{i}" for i in range(16)]
+    for p in paths:
+        h.create(p)
 
-        async def main() -> list[bool]:
-            runner = asyncio.ensure_future(pub.run())
-            pub.enqueue({p: desc(h, p) for p in paths})
-            done = await asyncio.gather(*(pub.published(p, 3) for p in paths))
-            await stopped(runner)
-            return done
+    async def main() -> list[bool]:
+        runner = asyncio.ensure_future(pub.run())
+        pub.enqueue({p: desc(h, p) for p in paths})
+        done = await asyncio.gather(*(pub.published(p, 3) for p in paths))
+        await stopped(runner)
+        return done
 
-        assert all(h.loop.run_until_complete(main()))
-        assert objects.writes == 48
-    finally:
-        h.close()
+    assert all(h.loop.run_until_complete(main()))
+    assert objects.writes == 48

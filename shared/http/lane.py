@@ -58,7 +58,7 @@ from shared import protocol as P
 from shared.auth.authenticate import Authenticator
 from shared.auth.policy import Principal, target_of
 from shared.errors import DS3Error, RequestTimeout
-from shared.http.access import log_access
+from shared.http.access import CLIENT_CLOSED, log_access
 from shared.http.auth import ACCEPTS_INTERNAL, AUTH, INTERNAL_HEADER, private_head, private_headers
 from shared.http.handlers import BODY_TIMEOUT, error_response
 from shared.http.limits import LIMITS, Limits
@@ -535,6 +535,14 @@ class LaneHandler(RequestHandler):
         else:
             log.error("internal error on %s %s (request %s)", msg.method.decode(), msg.url[:200], rid, exc_info=e)
             self.answer(msg, 500, _INTERNAL_ERROR, _INTERNAL_ERROR_BODY, rid, started)
+
+    def abandoned(self, msg: Message, started: float) -> None:
+        """`msg` will not be answered: its client left (or the server stops) while it waited.
+        Counted as aiohttp's access middleware counts a cancelled handler (499)."""
+        http = self._lane.http
+        assert http is not None
+        http.in_flight -= 1
+        http.observe(msg.route, CLIENT_CLOSED, time.perf_counter() - started)
 
     def answer(self, msg: Message, status: int, headers: dict[str, str], body: bytes, rid: str, started: float,
                *, head: bytes | None = None) -> None:
