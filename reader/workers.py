@@ -10,8 +10,6 @@ benchmark, one core busy and the other idle). Because the parent holds every set
 that dies loses only the connections it had accepted: those queued on its socket wait there
 for its replacement, which inherits the same socket. The parent serves nothing itself:
 
-The parent serves nothing itself:
-
 - a worker that dies is started again (after a short, capped pause); if workers keep dying as
   they start (a port in use, a bad setting the parent could not see), the parent gives up and
   exits 1 rather than spin;
