@@ -64,6 +64,9 @@ class AppendLane(Lane):
 
     methods = frozenset({b"POST", b"HEAD", b"GET"})
     query_methods = frozenset({b"GET"})
+    # A reader pipelines the appends of many clients down one connection (reader/upstream.py):
+    # each is submitted as it arrives, so they share group commits, and answered in order.
+    alongside = frozenset({b"POST"})
 
     def __init__(self, app: web.Application) -> None:
         super().__init__(app)

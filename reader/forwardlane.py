@@ -236,7 +236,7 @@ class _Forward:
         self.link = to
         to.client.requests += 1
         request = self.lane._upstream_request(self.msg, self.body, self.peer, self.rid, to.pool.netloc)
-        to.pool.request(request, self.msg.method == b"HEAD", self.done)
+        to.pool.request(request, self.msg.method == b"HEAD", self.done, pipelined=self.post)
 
     def done(self, answer: Answer | Unavailable) -> None:
         lane, msg = self.lane, self.msg

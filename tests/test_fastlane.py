@@ -235,6 +235,31 @@ def test_thousands_of_pipelined_appends_in_one_write(servers: tuple[procs.Proc, 
         assert offsets == sorted(offsets) and len(set(offsets)) == n
 
 
+def _commits(p: procs.Proc) -> float:
+    with urllib.request.urlopen(f"{p.url}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    m = re.search(r"^ds3_wal_commit_batch_size_count (\S+)$", text, re.M)
+    return float(m.group(1)) if m else -1.0
+
+
+def test_pipelined_appends_share_group_commits_and_a_head_after_them_sees_them(
+        servers: tuple[procs.Proc, procs.Proc]) -> None:
+    """A reader pipelines its clients' appends down one connection: the lane takes each as it
+    arrives, so they share commits (before: one commit per append, one after the other). A
+    HEAD after them waits for their answers and sees every one."""
+    fast, _ = servers
+    paths = [f"/v1/stream/share-{i}" for i in range(20)]
+    for path in paths:
+        exchange(fast.port, put(path, "Content-Type: text/plain"))
+    before = _commits(fast)
+    burst = b"".join(post(path, b"x" * (i + 1), "Content-Type: text/plain") for i, path in enumerate(paths))
+    answers = pipeline(fast.port, [burst + head(paths[-1])], 21)
+    assert [parsed(a)[0] for a in answers] == [204] * 20 + [200]
+    assert _commits(fast) - before < 10
+    assert parsed(answers[-1])[1]["stream-next-offset"] == parsed(answers[-2])[1]["stream-next-offset"]
+    assert [read_all(fast.port, path) for path in paths] == [b"x" * (i + 1) for i in range(20)]
+
+
 @pytest.mark.parametrize("n", [30, 1000])
 def test_pipelined_refusals_are_each_answered(servers: tuple[procs.Proc, procs.Proc], n: int) -> None:
     """Before: a RecursionError after ~196 answers given at once (answer -> next message).

@@ -183,6 +183,38 @@ def test_plain_requests_take_the_lane_and_upstream_connections_are_reused(tier: 
     assert lane_count(tier.slow) == 0
 
 
+def test_many_clients_appends_share_one_upstream_connection(tier: Tier) -> None:
+    """24 clients appending at once: their appends go down the pipe (reader/upstream.py), not a
+    connection each, and every client's appends land in its order."""
+    fast = tier.fast
+    paths = [f"/v1/stream/pipe-client-{i}" for i in range(24)]
+    for path in paths:
+        exchange(fast.port, put(path, TEXT))
+    errors: list[BaseException] = []
+
+    def client(path: str) -> None:
+        try:
+            with socket.create_connection(("127.0.0.1", fast.port), timeout=30) as s:
+                for i in range(40):
+                    s.sendall(post(path, b"%d," % i, TEXT))
+                    buf = b""
+                    while b"\r\n\r\n" not in buf:
+                        buf += s.recv(65536)
+                    assert buf.startswith(b"HTTP/1.1 204"), buf[:200]
+        except BaseException as e:  # (reported below)
+            errors.append(e)
+
+    threads = [threading.Thread(target=client, args=(path,)) for path in paths]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors[:3]
+    assert metric(fast, "ds3_reader_lane_upstream_connections") <= 4
+    expected = b"".join(b"%d," % i for i in range(40))
+    assert all(read_all(fast.port, path) == expected for path in paths)
+
+
 @pytest.mark.parametrize("n", [30, 2000])
 def test_pipelined_appends_and_heads_are_answered_in_order(tier: Tier, n: int) -> None:
     """(aiohttp's path is slow with long pipelines: it is compared on 30.)"""

@@ -28,6 +28,15 @@ lane answer is pending nothing after it is taken, so answers keep the request or
 given at once (a refusal) lets the same loop go on (no recursion), and each byte is looked at a
 bounded number of times (linear in a pipeline).
 
+Pipelined appends are the exception: a Lane may name methods it serves alongside answers still
+pending (`Lane.alongside`: the ingester's POSTs). A reader sends the appends of many clients down
+one upstream connection without waiting (reader/upstream.py); the ingester takes each as it
+arrives, so they share a group commit, and answers them in request order (an answer that is
+ready before an earlier one waits for it). Answers that become ready in one loop iteration leave
+in one send (`_flush`): a commit's answers to one connection cost one syscall, not one each. A
+request of another kind after them (a HEAD, a read, anything aiohttp's) waits until they are
+answered, so it sees their effects, as it would on a connection of its own.
+
 The lane writes the access log line aiohttp's path would (shared.http.access.log_access). With
 auth on it applies the auth middleware's checks (shared/http/auth.py) first and takes only what
 they allow at once: a request with no Authorization header, a static token, or a JWT verified
@@ -43,6 +52,7 @@ import logging
 import os
 import re
 import time
+from collections import deque
 from collections.abc import Callable
 from email.utils import formatdate
 from http import HTTPStatus
@@ -104,7 +114,7 @@ class Message:
     """A request the lane took: where it ends in the buffer, its head, and (once in) its body."""
 
     __slots__ = ("caller", "head_len", "headers", "internal", "method", "note", "pairs", "path", "private", "query",
-                 "route", "total", "url")
+                 "reply", "route", "total", "url")
 
     def __init__(self, method: bytes, head_len: int, total: int, url: bytes, headers: dict[bytes, bytes],
                  pairs: list[tuple[bytes, bytes]]) -> None:
@@ -117,6 +127,7 @@ class Message:
         self.caller: Principal | None = None  # who the Authorization header names (auth on)
         self.internal = False  # a reader sent the (checked) internal token
         self.private = False  # the answer must not be kept by shared caches (a private stream)
+        self.reply: bytes | None = None  # its answer, ready while an earlier one is still pending
 
     def header(self, name: bytes) -> str | None:
         """A header's value decoded like aiohttp's (`name` lower case)."""
@@ -137,6 +148,10 @@ class Lane:
 
     methods: frozenset[bytes] = frozenset({b"POST"})
     query_methods: frozenset[bytes] = frozenset()  # methods whose URLs may have a query (accepts() judges it)
+    # Methods taken while earlier answers of the same kind are pending (pipelined appends), at
+    # most `max_alongside` at once on a connection.
+    alongside: frozenset[bytes] = frozenset()
+    max_alongside: int = 64
 
     def __init__(self, app: web.Application) -> None:
         self.app = app
@@ -147,6 +162,7 @@ class Lane:
         self.accepts_internal = False  # the service takes the internal token (the ingester)
         self.served_by_route: dict[str, int] = {}  # requests answered by the lane, by route label
         self.prefixes = tuple(m + p for m in sorted(self.methods) for p in (b" /v1/stream/", b" /v1/buckets/"))
+        self.alongside_prefixes = tuple(m + b" " for m in sorted(self.alongside))
         self._date = ""
         self._date_at = 0
 
@@ -314,8 +330,13 @@ class LaneHandler(RequestHandler):
         self._pos = 0
         self._pumping = False
         self._fast: Message | None = None  # a lane message whose body is still arriving
-        self._answering = False  # a lane answer is pending: nothing after it is taken yet
-        self._drained: asyncio.Future[None] | None = None  # shutdown waits on it for that answer
+        # Lane messages served and not yet answered on the wire, in request order: while there
+        # are any, only a message the Lane serves alongside them is taken (see the docstring).
+        self._waiting: deque[Message] = deque()
+        self._out: list[bytes] = []  # answers ready in request order, sent at the end of this loop iteration
+        self._flush_due = False  # a _flush is scheduled
+        self._late = False  # a body came too late behind pending answers: the 408 follows them
+        self._drained: asyncio.Future[None] | None = None  # shutdown waits on it for the pending answers
         self._paused_by_lane = False
         self._body_timer: asyncio.TimerHandle | None = None
         self._watched = False
@@ -353,7 +374,7 @@ class LaneHandler(RequestHandler):
             return
         self._pumping = True
         try:
-            while not self._answering and self._pos < len(self._buf) and not self._lane_off:
+            while self._pos < len(self._buf) and not self._lane_off:
                 if not self._step():
                     break
             buf = self._buf
@@ -365,10 +386,10 @@ class LaneHandler(RequestHandler):
                 self._pos = 0
             held = len(buf) - self._pos
             if self.transport is not None:
-                if self._answering and held > _PAUSE_ABOVE and not self._paused_by_lane:
+                if self._waiting and held > _PAUSE_ABOVE and not self._paused_by_lane:
                     self._paused_by_lane = True
                     self.transport.pause_reading()
-                elif self._paused_by_lane and (not self._answering or held <= _PAUSE_ABOVE):
+                elif self._paused_by_lane and (not self._waiting or held <= _PAUSE_ABOVE):
                     self._paused_by_lane = False
                     self.transport.resume_reading()
         finally:
@@ -378,15 +399,23 @@ class LaneHandler(RequestHandler):
         """Handle the message at the buffer's position; False when it needs more bytes."""
         buf, pos = self._buf, self._pos
         fast = self._fast
-        if fast is None and self._follower.between and self._aiohttp_idle() and self._lane.ready():
+        if self._late:
+            return False
+        if fast is None and self._waiting:
+            # Answers are pending: only a message served alongside them is taken now; anything
+            # else waits in the buffer until they are out.
+            if not self._joins(buf, pos):
+                return False
+            verdict = self._candidate(buf, pos)
+            if not verdict:
+                return False  # not complete yet, or not one to serve alongside: after the answers
+            fast = self._take(verdict)
+        elif fast is None and self._follower.between and self._aiohttp_idle() and self._lane.ready():
             verdict = self._candidate(buf, pos)
             if verdict is None:
                 return False  # a head that may be the lane's is not complete yet
             if verdict is not False:
-                fast = self._fast = verdict
-                if len(buf) - pos < fast.total:
-                    # the body must arrive within the body timeout, as through aiohttp (read_body)
-                    self._body_timer = self._loop.call_later(self._lane.body_timeout(), self._body_late)
+                fast = self._take(verdict)
         if fast is not None:
             if len(buf) - pos < fast.total:
                 return False
@@ -396,7 +425,7 @@ class LaneHandler(RequestHandler):
             body = bytes(buf[pos + fast.head_len: pos + fast.total])
             self._pos = pos + fast.total
             self._fast = None
-            self._answering = True
+            self._waiting.append(fast)
             self._serve(fast, body)
             return True
         # aiohttp's: all we hold goes to it (it queues pipelined messages itself), and the
@@ -409,6 +438,23 @@ class LaneHandler(RequestHandler):
             self._lane_off = True  # aiohttp parses the same bytes and answers 400
         super().data_received(chunk)
         return True
+
+    def _take(self, msg: Message) -> Message:
+        """`msg` is the lane's: it is taken once its body is in."""
+        self._fast = msg
+        if len(self._buf) - self._pos < msg.total:
+            # the body must arrive within the body timeout, as through aiohttp (read_body)
+            self._body_timer = self._loop.call_later(self._lane.body_timeout(), self._body_late)
+        return msg
+
+    def _joins(self, buf: bytearray, pos: int) -> bool:
+        """Whether the message at `pos` may be taken while the pending answers are: they are of
+        a kind the Lane serves alongside each other, there is room, and it looks like one."""
+        lane = self._lane
+        waiting = self._waiting
+        if len(waiting) >= lane.max_alongside or waiting[0].method not in lane.alongside:
+            return False  # (all pending are alongside-kind when the first is: nothing else joins it)
+        return any(buf.startswith(prefix, pos) for prefix in lane.alongside_prefixes)
 
     def _candidate(self, buf: bytearray, pos: int) -> Message | Literal[False] | None:
         """The message at `pos` as one the lane answers; None if its head is not all here yet;
@@ -474,9 +520,13 @@ class LaneHandler(RequestHandler):
         return True
 
     def _body_late(self) -> None:
-        """A client trickling a body (slowloris): 408 and close, as aiohttp's path does."""
+        """A client trickling a body (slowloris): 408 and close, as aiohttp's path does (after
+        the answers to the appends before it, when they are pending: answer() calls back)."""
         fast = self._fast
         self._body_timer = None
+        if self._waiting:
+            self._late = True
+            return
         self._lane_off = True
         http = self._lane.http
         timeout = self._lane.body_timeout()
@@ -565,14 +615,47 @@ class LaneHandler(RequestHandler):
                 headers = private_headers(headers)
             else:
                 head = private_head(head)
-        self._write(status, headers, body, rid, head=head, send_body=msg.method != b"HEAD")
+        reply = self._reply(status, headers, body, rid, head=head, send_body=msg.method != b"HEAD")
         if self._keepalive_timeout > 0:  # the connection was busy, not idle
             self._next_keepalive_close_time = self._loop.time() + self._keepalive_timeout
-        self._answering = False
-        drained, self._drained = self._drained, None
-        if drained is not None and not drained.done():
-            drained.set_result(None)
+        waiting = self._waiting
+        if not waiting or waiting[0] is not msg:
+            if msg in waiting:  # an earlier answer is still pending: this one waits for it
+                msg.reply = reply
+            return  # (else nothing waits for it any more: its client left)
+        waiting.popleft()
+        out = self._out
+        out.append(reply)
+        while waiting and waiting[0].reply is not None:
+            ready = waiting.popleft()
+            out.append(cast(bytes, ready.reply))
+            ready.reply = None
+        if not waiting:
+            self._flush()
+        elif not self._flush_due:  # more may be answered in this loop iteration (a group commit's): one send
+            self._flush_due = True
+            self._loop.call_soon(self._flush)
+        if not waiting:
+            drained, self._drained = self._drained, None
+            if drained is not None and not drained.done():
+                drained.set_result(None)
+            if self._late:
+                self._late = False
+                self._body_late()
+                return
         self._pump()  # what came after it (a no-op when the answer came from inside the pump)
+
+    def _flush(self) -> None:
+        """Send the answers that are ready, in one write."""
+        self._flush_due = False
+        out = self._out
+        if not out:
+            return
+        data = out[0] if len(out) == 1 else b"".join(out)
+        out.clear()
+        transport = self.transport
+        if transport is not None and not transport.is_closing():
+            transport.write(data)
 
     def _log_access(self, msg: Message, status: int, seconds: float, sent: int, rid: str) -> None:
         peer = self.peer()
@@ -583,8 +666,16 @@ class LaneHandler(RequestHandler):
         log_access(rid, msg.method.decode(), msg.url.decode("utf-8", "surrogateescape"), msg.route, status, seconds,
                    sent, client, msg.caller.subject if msg.caller is not None else None)
 
-    def _write(self, status: int, headers: dict[str, str], body: bytes, rid: str, *, head: bytes | None = None,
-               send_body: bool = True) -> None:
+    def _write(self, status: int, headers: dict[str, str], body: bytes, rid: str) -> None:
+        """Send an answer no lane message waits for (a refusal that ends the connection)."""
+        self._flush()
+        transport = self.transport
+        if transport is not None and not transport.is_closing():
+            transport.write(self._reply(status, headers, body, rid))
+
+    def _reply(self, status: int, headers: dict[str, str], body: bytes, rid: str, *, head: bytes | None = None,
+               send_body: bool = True) -> bytes:
+        """An answer's bytes. `head`: its header lines already serialised (see answer)."""
         if head is None:
             lines = [f"{name}: {value}\r\n" for name, value in headers.items()]
             if status != 204 and status != 304 and (send_body or body):
@@ -595,10 +686,7 @@ class LaneHandler(RequestHandler):
         if status_line is None:
             status_line = _STATUS_LINES[status] = f"HTTP/1.1 {status} {REASONS.get(status, 'Unknown')}\r\n".encode()
         tail = f"Date: {self._lane.date()}\r\nX-Request-Id: {rid}\r\n{COMMON_HEADERS}\r\n".encode("latin-1", "replace")
-        transport = self.transport
-        if transport is not None and not transport.is_closing():
-            transport.write(b"".join((status_line, head, tail, body)) if send_body and body else
-                            b"".join((status_line, head, tail)))
+        return b"".join((status_line, head, tail, body)) if send_body and body else b"".join((status_line, head, tail))
 
     # --- the end -------------------------------------------------------------------------
 
@@ -613,11 +701,11 @@ class LaneHandler(RequestHandler):
         cancel, self.pending_cancel = self.pending_cancel, None
         if cancel is not None:
             cancel()
-            self._answering = False
+            self._waiting.clear()  # (the one pending message: a long-poll is never pipelined)
 
     async def shutdown(self, timeout: float | None = 15.0) -> None:
         self._cancel_pending()  # a waiting long-poll is cut, as aiohttp cancels its handlers
-        if self._answering:  # let a pending answer go out first
+        if self._waiting:  # let the pending answers go out first
             self._drained = drained = self._loop.create_future()
             try:
                 await asyncio.wait_for(asyncio.shield(drained), timeout)
