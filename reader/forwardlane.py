@@ -1,15 +1,17 @@
-"""The reader's forwarding lane: appends, HEADs and reads at a stream's unsealed tail passed
-to the ingester without aiohttp's per-request objects on either side.
+"""The reader's forwarding lane: appends, creates, deletes, HEADs and reads at a stream's
+unsealed tail passed to the ingester without aiohttp's per-request objects on the reader.
 
 Writes and HEADs are the requests a reader only forwards (reader/http.py handle_stream). Through
 aiohttp each one costs the reader a server round (Request, task, middlewares) and a client round
 (ClientRequest, ClientResponse): about 0.4 ms of CPU, more than the ingester spends storing the
 append. Here a plain
 
-    POST or HEAD /v1/stream/{path} HTTP/1.1   (see shared/http/lane.py for what "plain" means)
+    POST, PUT, DELETE or HEAD /v1/stream/{path} HTTP/1.1   (see shared/http/lane.py for "plain")
+
+(a fork's create, whose source auth must check too, and a DELETE with a body are aiohttp's)
 
 is taken off the client's connection by the shared lane, checked as the aiohttp path checks it
-(the path, the write limits), rewritten once into the upstream request (the client's headers
+(the path, the write and create limits), rewritten once into the upstream request (the client's headers
 as sent, minus hop-by-hop ones, plus X-Forwarded-For, the internal token and the request id)
 and sent on a pooled keep-alive connection (reader/upstream.py); the ingester's answer goes back
 as it came, minus its hop-by-hop headers, with the reader's own Date, X-Request-Id and common
@@ -39,6 +41,7 @@ from reader.routing import MISDIRECTED, Link, Router
 from reader.state import READER, ReaderState, servable
 from reader.upstream import Answer
 from shared import offsets
+from shared import protocol as P
 from shared.errors import DS3Error, Unavailable
 from shared.http.handlers import stream_path_of
 from shared.http.lane import Lane, LaneHandler, LaneRunner, Message, catch_up_offset
@@ -48,13 +51,14 @@ from shared.placement import GENERATION_HEADER, placement_key
 log = logging.getLogger("ds3.reader.lane")
 
 _DROP_REQUEST: Final = frozenset(n.encode("ascii") for n in DROP_REQUEST) | {b"x-forwarded-for"}
+_FORKED_FROM: Final = P.FORKED_FROM.lower().encode("ascii")
 
 
 class ForwardLane(Lane):
     """Plain appends and HEADs, forwarded to the ingester over reader.upstream's pool, and
     long-polls the stream's live channel answers (reader.fanout)."""
 
-    methods = frozenset({b"POST", b"HEAD", b"GET"})
+    methods = frozenset({b"POST", b"HEAD", b"GET", b"PUT", b"DELETE"})
     query_methods = frozenset({b"GET"})
 
     def __init__(self, app: web.Application) -> None:
@@ -78,6 +82,10 @@ class ForwardLane(Lane):
         return min(super().max_body(), self.st.config.max_body_bytes)
 
     def accepts(self, handler: LaneHandler, msg: Message) -> bool:
+        if msg.method == b"PUT" and _FORKED_FROM in msg.headers:
+            return False  # a fork: auth checks its source too (aiohttp's path)
+        if msg.method == b"DELETE" and msg.total != msg.head_len:
+            return False  # a DELETE with a body: aiohttp's path (which does not pass it on)
         if msg.method != b"GET":
             try:
                 return self._routed(msg, self.stream_path(handler, msg))
@@ -153,13 +161,15 @@ class ForwardLane(Lane):
             else:
                 self._tail_read(handler, msg, rid, started)
             return
-        post = msg.method == b"POST"
-        if post:
+        write = msg.method != b"HEAD"
+        if write:
             client = handler.client(msg)
             if client is not None:
+                if msg.method == b"PUT":
+                    lim.take(lim.creates, client, "creates")
                 lim.take(lim.writes, client, "writes")
         st.forwarded += 1
-        _Forward(self, handler, msg, body, rid, started, post).send(msg.note)
+        _Forward(self, handler, msg, body, rid, started, write).send(msg.note)
 
     def _tail_read(self, handler: LaneHandler, msg: Message, rid: str, started: float) -> None:
         """Forwarded, or joined to the identical read already on its way (its answer is this
@@ -191,7 +201,7 @@ class ForwardLane(Lane):
         elif forwarded_for is not None:  # a unix socket's client: its proxies' header goes on as it came
             parts += (b"X-Forwarded-For: ", forwarded_for, b"\r\n")
         parts += (self._tail, b"X-Request-Id: ", rid.encode("ascii"), b"\r\n")
-        if msg.method == b"POST":
+        if msg.method == b"POST" or msg.method == b"PUT":
             parts += (b"Content-Length: ", str(len(body)).encode(), b"\r\n\r\n", body)
         else:
             parts.append(b"\r\n")
@@ -220,12 +230,12 @@ class _Forward:
     garbage only the collector frees (~28 objects per forwarded request, a 5-8% share of the
     reader's CPU in young collections at 10,000 appends/s)."""
 
-    __slots__ = ("body", "handler", "lane", "link", "msg", "path", "peer", "post", "retried", "rid", "started")
+    __slots__ = ("body", "handler", "lane", "link", "msg", "path", "peer", "retried", "rid", "started", "write")
 
     def __init__(self, lane: ForwardLane, handler: LaneHandler, msg: Message, body: bytes, rid: str,
-                 started: float, post: bool) -> None:
+                 started: float, write: bool) -> None:
         self.lane, self.handler, self.msg, self.body = lane, handler, msg, body
-        self.rid, self.started, self.post = rid, started, post
+        self.rid, self.started, self.write = rid, started, write
         self.path = lane.stream_path(handler, msg)
         self.peer = handler.peer()
         self.link: Link = msg.note
@@ -236,13 +246,15 @@ class _Forward:
         self.link = to
         to.client.requests += 1
         request = self.lane._upstream_request(self.msg, self.body, self.peer, self.rid, to.pool.netloc)
-        to.pool.request(request, self.msg.method == b"HEAD", self.done, pipelined=self.post)
+        # Appends are pipelined; a create or delete may wait for the store (its descriptor) and
+        # must not hold the appends behind it: a connection of its own, like reads.
+        to.pool.request(request, self.msg.method == b"HEAD", self.done, pipelined=self.msg.method == b"POST")
 
     def done(self, answer: Answer | Unavailable) -> None:
         lane, msg = self.lane, self.msg
         st, router = lane.st, lane.router
         assert st is not None and router is not None
-        if self.post:
+        if self.write:
             st.descriptors.forget(self.path)
         if isinstance(answer, Unavailable):
             log.warning("%s %s: %s", msg.method.decode(), msg.url[:200].decode("latin-1"), answer.message)

@@ -76,6 +76,15 @@ def head(path: str, *headers: str) -> bytes:
     return (f"HEAD {path} HTTP/1.1\r\nHost: t\r\n" + "".join(h + "\r\n" for h in headers) + "\r\n").encode("latin-1")
 
 
+def put_body(path: str, body: bytes, *headers: str) -> bytes:
+    head = f"PUT {path} HTTP/1.1\r\nHost: t\r\n" + "".join(h + "\r\n" for h in headers)
+    return head.encode("latin-1") + f"Content-Length: {len(body)}\r\n\r\n".encode() + body
+
+
+def delete(path: str, *headers: str) -> bytes:
+    return (f"DELETE {path} HTTP/1.1\r\nHost: t\r\n" + "".join(h + "\r\n" for h in headers) + "\r\n").encode()
+
+
 RID = "X-Request-Id: parity-0123456789"
 TEXT = "Content-Type: text/plain"
 
@@ -128,6 +137,30 @@ CASES: list[tuple[str, list[bytes], bytes]] = [
     ("head missing", [], head("/v1/stream/h-absent", RID)),
     ("head bad path", [], head("/v1/stream/a//b", RID)),
     ("head with If-None-Match", [put("/v1/stream/h5", TEXT)], head("/v1/stream/h5", 'If-None-Match: "x"', RID)),
+    # creates and deletes (the lane's since 2026-11-26; a fork's create stays aiohttp's)
+    ("create", [], put("/v1/stream/c-new", TEXT, RID)),
+    ("create json", [], put("/v1/stream/c-json", "Content-Type: application/json", RID)),
+    ("create, no content type", [], put("/v1/stream/c-none", RID)),
+    ("create with data", [], put_body("/v1/stream/c-data", b"hello", TEXT, RID)),
+    ("create json with data", [], put_body("/v1/stream/c-jdata", b'[{"a":1},{"b":2}]', "Content-Type: application/json", RID)),
+    ("create json with bad data", [], put_body("/v1/stream/c-jbad", b"{nope", "Content-Type: application/json", RID)),
+    ("create again, same", [put("/v1/stream/c-same", TEXT)], put("/v1/stream/c-same", TEXT, RID)),
+    ("create again, other type", [put("/v1/stream/c-other", TEXT)], put("/v1/stream/c-other", "Content-Type: application/json", RID)),
+    ("create closed", [], put("/v1/stream/c-closed", TEXT, "Stream-Closed: true", RID)),
+    ("create with ttl", [], put("/v1/stream/c-ttl", TEXT, "Stream-TTL: 3600", RID)),
+    ("create with expiry", [], put("/v1/stream/c-exp", TEXT, "Stream-Expires-At: 2099-01-01T00:00:00Z", RID)),
+    ("create with ttl and expiry", [], put("/v1/stream/c-both", TEXT, "Stream-TTL: 60",
+                                           "Stream-Expires-At: 2099-01-01T00:00:00Z", RID)),
+    ("create with a bad ttl", [], put("/v1/stream/c-badttl", TEXT, "Stream-TTL: soon", RID)),
+    ("create, invalid content type", [], put("/v1/stream/c-badct", "Content-Type: not a type", RID)),
+    ("create, fork offset alone", [], put("/v1/stream/c-fo", TEXT, "Stream-Fork-Offset: 0000000000000000_0000000000000000", RID)),
+    ("create a fork", [put("/v1/stream/c-src", TEXT), post("/v1/stream/c-src", b"abc", TEXT)],
+     put("/v1/stream/c-fork", TEXT, "Stream-Forked-From: /v1/stream/c-src", RID)),
+    ("create over the body limit", [], put_body("/v1/stream/c-big", b"x" * 100_001, TEXT, RID)),
+    ("create, bad path segment", [], put("/v1/stream/a//b", TEXT, RID)),
+    ("delete", [put("/v1/stream/d1", TEXT)], delete("/v1/stream/d1", RID)),
+    ("delete missing", [], delete("/v1/stream/absent", RID)),
+    ("delete twice", [put("/v1/stream/d2", TEXT), delete("/v1/stream/d2")], delete("/v1/stream/d2", RID)),
 ]
 
 
@@ -322,6 +355,44 @@ def test_write_limits_refuse_as_aiohttp_does(tmp_path: Path, tier: Tier) -> None
     finally:
         for p in limited:
             p.stop()
+
+
+def test_create_limits_refuse_as_aiohttp_does(tmp_path: Path, tier: Tier) -> None:
+    store = f"file://{tmp_path / 'objects'}"
+    limited = [procs.reader(tmp_path / n, tier.ingester.url, store, "--create-rate", "0.001", "--create-burst", "2")
+               for n in ("fast", "slow")]
+    limited[1].env["DS3_FAST_LANE"] = "0"
+    for p in limited:
+        p.start()
+    try:
+        answers = []
+        for p in limited:
+            paths = [f"/v1/stream/climit-{p.port}-{i}" for i in range(3)]
+            got = pipeline(p.port, [b"".join(put(path, TEXT, RID, AWAY) for path in paths)], 3)
+            answers.append([_normal(a, str(p.port)) for a in got])
+            assert [parsed(exchange(p.port, head(path))[0])[0] for path in paths] == [200, 200, 404]
+        assert [a[0] for a in answers[0]] == [201, 201, 429]
+        assert answers[0][2] == answers[1][2]
+    finally:
+        for p in limited:
+            p.stop()
+
+
+def test_creates_and_deletes_take_the_lane_and_forks_do_not(tier: Tier) -> None:
+    fast = tier.fast
+    before = lane_count(fast)
+    assert parsed(exchange(fast.port, put("/v1/stream/cd-lane", TEXT))[0])[0] == 201
+    assert parsed(exchange(fast.port, post("/v1/stream/cd-lane", b"abc", TEXT))[0])[0] == 204
+    assert lane_count(fast) - before == 2
+    fork = put("/v1/stream/cd-fork", TEXT, "Stream-Forked-From: /v1/stream/cd-lane")
+    assert parsed(exchange(fast.port, fork)[0])[0] == 201
+    assert lane_count(fast) - before == 2  # a fork's create is aiohttp's (auth checks its source)
+    assert read_all(fast.port, "/v1/stream/cd-fork") == b"abc"
+    assert parsed(exchange(fast.port, delete("/v1/stream/cd-lane"))[0])[0] == 204
+    assert lane_count(fast) - before == 3
+    # deleted (its fork keeps its data, so it is gone rather than unknown), seen as such at once
+    assert parsed(exchange(fast.port, head("/v1/stream/cd-lane"))[0])[0] == 410
+    assert read_all(fast.port, "/v1/stream/cd-fork") == b"abc"
 
 
 # ---------------------------------------------------------------- long-polls on the live channel
@@ -614,6 +685,12 @@ BUCKET_CASES: list[tuple[str, str, bool, int]] = [
     ("the bucket itself", "POST /v1/buckets/B", False, 405),
     ("the reserved stream id", "POST /v1/buckets/B/streams", False, 400),
     ("a nested stream id", "POST /v1/buckets/B/a/b", False, 400),
+    ("create a stream", "PUT /v1/buckets/B/new", True, 201),
+    ("create it again", "PUT /v1/buckets/B/s", True, 200),
+    ("create in a missing bucket", "PUT /v1/buckets/B-none/new", True, 404),
+    ("create the bucket again", "PUT /v1/buckets/B", False, 409),
+    ("delete a stream", "DELETE /v1/buckets/B/gone", True, 204),
+    ("delete a missing stream", "DELETE /v1/buckets/B/nothing", True, 404),
 ]
 
 
@@ -627,11 +704,16 @@ def test_a_bucket_s_streams_take_the_lane_as_aiohttp_answers_them(tier: Tier, re
             assert parsed(exchange(p.port, put(f"/v1/buckets/{bucket}/s", TEXT))[0])[0] == 201
         method, target = request_.split(" ")
         target = target.replace("/B", f"/{bucket}")
-        raw_request = post(target, b"x", TEXT, RID) if method == "POST" else head(target, RID)
+        if target.endswith("/new"):  # a stream to create: none of that name yet
+            target += uuid.uuid4().hex[:8]
+        if target.endswith("/gone"):  # a stream to delete
+            assert parsed(exchange(p.port, put(target, TEXT))[0])[0] == 201
+        raw_request = {"POST": post(target, b"x", TEXT, RID), "HEAD": head(target, RID), "PUT": put(target, TEXT, RID),
+                       "DELETE": delete(target, RID)}[method]
         before = lane_count(p)
         raw = exchange(p.port, raw_request, bodiless=method == "HEAD")[0]
         if p is tier.fast:
             assert lane_count(p) - before == (1 if taken else 0)
-        answers.append(_normal(raw.replace(bucket.encode(), b"BUCKET"), bucket))
+        answers.append(_normal(re.sub(rb"/new[0-9a-f]{8}", b"/new", raw.replace(bucket.encode(), b"BUCKET")), bucket))
     assert answers[0][0] == status, answers[0]
     assert answers[0] == answers[1]

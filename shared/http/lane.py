@@ -94,7 +94,8 @@ _MAX_HEAD: Final = 16 * 1024  # a candidate's head must be complete within this 
 _INTERNAL_HEADER: Final = INTERNAL_HEADER.lower().encode("ascii")
 _SINGLE_HEADERS: Final = frozenset({b"content-type", b"host", b"content-length"})  # aiohttp: 400 if repeated
 _PAUSE_ABOVE: Final = 256 * 1024  # unprocessed bytes held while an answer is pending
-ROUTES: Final = {b"POST": "stream_append", b"HEAD": "stream_head", b"GET": "stream_read"}
+ROUTES: Final = {b"POST": "stream_append", b"HEAD": "stream_head", b"GET": "stream_read", b"PUT": "stream_create",
+                  b"DELETE": "stream_delete"}  # (shared.http.metrics.STREAM_METHOD_ROUTES)
 _HEADER_KEYS: dict[str, bytes] = {}
 _STATUS_LINES: dict[int, bytes] = {}
 
