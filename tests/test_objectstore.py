@@ -244,6 +244,25 @@ async def test_if_absent_keeps_the_first(store: ObjectStore) -> None:
     assert store.counters.errors == 0
 
 
+async def test_a_put_not_yet_durable_is_whole_and_visible_and_sync_takes_any_keys(store: ObjectStore) -> None:
+    etag = await store.put("d/one", b"visible now", content_type="application/json", durable=False)
+    assert await store.get("d/one") == b"visible now"
+    info = await store.head("d/one")
+    assert info.etag == etag and info.size == 11 and info.content_type == "application/json"
+    await store.put("d/two", b"x", durable=False)
+    await store.put("d/two", b"replaced", durable=False)
+    await store.put("d/gone", b"x", durable=False)
+    await store.delete("d/gone")
+    await store.sync(["d/one", "d/two", "d/gone", "d/never", "elsewhere/never"])  # (missing keys are fine)
+    await store.sync([])
+    assert await store.get("d/two") == b"replaced"
+    assert await keys_of(store) == ["d/one", "d/two"]
+    # a conditional write stays conditional (and durable) whatever it asks
+    with pytest.raises(PreconditionFailed):
+        await store.put("d/one", b"again", if_absent=True, durable=False)
+    assert store.counters.errors == 0
+
+
 async def test_if_absent_concurrent_single_winner(store: ObjectStore) -> None:
     n = 12
 
@@ -357,6 +376,28 @@ async def test_local_files_are_the_objects(tmp_path: Path) -> None:
         assert (await store.head("x/y")).content_type == "text/plain"
         await store.put("x/y", b"again")  # no content type now: none reported
         assert (await store.head("x/y")).content_type is None
+
+
+async def test_local_fsyncs_are_deferred_to_sync(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """durable=False skips the file's and the directory's fsyncs; sync() makes them, each
+    directory once."""
+    synced: list[str] = []
+    real_fsync = os.fsync
+
+    def counting_fsync(fd: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real_fsync(fd)
+
+    async with open_store(tmp_path.as_uri()) as store:
+        monkeypatch.setattr(os, "fsync", counting_fsync)
+        await store.put("a/1", b"x", durable=False)
+        await store.put("a/2", b"y", durable=False)
+        assert synced == []
+        await store.sync(["a/1", "a/2", "a/missing"])
+        assert sorted(synced) == sorted([str(tmp_path / "a" / "1"), str(tmp_path / "a" / "2"), str(tmp_path / "a")])
+        synced.clear()
+        await store.put("a/3", b"z")  # durable: the temp file, then the directory
+        assert len(synced) == 2 and synced[1] == str(tmp_path / "a")
 
 
 async def test_local_crash_before_rename_leaves_no_object(tmp_path: Path) -> None:

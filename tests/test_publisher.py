@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +36,11 @@ class HeldStore:
         self.by_key: dict[str, int] = {}  # writes of each key in progress
         self.fail = 0  # the next this many writes fail
         self.writes = 0
+        self.sync_gate = asyncio.Event()
+        self.sync_gate.set()
+        self.sync_fail = 0  # the next this many syncs fail
+        self.synced: list[str] = []  # keys synced, in order
+        self.durable_kw: list[bool] = []  # each put's durable=
 
     async def put(self, key: str, data: bytes, **kw: Any) -> str:
         self.now += 1
@@ -48,6 +53,7 @@ class HeldStore:
             if self.fail:
                 self.fail -= 1
                 raise OSError("the store is down")
+            self.durable_kw.append(kw.get("durable", True))
             return await self.inner.put(key, data, **kw)
         finally:
             self.now -= 1
@@ -55,6 +61,14 @@ class HeldStore:
 
     async def delete(self, key: str) -> None:
         await self.inner.delete(key)
+
+    async def sync(self, keys: Collection[str]) -> None:
+        await self.sync_gate.wait()
+        if self.sync_fail:
+            self.sync_fail -= 1
+            raise OSError("the disk is gone")
+        await self.inner.sync(keys)
+        self.synced += keys
 
     def stored(self, path: str) -> dict[str, Any] | None:
         file = self.inner.root / keys.descriptor_key(path)
@@ -155,6 +169,56 @@ def test_a_failing_store_is_tried_again(hs: tuple[Harness, HeldStore]) -> None:
 
     assert h.loop.run_until_complete(main())
     assert objects.writes == 3 and objects.stored("f") is not None
+
+
+def test_a_create_is_acknowledged_before_its_descriptor_is_synced_and_the_mark_waits_for_the_sync(
+        hs: tuple[Harness, HeldStore]) -> None:
+    """Descriptors are written visible but not yet durable (no fsyncs each); the create is
+    acknowledged then, and its mark, what a restart writes again after a machine crash, is
+    dropped only once one sync has made every descriptor written meanwhile durable."""
+    h, objects = hs
+    pub = Publisher(h.store, h.committer, objects)  # type: ignore[arg-type]
+    paths = [f"d{i}" for i in range(5)]
+    for p in paths:
+        h.create(p)
+
+    async def main() -> None:
+        runner = asyncio.ensure_future(pub.run())
+        objects.sync_gate.clear()
+        pub.enqueue({p: desc(h, p) for p in paths})
+        assert all(await asyncio.gather(*(pub.published(p, 5) for p in paths)))  # acknowledged...
+        assert all(objects.stored(p) is not None for p in paths)  # ...visible to readers...
+        await asyncio.sleep(0.1)
+        assert marks(h) == set(paths)  # ...and the marks kept while the sync is held
+        objects.sync_gate.set()
+        for _ in range(100):
+            await asyncio.sleep(0.02)
+            if not marks(h):
+                break
+        await stopped(runner)
+
+    h.loop.run_until_complete(main())
+    assert objects.durable_kw == [False] * 5
+    assert sorted(objects.synced) == sorted(keys.descriptor_key(p) for p in paths)
+    assert marks(h) == set()
+
+
+def test_a_failed_sync_keeps_the_marks(hs: tuple[Harness, HeldStore]) -> None:
+    h, objects = hs
+    objects.sync_fail = 1
+    pub = Publisher(h.store, h.committer, objects)  # type: ignore[arg-type]
+    h.create("k")
+
+    async def main() -> None:
+        runner = asyncio.ensure_future(pub.run())
+        pub.enqueue({"k": desc(h, "k")})
+        assert await pub.published("k", 5)
+        await asyncio.sleep(0.2)
+        await stopped(runner)
+
+    h.loop.run_until_complete(main())
+    assert objects.stored("k") is not None
+    assert marks(h) == {"k"}  # a restart writes it again (Store.load_unpublished)
 
 
 def test_a_mark_goes_only_when_the_store_has_the_stream_as_it_is(hs: tuple[Harness, HeldStore]) -> None:

@@ -16,7 +16,7 @@ and the other way round.
 from __future__ import annotations
 
 import mmap
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Collection
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Final, Protocol, Self, runtime_checkable
@@ -84,8 +84,15 @@ class ObjectStore(Protocol):
         content_type: str | None = None,
         if_absent: bool = False,
         if_match: str | None = None,
+        durable: bool = True,
     ) -> str:
         """Write the whole object; returns its new ETag.
+
+        durable=False (unconditional writes only): the object is whole and visible when put
+        returns, but may not survive a crash of the machine until sync() of its key returns.
+        For a caller whose own log can write it again after such a crash (the ingester's
+        descriptor marks), so the wait for the disk is paid once per batch. A store whose
+        writes are always durable (S3) ignores it.
 
         Conditional writes (compare-and-swap; of several concurrent writers with the same
         condition exactly one wins, the others get PreconditionFailed and change nothing):
@@ -128,6 +135,10 @@ class ObjectStore(Protocol):
 
     async def delete(self, key: str) -> None:
         """Idempotent: deleting a missing key is not an error."""
+
+    async def sync(self, keys: Collection[str]) -> None:
+        """Make the durable=False puts of `keys` durable (a key since overwritten or deleted:
+        whatever it holds now). A no-op where every write is durable already."""
 
     async def delete_prefix(self, prefix: str) -> int:
         """Delete every key starting with prefix; returns how many were deleted."""

@@ -41,7 +41,7 @@ import mmap
 import os
 import tempfile
 import threading
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -189,12 +189,18 @@ class LocalStore:
         content_type: str | None = None,
         if_absent: bool = False,
         if_match: str | None = None,
+        durable: bool = True,
     ) -> str:
         if if_absent and if_match is not None:
             raise ValueError("put: if_absent and if_match exclude each other")
         path = self._path(key)
+        # durable=False (unconditional writes only): the same temp file and rename, without the
+        # file's and the directory's fsyncs; sync() makes them. Two fsyncs per object cost more
+        # than the rest of a small write (a create's descriptor).
+        durable = durable or if_absent or if_match is not None
         try:
-            etag = await asyncio.to_thread(self._put_sync, key, path, data, content_type, if_absent, if_match)
+            etag = await asyncio.to_thread(self._put_sync, key, path, data, content_type, if_absent, if_match,
+                                           durable)
         except PreconditionFailed:
             raise  # a lost race is an answer, not an error
         except ObjectStoreError:
@@ -206,7 +212,7 @@ class LocalStore:
         return etag
 
     def _put_sync(self, key: str, path: Path, data: bytes, content_type: str | None, if_absent: bool,
-                  if_match: str | None) -> str:
+                  if_match: str | None, durable: bool = True) -> str:
         if if_absent and self._unnamed:
             etag = self._create_unnamed(key, path, data, content_type)
             if etag is not None:
@@ -215,7 +221,7 @@ class LocalStore:
         published = False
         try:
             try:
-                etag, tagged = self._write_and_sync(fd, data, content_type)
+                etag, tagged = self._write_and_sync(fd, data, content_type, durable)
             finally:
                 os.close(fd)
             if if_absent:
@@ -234,7 +240,8 @@ class LocalStore:
             else:
                 os.replace(tmp, path)
                 published = True
-                fsync_dir(path.parent)
+                if durable:
+                    fsync_dir(path.parent)
             return etag
         except OSError as exc:
             raise _converted(key, exc) from exc
@@ -279,7 +286,7 @@ class LocalStore:
             finally:
                 os.close(fd)  # releases the flock
 
-    def _write_and_sync(self, fd: int, data: bytes, content_type: str | None) -> tuple[str, bool]:
+    def _write_and_sync(self, fd: int, data: bytes, content_type: str | None, durable: bool = True) -> tuple[str, bool]:
         """Into the new file `fd`: the data, the content type and MD5 attributes, fsync; the
         ETag, and whether it is the MD5 attribute's (else inode-mtime-size)."""
         os.fchmod(fd, 0o644)  # mkstemp makes 0600, O_TMPFILE the umask's; objects are not secrets
@@ -291,7 +298,8 @@ class LocalStore:
             self._set_xattr(fd, XATTR_CONTENT_TYPE, content_type)
         md5 = hashlib.md5(data, usedforsecurity=False).hexdigest()
         tagged = self._set_xattr(fd, XATTR_MD5, md5)
-        os.fsync(fd)
+        if durable:
+            os.fsync(fd)
         return (md5, True) if tagged else (_stat_etag(os.fstat(fd)), False)
 
     def _create_unnamed(self, key: str, path: Path, data: bytes, content_type: str | None) -> str | None:
@@ -347,6 +355,37 @@ class LocalStore:
             log.warning("local object store %s: no extended attributes (%s); content types are not "
                         "kept and ETags are inode-mtime-size", self.root, exc.strerror)
             return False
+
+    async def sync(self, keys: Collection[str]) -> None:
+        paths = [self._path(key) for key in keys]
+        if paths:
+            await asyncio.to_thread(self._sync_paths, paths)
+
+    def _sync_paths(self, paths: list[Path]) -> None:
+        """fsync each file that exists, then each directory that holds one (once): after a
+        crash, the names and the bytes under them are there. The first fsync commits the
+        file system's journal for all of them, so the rest are mostly cheap."""
+        parents: dict[Path, None] = {}  # ordered set
+        for path in paths:
+            try:
+                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            except _MISSING:
+                parents[path.parent] = None  # deleted since: its directory's entry is what counts
+                continue
+            except OSError as exc:
+                raise _converted(str(path), exc) from exc
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            parents[path.parent] = None
+        for parent in parents:
+            try:
+                fsync_dir(parent)
+            except _MISSING:
+                pass  # pruned (its objects deleted): nothing left to make durable there
+            except OSError as exc:
+                raise _converted(str(parent), exc) from exc
 
     async def delete(self, key: str) -> None:
         path = self._path(key)

@@ -27,7 +27,7 @@ import os
 import re
 import socket
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Collection, Iterator
 from dataclasses import dataclass
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Final, Self
@@ -274,6 +274,7 @@ class S3Store:
         content_type: str | None = None,
         if_absent: bool = False,
         if_match: str | None = None,
+        durable: bool = True,  # (an acknowledged S3 PUT is durable: nothing to defer)
     ) -> str:
         if if_absent and if_match is not None:
             raise ValueError("put: if_absent and if_match exclude each other")
@@ -396,6 +397,9 @@ class S3Store:
         self.counters.deletes += 1
         with self._errors(key):
             await s3.delete_object(Bucket=self.bucket, Key=k)  # S3 answers 204 for a missing key
+
+    async def sync(self, keys: Collection[str]) -> None:
+        """Nothing to do: every acknowledged write is durable in S3."""
 
     async def delete_prefix(self, prefix: str) -> int:
         validate_prefix(prefix)

@@ -14,7 +14,7 @@ relative to the scope; other errors are the inner store's.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Collection, Iterator
 from types import TracebackType
 from typing import Self
 
@@ -43,10 +43,10 @@ class ScopedStore:
         self.counters: StoreCounters = inner.counters  # one set of counts for the store
 
     async def put(self, key: str, data: bytes, *, content_type: str | None = None, if_absent: bool = False,
-                  if_match: str | None = None) -> str:
+                  if_match: str | None = None, durable: bool = True) -> str:
         with self._errors(key):
             return await self.inner.put(self.prefix + key, data, content_type=content_type, if_absent=if_absent,
-                                        if_match=if_match)
+                                        if_match=if_match, durable=durable)
 
     async def get(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
         with self._errors(key):
@@ -83,6 +83,9 @@ class ScopedStore:
 
     async def delete(self, key: str) -> None:
         await self.inner.delete(self.prefix + key)
+
+    async def sync(self, keys: Collection[str]) -> None:
+        await self.inner.sync([self.prefix + key for key in keys])
 
     async def delete_prefix(self, prefix: str) -> int:
         return await self.inner.delete_prefix(self.prefix + prefix)
