@@ -14,8 +14,8 @@ meanwhile, not one commit each, and nobody waits for it: the mark only matters t
 A mark is dropped only if the stream is still what was written (Store.published), so a change
 committed meanwhile keeps its mark until its own descriptor is written.
 
-A descriptor is written visible but not yet durable (`put(durable=False)`: on the local store,
-no fsync of the file and its directory per descriptor) and acknowledged then: the change itself
+A descriptor is written (or removed) visible but not yet durable (`durable=False`: on the local
+store, no fsync of the file and its directory per descriptor) and acknowledged then: the change itself
 is durable in the WAL, and so is its mark, which is dropped only after one `sync` of every
 descriptor written meanwhile. A machine crash in between loses at most descriptors whose marks
 are still there, which the next start writes again. Two fsyncs per create were most of the
@@ -112,7 +112,7 @@ class Publisher:
                                        durable=False)
             else:  # removed: readers must stop serving it now, not after the GC
                 with contextlib.suppress(ObjectNotFound):
-                    await self.objects.delete(keys.descriptor_key(path))
+                    await self.objects.delete(keys.descriptor_key(path), durable=False)
         except asyncio.CancelledError:
             raise
         except Exception as e:

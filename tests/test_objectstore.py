@@ -252,7 +252,7 @@ async def test_a_put_not_yet_durable_is_whole_and_visible_and_sync_takes_any_key
     await store.put("d/two", b"x", durable=False)
     await store.put("d/two", b"replaced", durable=False)
     await store.put("d/gone", b"x", durable=False)
-    await store.delete("d/gone")
+    await store.delete("d/gone", durable=False)
     await store.sync(["d/one", "d/two", "d/gone", "d/never", "elsewhere/never"])  # (missing keys are fine)
     await store.sync([])
     assert await store.get("d/two") == b"replaced"
@@ -398,6 +398,14 @@ async def test_local_fsyncs_are_deferred_to_sync(tmp_path: Path, monkeypatch: py
         synced.clear()
         await store.put("a/3", b"z")  # durable: the temp file, then the directory
         assert len(synced) == 2 and synced[1] == str(tmp_path / "a")
+        synced.clear()
+        await store.delete("a/1", durable=False)
+        assert synced == [] and not (tmp_path / "a" / "1").exists()
+        await store.sync(["a/1"])
+        assert synced == [str(tmp_path / "a")]  # the directory that held it
+        synced.clear()
+        await store.delete("a/2")
+        assert synced == [str(tmp_path / "a")]
 
 
 async def test_local_crash_before_rename_leaves_no_object(tmp_path: Path) -> None:

@@ -59,8 +59,9 @@ class HeldStore:
             self.now -= 1
             self.by_key[key] -= 1
 
-    async def delete(self, key: str) -> None:
-        await self.inner.delete(key)
+    async def delete(self, key: str, **kw: Any) -> None:
+        self.durable_kw.append(kw.get("durable", True))
+        await self.inner.delete(key, **kw)
 
     async def sync(self, keys: Collection[str]) -> None:
         await self.sync_gate.wait()

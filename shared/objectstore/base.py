@@ -133,8 +133,9 @@ class ObjectStore(Protocol):
 
     async def head(self, key: str) -> ObjectInfo: ...
 
-    async def delete(self, key: str) -> None:
-        """Idempotent: deleting a missing key is not an error."""
+    async def delete(self, key: str, *, durable: bool = True) -> None:
+        """Idempotent: deleting a missing key is not an error. durable=False: gone when delete
+        returns, gone for good once sync() of the key returns (as put's)."""
 
     async def sync(self, keys: Collection[str]) -> None:
         """Make the durable=False puts of `keys` durable (a key since overwritten or deleted:

@@ -387,10 +387,10 @@ class LocalStore:
             except OSError as exc:
                 raise _converted(str(parent), exc) from exc
 
-    async def delete(self, key: str) -> None:
+    async def delete(self, key: str, *, durable: bool = True) -> None:
         path = self._path(key)
         self.counters.deletes += 1
-        await asyncio.to_thread(self._delete_sync, key, [path])
+        await asyncio.to_thread(self._delete_sync, key, [path], durable)
 
     async def delete_prefix(self, prefix: str) -> int:
         keys = [info.key async for info in self.list(prefix)]
@@ -398,7 +398,7 @@ class LocalStore:
         self.counters.deletes += len(paths)
         return await asyncio.to_thread(self._delete_sync, prefix, paths)
 
-    def _delete_sync(self, what: str, paths: list[Path]) -> int:
+    def _delete_sync(self, what: str, paths: list[Path], durable: bool = True) -> int:
         deleted = 0
         parents: dict[Path, None] = {}  # ordered set
         for path in paths:
@@ -412,14 +412,16 @@ class LocalStore:
                 self.counters.errors += 1
                 raise _converted(what, exc) from exc
         for parent in parents:
-            self._prune(parent)
+            self._prune(parent, durable)
         return deleted
 
-    def _prune(self, directory: Path) -> None:
-        """Make the unlinks durable, then remove directories left empty (up to the root) so
-        deleted streams leave no litter. A put racing with this retries its mkdir."""
+    def _prune(self, directory: Path, durable: bool = True) -> None:
+        """Make the unlinks durable (unless sync() is to), then remove directories left empty
+        (up to the root) so deleted streams leave no litter. A put racing with this retries
+        its mkdir."""
         try:
-            fsync_dir(directory)
+            if durable:
+                fsync_dir(directory)
         except FileNotFoundError:
             return
         while directory != self.root and self.root in directory.parents:

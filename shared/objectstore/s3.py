@@ -391,7 +391,7 @@ class S3Store:
         S3SigV4QueryAuth(frozen, "s3", base[1], expires=_PRESIGN_SECONDS).add_auth(request)
         return URL(str(request.url), encoded=True)
 
-    async def delete(self, key: str) -> None:
+    async def delete(self, key: str, *, durable: bool = True) -> None:  # (durable: always)
         k = self._key(key)
         s3 = await self._client()
         self.counters.deletes += 1

@@ -81,8 +81,8 @@ class ScopedStore:
             why = str(e.message).rsplit(": ", 1)[0] if ": " in str(e.message) else "precondition failed"
             raise PreconditionFailed(key, why) from e
 
-    async def delete(self, key: str) -> None:
-        await self.inner.delete(self.prefix + key)
+    async def delete(self, key: str, *, durable: bool = True) -> None:
+        await self.inner.delete(self.prefix + key, durable=durable)
 
     async def sync(self, keys: Collection[str]) -> None:
         await self.inner.sync([self.prefix + key for key in keys])
