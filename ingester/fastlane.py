@@ -31,6 +31,7 @@ with the small ones on the loop (scripts/bench_fanout.py --streams 500).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import Callable, Coroutine
 from typing import Any
@@ -42,6 +43,8 @@ from ingester.http import (
     append_answer,
     append_request,
     body_of,
+    create_answer,
+    create_request,
     data_headers,
     head_headers,
     no_content_headers,
@@ -49,6 +52,7 @@ from ingester.http import (
 from ingester.reads import ReadResult
 from ingester.sealed_reads import read_sealed
 from ingester.service import SERVICE, IngesterService
+from ingester.writes import CreateRequest
 from shared import offsets
 from shared import protocol as P
 from shared.buckets import split_internal
@@ -57,12 +61,14 @@ from shared.http.handlers import stream_path_of
 from shared.http.lane import LANE, Lane, LaneHandler, LaneRunner, Message, catch_up_offset
 from shared.http.lane_live import live_slot, long_poll_query
 
+_FORKED_FROM = P.FORKED_FROM.lower().encode("ascii")
+
 
 class AppendLane(Lane):
     """Plain appends, committed by the group committer and answered from its callback; HEADs,
     catch-up reads (`?offset=<offset>` alone) and long-polls, read on the loop or the read pool."""
 
-    methods = frozenset({b"POST", b"HEAD", b"GET"})
+    methods = frozenset({b"POST", b"HEAD", b"GET", b"PUT", b"DELETE"})
     query_methods = frozenset({b"GET"})
     # A reader pipelines the appends of many clients down one connection (reader/upstream.py):
     # each is submitted as it arrives, so they share group commits, and answered in order.
@@ -86,6 +92,10 @@ class AppendLane(Lane):
         return min(super().max_body(), self.svc.config.max_body_bytes)
 
     def accepts(self, handler: LaneHandler, msg: Message) -> bool:
+        if msg.method == b"PUT" and _FORKED_FROM in msg.headers:
+            return False  # a fork (sub-offsets into sealed chunks, another ingester's source): aiohttp's
+        if msg.method == b"DELETE" and msg.total != msg.head_len:
+            return False
         if msg.method == b"GET":  # a catch-up read or a long-poll; SSE, `now`, -1 and 304s are aiohttp's
             if b"if-none-match" in msg.headers or msg.total != msg.head_len:
                 return False
@@ -136,16 +146,25 @@ class AppendLane(Lane):
     def serve(self, handler: LaneHandler, msg: Message, body: bytes, rid: str, started: float) -> None:
         svc, lim = self.svc, self.limits
         assert svc is not None and lim is not None
-        if msg.method != b"POST":
+        if msg.method == b"HEAD" or msg.method == b"GET":
             self._read(handler, msg, rid, started)
             return
         if not msg.internal:  # a reader limits its own clients
             client = handler.client(msg)
             if client is not None:
+                if msg.method == b"PUT":
+                    lim.take(lim.creates, client, "creates")
                 lim.take(lim.writes, client, "writes")
         path = self._path(handler, msg)
         if svc.membership is not None:  # another ingester's stream: 421 naming it, like aiohttp's
             svc.membership.check(path)
+        if msg.method == b"PUT":
+            req_ = dataclasses.replace(create_request(msg.header_str, path, svc.config.max_path_bytes), body=body)
+            _start(_create(svc, handler, msg, req_, rid, started))
+            return
+        if msg.method == b"DELETE":
+            _start(_delete(svc, handler, msg, path, rid, started))
+            return
         req = append_request(msg.header_str, body, path)
 
         def done(result: Any, ok: bool) -> None:
@@ -157,6 +176,36 @@ class AppendLane(Lane):
             handler.answer(msg, status, answer_headers, b"", rid, started)
 
         svc.committer.submit_callback(lambda txn: svc.store.append(txn, req), done)
+
+
+async def _create(svc: IngesterService, handler: LaneHandler, msg: Message, req: CreateRequest, rid: str,
+                  started: float) -> None:
+    """A create, answered as ingester.http.handle_put answers it (once readers find it)."""
+    try:
+        result = await svc.create(req)
+    except asyncio.CancelledError:  # (the server stops)
+        handler.abandoned(msg, started)
+        raise
+    except Exception as e:
+        _refused(svc, req.path, e, handler, msg, rid, started)
+        return
+    host = (msg.header(b"host") or "").strip()
+    status, headers = create_answer(result, f"http://{host}{msg.url.decode('ascii')}")
+    handler.answer(msg, status, headers, b"", rid, started)
+
+
+async def _delete(svc: IngesterService, handler: LaneHandler, msg: Message, path: str, rid: str,
+                  started: float) -> None:
+    """A delete, answered once readers will not find the stream (as ingester.http's)."""
+    try:
+        await svc.delete(path)
+    except asyncio.CancelledError:
+        handler.abandoned(msg, started)
+        raise
+    except Exception as e:
+        _refused(svc, path, e, handler, msg, rid, started)
+        return
+    handler.answer(msg, 204, {}, b"", rid, started)
 
 
 def _refused(svc: IngesterService, path: str, error: BaseException, handler: LaneHandler, msg: Message, rid: str,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -15,7 +16,7 @@ from ingester import extension_http, forks_across
 from ingester.reads import ReadResult
 from ingester.records import StreamMeta
 from ingester.service import SERVICE, IngesterService
-from ingester.writes import AppendRequest, AppendResult, CreateRequest
+from ingester.writes import AppendRequest, AppendResult, CreateRequest, CreateResult
 from shared import extensions, jsonmode, offsets, sse
 from shared import protocol as P
 from shared.buckets import fork_source_path
@@ -62,22 +63,30 @@ async def handle_stream(request: web.Request) -> web.StreamResponse:
 
 
 async def handle_put(request: web.Request, svc: IngesterService, path: str) -> web.Response:
-    h = request.headers
-    content_type = h.get("Content-Type")
+    req = create_request(request.headers.get, path, svc.config.max_path_bytes)
+    body = await read_body(request, svc.config.max_body_bytes)
+    status, headers = create_answer(await svc.create(dataclasses.replace(req, body=body)), str(request.url.with_query(None)))
+    return web.Response(status=status, headers=headers)
+
+
+def create_request(h: Callable[[str], str | None], path: str, max_path_bytes: int) -> CreateRequest:
+    """A create's headers, validated (this handler and the fast lane alike; the body is the
+    caller's to add). `h` looks a header up by name, case-insensitively."""
+    content_type = h("Content-Type")
     if content_type is not None and not content_type.strip():
         content_type = None
     if content_type is not None and not P.is_valid_content_type(content_type):
         raise BadRequest(f"invalid Content-Type {content_type[:100]!r}")
-    ttl_text, expires_text = h.get(P.TTL), h.get(P.EXPIRES_AT)
+    ttl_text, expires_text = h(P.TTL), h(P.EXPIRES_AT)
     if ttl_text is not None and expires_text is not None:
         raise BadRequest("send Stream-TTL or Stream-Expires-At, not both")
     ttl = P.parse_ttl(ttl_text) if ttl_text is not None else None
     expires_at = P.parse_expires_at(expires_text) if expires_text is not None else None
-    fork_from = h.get(P.FORKED_FROM)
-    fork_offset = h.get(P.FORK_OFFSET)
-    sub_text = h.get(P.FORK_SUB_OFFSET)
+    fork_from = h(P.FORKED_FROM)
+    fork_offset = h(P.FORK_OFFSET)
+    sub_text = h(P.FORK_SUB_OFFSET)
     if fork_from is not None:  # a plain stream path, or a bucketed stream's URL path
-        fork_from = fork_source_path(fork_from, svc.config.max_path_bytes)
+        fork_from = fork_source_path(fork_from, max_path_bytes)
     elif fork_offset is not None or sub_text is not None:
         raise BadRequest("Stream-Fork-Offset and Stream-Fork-Sub-Offset require Stream-Forked-From")
     if fork_offset is not None:
@@ -90,21 +99,22 @@ async def handle_put(request: web.Request, svc: IngesterService, path: str) -> w
         if len(sub_text) > 16 or not P.DECIMAL_RE.match(sub_text):
             raise BadRequest("invalid Stream-Fork-Sub-Offset: must be a non-negative decimal integer")
         sub = int(sub_text)
-    body = await read_body(request, svc.config.max_body_bytes)
-    result = await svc.create(
-        CreateRequest(
-            path=path, content_type=content_type, ttl=ttl, expires_at=expires_at,
-            expires_at_text=expires_text.strip() if expires_text else None,
-            closed=P.flag_true(h.get(P.CLOSED)), body=body, fork_from=fork_from,
-            fork_offset=fork_offset, fork_sub_offset=sub,
-        )
+    return CreateRequest(
+        path=path, content_type=content_type, ttl=ttl, expires_at=expires_at,
+        expires_at_text=expires_text.strip() if expires_text else None,
+        closed=P.flag_true(h(P.CLOSED)), body=b"", fork_from=fork_from,
+        fork_offset=fork_offset, fork_sub_offset=sub,
     )
+
+
+def create_answer(result: CreateResult, url: str) -> tuple[int, dict[str, str]]:
+    """(status, headers): 201 with the stream's URL for a new stream, 200 for one that was there."""
     headers = {"Content-Type": result.stream.content_type, P.NEXT_OFFSET: result.stream.tail_offset}
     if result.stream.closed:
         headers[P.CLOSED] = "true"
     if result.created:
-        headers["Location"] = str(request.url.with_query(None))
-    return web.Response(status=201 if result.created else 200, headers=headers)
+        headers["Location"] = url
+    return 201 if result.created else 200, headers
 
 
 async def handle_post(request: web.Request, svc: IngesterService, path: str) -> web.Response:

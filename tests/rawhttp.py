@@ -62,6 +62,15 @@ def put(path: str, *headers: str) -> bytes:
     return head.encode("latin-1") + b"Content-Length: 0\r\n\r\n"
 
 
+def put_body(path: str, body: bytes, *headers: str) -> bytes:
+    head = f"PUT {path} HTTP/1.1\r\nHost: t\r\n" + "".join(h + "\r\n" for h in headers)
+    return head.encode("latin-1") + f"Content-Length: {len(body)}\r\n\r\n".encode() + body
+
+
+def delete(path: str, *headers: str) -> bytes:
+    return (f"DELETE {path} HTTP/1.1\r\nHost: t\r\n" + "".join(h + "\r\n" for h in headers) + "\r\n").encode()
+
+
 def pipeline(port: int, parts: list[bytes], answers: int, pause: float = 0.0, timeout: float = 60.0) -> list[bytes]:
     """Send `parts` on one connection from a thread (each its own write, `pause` s apart) while
     reading `answers` whole responses: a client that pipelines without waiting."""

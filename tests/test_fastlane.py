@@ -9,6 +9,7 @@ to aiohttp on the same connection, and the lane's counter in /metrics."""
 from __future__ import annotations
 
 import itertools
+import json
 import re
 import time
 import urllib.request
@@ -20,17 +21,20 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from shared import keys
 from tests import procs
 from tests.rawhttp import (
     MIXED_ANSWERS,
     STREAM_OFFSET,
     answer_shapes,
+    delete,
     exchange,
     mixed_requests,
     parsed,
     pipeline,
     post,
     put,
+    put_body,
     read_all,
 )
 
@@ -144,6 +148,36 @@ CASES = [
     ("head bucket itself", [put("/v1/buckets/bkh3")], head("/v1/buckets/bkh3")),
     ("bucket stream content type mismatch", [put("/v1/buckets/bkt7"), put("/v1/buckets/bkt7/s", "Content-Type: text/plain")],
      post("/v1/buckets/bkt7/s", b"x", "Content-Type: text/html")),
+    # creates and deletes (the lane's since 2026-11-26; a fork's create stays aiohttp's)
+    ("create", [], put("/v1/stream/cr1", "Content-Type: text/plain")),
+    ("create json", [], put("/v1/stream/cr2", "Content-Type: application/json")),
+    ("create, no content type", [], put("/v1/stream/cr3")),
+    ("create with data", [], put_body("/v1/stream/cr4", b"hello", "Content-Type: text/plain")),
+    ("create json with data", [], put_body("/v1/stream/cr5", b'[{"a":1},{"b":2}]', "Content-Type: application/json")),
+    ("create json with bad data", [], put_body("/v1/stream/cr6", b"{nope", "Content-Type: application/json")),
+    ("create again, same", [put("/v1/stream/cr7", "Content-Type: text/plain")], put("/v1/stream/cr7", "Content-Type: text/plain")),
+    ("create again, other type", [put("/v1/stream/cr8", "Content-Type: text/plain")],
+     put("/v1/stream/cr8", "Content-Type: application/json")),
+    ("create closed", [], put("/v1/stream/cr9", "Content-Type: text/plain", "Stream-Closed: true")),
+    ("create with ttl", [], put("/v1/stream/cr10", "Content-Type: text/plain", "Stream-TTL: 3600")),
+    ("create with expiry", [], put("/v1/stream/cr11", "Content-Type: text/plain", "Stream-Expires-At: 2099-01-01T00:00:00Z")),
+    ("create with ttl and expiry", [], put("/v1/stream/cr12", "Content-Type: text/plain", "Stream-TTL: 60",
+                                           "Stream-Expires-At: 2099-01-01T00:00:00Z")),
+    ("create with a bad ttl", [], put("/v1/stream/cr13", "Content-Type: text/plain", "Stream-TTL: soon")),
+    ("create, invalid content type", [], put("/v1/stream/cr14", "Content-Type: not a type")),
+    ("create, fork offset alone", [], put("/v1/stream/cr15", "Stream-Fork-Offset: 0000000000000000_0000000000000000")),
+    ("create a fork", [put("/v1/stream/cr16", "Content-Type: text/plain")],
+     put("/v1/stream/cr17", "Stream-Forked-From: /v1/stream/cr16")),
+    ("create over the body limit", [], put_body("/v1/stream/cr18", b"x" * 100_001, "Content-Type: text/plain")),
+    ("create a bucket's stream", [put("/v1/buckets/bkc1")], put("/v1/buckets/bkc1/s", "Content-Type: text/plain")),
+    ("create in a missing bucket", [], put("/v1/buckets/nobkc/s", "Content-Type: text/plain")),
+    ("create, bad path segment", [], put("/v1/stream/a//b", "Content-Type: text/plain")),
+    ("delete", [put("/v1/stream/dl1", "Content-Type: text/plain")], delete("/v1/stream/dl1")),
+    ("delete missing", [], delete("/v1/stream/dl-absent")),
+    ("delete twice", [put("/v1/stream/dl2", "Content-Type: text/plain"), delete("/v1/stream/dl2")], delete("/v1/stream/dl2")),
+    ("delete a bucket's stream", [put("/v1/buckets/bkd1"), put("/v1/buckets/bkd1/s", "Content-Type: text/plain")],
+     delete("/v1/buckets/bkd1/s")),
+    ("delete in a missing bucket", [], delete("/v1/buckets/nobkd/s")),
 ]
 
 
@@ -161,6 +195,24 @@ def test_the_lane_answers_as_aiohttp_does(servers: tuple[procs.Proc, procs.Proc]
     assert {k: STREAM_OFFSET.sub(b"O", v.encode()) for k, v in fh.items()} == \
         {k: STREAM_OFFSET.sub(b"O", v.encode()) for k, v in sh.items()}
     assert STREAM_OFFSET.sub(b"O", fb) == STREAM_OFFSET.sub(b"O", sb)
+
+
+def test_creates_and_deletes_take_the_lane_and_readers_find_them_when_answered(tmp_path: Path) -> None:
+    """A create is answered once its descriptor is in the store (every reader finds the
+    stream), a delete once it is gone, on the lane as through aiohttp; a fork's create is
+    aiohttp's."""
+    with procs.lane_and_aiohttp(tmp_path, "--write-rate", "0") as (fast, slow):
+        for p, name in ((fast, "fast"), (slow, "slow")):
+            descriptor = tmp_path / name / "objects" / keys.descriptor_key("cd/one")
+            before = lane_count(p)
+            assert parsed(exchange(p.port, put("/v1/stream/cd/one", "Content-Type: text/plain"))[0])[0] == 201
+            assert json.loads(descriptor.read_bytes())["content_type"] == "text/plain"
+            assert parsed(exchange(p.port, post("/v1/stream/cd/one", b"abc", "Content-Type: text/plain"))[0])[0] == 204
+            fork = put("/v1/stream/cd/fork", "Stream-Forked-From: /v1/stream/cd/one")
+            assert parsed(exchange(p.port, fork)[0])[0] == 201
+            assert parsed(exchange(p.port, delete("/v1/stream/cd/fork"))[0])[0] == 204
+            assert not (tmp_path / name / "objects" / keys.descriptor_key("cd/fork")).exists()
+            assert lane_count(p) - before == (3 if p is fast else 0)  # create, append, delete: not the fork
 
 
 def test_appends_take_the_lane_and_land_in_order(servers: tuple[procs.Proc, procs.Proc]) -> None:

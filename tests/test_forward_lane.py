@@ -27,12 +27,14 @@ from tests.rawhttp import (
     MIXED_ANSWERS,
     STREAM_OFFSET,
     answer_shapes,
+    delete,
     exchange,
     mixed_requests,
     parsed,
     pipeline,
     post,
     put,
+    put_body,
     read_all,
 )
 
@@ -74,15 +76,6 @@ def lane_count(p: procs.Proc) -> float:
 
 def head(path: str, *headers: str) -> bytes:
     return (f"HEAD {path} HTTP/1.1\r\nHost: t\r\n" + "".join(h + "\r\n" for h in headers) + "\r\n").encode("latin-1")
-
-
-def put_body(path: str, body: bytes, *headers: str) -> bytes:
-    head = f"PUT {path} HTTP/1.1\r\nHost: t\r\n" + "".join(h + "\r\n" for h in headers)
-    return head.encode("latin-1") + f"Content-Length: {len(body)}\r\n\r\n".encode() + body
-
-
-def delete(path: str, *headers: str) -> bytes:
-    return (f"DELETE {path} HTTP/1.1\r\nHost: t\r\n" + "".join(h + "\r\n" for h in headers) + "\r\n").encode()
 
 
 RID = "X-Request-Id: parity-0123456789"
