@@ -11,6 +11,9 @@ on its group commit: the same validation (ingester.http.append_request), the sam
 (append_answer, shared.http.handlers.error_response), the same headers, metrics and limits.
 tests/test_fastlane.py compares its answers with aiohttp's, byte for byte.
 
+Plain creates and deletes (a fork's create is aiohttp's) run as a task each: a create is answered
+once readers find its descriptor, a delete once they cannot, as ingester.http's handlers do.
+
 A reader forwards every HEAD and every read at a stream's unsealed tail, so the lane also takes
 plain HEADs and catch-up reads (`GET ...?offset=<offset>`, nothing else in the query), answered
 with the headers aiohttp's handlers use (ingester.http.head_headers, data_headers). And plain
