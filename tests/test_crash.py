@@ -41,7 +41,7 @@ from urllib.parse import quote
 import aiohttp
 import pytest
 
-from tests.procs import free_port, ingester
+from tests.procs import Proc, free_port, ingester, reader
 
 pytestmark = pytest.mark.slow
 
@@ -169,6 +169,8 @@ async def _writer(run: Run, session: aiohttp.ClientSession, w: Writer, stop: asy
             async with session.post(url, data=w.body(n), headers=w.headers(n)) as r:
                 await r.read()
                 status, echoed = r.status, (r.headers.get("Producer-Epoch"), r.headers.get("Producer-Seq"))
+            if status == 503 and run.killing:  # a reader in front: the ingester died under it
+                raise aiohttp.ClientError("503 from the reader: its ingester is gone")
         except (aiohttp.ClientError, TimeoutError) as e:
             # No answer: the server may or may not have persisted this append.
             if w.producer:
@@ -319,17 +321,57 @@ def _server(tmp_path: Path) -> tuple[Server, bool]:
     return ingester(tmp_path / "data", "--long-poll-timeout", "2"), True
 
 
+@dataclass
+class ReaderTier:
+    """An ingester with a reader in front (what users are given): the writers talk to the
+    reader, whose appends go down its pipe to the ingester (reader/upstream.py); kill()
+    SIGKILLs the ingester alone, and the reader finds it again when it comes back."""
+
+    ingester: Proc
+    reader: Proc
+
+    @property
+    def url(self) -> str:
+        return self.reader.url
+
+    def start(self, timeout: float = 20.0) -> ReaderTier:
+        self.ingester.start(timeout)
+        if self.reader.popen is None or self.reader.popen.poll() is not None:
+            self.reader.start(timeout)
+        return self
+
+    def kill(self) -> None:
+        self.ingester.kill()
+
+    def stop(self) -> None:
+        self.reader.stop()
+        self.ingester.stop()
+
+
 def test_sigkill_loses_no_ack_and_duplicates_nothing(tmp_path: Path) -> None:
+    server, byte_positions = _server(tmp_path)
+    _crash_rounds(server, byte_positions, ROUNDS)
+
+
+def test_sigkill_of_the_ingester_behind_a_reader_loses_no_ack(tmp_path: Path) -> None:
+    """The same through a reader: appends pipelined down one upstream connection, the ingester
+    killed with several of them in flight on it."""
+    store = f"file://{tmp_path / 'objects'}"
+    ing = ingester(tmp_path / "data", "--long-poll-timeout", "2", "--store", store, "--write-rate", "0")
+    tier = ReaderTier(ing, reader(tmp_path / "reader", ing.url, store, "--write-rate", "0"))
+    _crash_rounds(tier, True, max(2, ROUNDS // 2))
+
+
+def _crash_rounds(server: Server, byte_positions: bool, rounds: int) -> None:
     seed = int(os.environ.get("DS3_CRASH_SEED", str(time.time_ns() % 1_000_000)))
     rng = random.Random(seed)
-    server, byte_positions = _server(tmp_path)
     writers = [Writer(wid=i, stream=s, producer=p) for i, (s, p) in enumerate(WRITERS)]
     t0 = time.monotonic()
     try:
         server.start()
         run = Run(base=server.url, writers=writers)
         asyncio.run(_create_streams(run))
-        for rnd in range(1, ROUNDS + 1):
+        for rnd in range(1, rounds + 1):
             acks, in_flight = asyncio.run(_load_then_kill(run, server, rng))
             assert not run.errors, f"seed {seed}, round {rnd}, during load:\n  " + "\n  ".join(run.errors)
             assert acks > 0, f"round {rnd}: no append was acknowledged before the kill"
@@ -344,9 +386,9 @@ def test_sigkill_loses_no_ack_and_duplicates_nothing(tmp_path: Path) -> None:
     finally:
         server.stop()
     total = sum(len(w.acked) for w in writers)
-    assert total >= 50 * ROUNDS, f"only {total} appends acknowledged in {ROUNDS} rounds"
+    assert total >= 50 * rounds, f"only {total} appends acknowledged in {rounds} rounds"
     unanswered = sum(len(w.uncertain) for w in writers)
     kept = sum(w.body(n) in run.contents[w.stream] for w in writers for n in w.uncertain)
-    print(f"seed {seed}: {ROUNDS} rounds, {total} acknowledged appends, {unanswered} unanswered "
+    print(f"seed {seed}: {rounds} rounds, {total} acknowledged appends, {unanswered} unanswered "
           f"plain appends ({kept} of them persisted), producer retries {dict(run.retry_status)} "
           f"(200 = not persisted, 204 = deduplicated), {time.monotonic() - t0:.1f}s")
