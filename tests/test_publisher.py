@@ -155,20 +155,27 @@ def test_a_change_while_its_stream_is_written_is_written_after_it(hs: tuple[Harn
     assert marks(h) == set()
 
 
-def test_a_failing_store_is_tried_again(hs: tuple[Harness, HeldStore]) -> None:
-    h, objects = hs
-    objects.fail = 2
+def publish_one(h: Harness, objects: HeldStore, path: str, settle: float = 0.0) -> bool:
+    """Create `path`, publish its descriptor with a publisher of its own, and say whether the
+    create would have been acknowledged (within 10 s); `settle`: seconds left for the marks."""
     pub = Publisher(h.store, h.committer, objects)  # type: ignore[arg-type]
-    h.create("f")
+    h.create(path)
 
     async def main() -> bool:
         runner = asyncio.ensure_future(pub.run())
-        pub.enqueue({"f": desc(h, "f")})
-        ok = await pub.published("f", 10)  # backoff 0.2 s, then 0.4 s
+        pub.enqueue({path: desc(h, path)})
+        ok = await pub.published(path, 10)
+        await asyncio.sleep(settle)
         await stopped(runner)
         return ok
 
-    assert h.loop.run_until_complete(main())
+    return h.loop.run_until_complete(main())
+
+
+def test_a_failing_store_is_tried_again(hs: tuple[Harness, HeldStore]) -> None:
+    h, objects = hs
+    objects.fail = 2
+    assert publish_one(h, objects, "f")  # backoff 0.2 s, then 0.4 s
     assert objects.writes == 3 and objects.stored("f") is not None
 
 
@@ -207,17 +214,7 @@ def test_a_create_is_acknowledged_before_its_descriptor_is_synced_and_the_mark_w
 def test_a_failed_sync_keeps_the_marks(hs: tuple[Harness, HeldStore]) -> None:
     h, objects = hs
     objects.sync_fail = 1
-    pub = Publisher(h.store, h.committer, objects)  # type: ignore[arg-type]
-    h.create("k")
-
-    async def main() -> None:
-        runner = asyncio.ensure_future(pub.run())
-        pub.enqueue({"k": desc(h, "k")})
-        assert await pub.published("k", 5)
-        await asyncio.sleep(0.2)
-        await stopped(runner)
-
-    h.loop.run_until_complete(main())
+    assert publish_one(h, objects, "k", settle=0.2)
     assert objects.stored("k") is not None
     assert marks(h) == {"k"}  # a restart writes it again (Store.load_unpublished)
 
