@@ -162,8 +162,8 @@ class AppendLane(Lane):
         if svc.membership is not None:  # another ingester's stream: 421 naming it, like aiohttp's
             svc.membership.check(path)
         if msg.method == b"PUT":
-            req_ = dataclasses.replace(create_request(msg.header_str, path, svc.config.max_path_bytes), body=body)
-            _start(_create(svc, handler, msg, req_, rid, started))
+            create = dataclasses.replace(create_request(msg.header_str, path, svc.config.max_path_bytes), body=body)
+            _start(_create(svc, handler, msg, create, rid, started))
             return
         if msg.method == b"DELETE":
             _start(_delete(svc, handler, msg, path, rid, started))
