@@ -35,7 +35,11 @@ class Setup:
 
     def chunk_objects(self, uid: str) -> list[Path]:
         base = self.store_root / keys.chunk_prefix(uid)
-        return [p for p in base.rglob("*") if p.is_file()] if base.exists() else []
+        while True:
+            try:
+                return [p for p in base.rglob("*") if p.is_file()] if base.exists() else []
+            except FileNotFoundError:  # a directory removed while walked (the GC at work): look again
+                continue
 
 
 @pytest.fixture(scope="module")
