@@ -61,15 +61,22 @@ from shared import protocol as P
 from shared.buckets import split_internal
 from shared.errors import DS3Error, NotFound, Unavailable
 from shared.http.handlers import stream_path_of
-from shared.http.lane import LANE, Lane, LaneHandler, LaneRunner, Message, catch_up_offset
+from shared.http.lane import (
+    LANE,
+    Lane,
+    LaneHandler,
+    LaneRunner,
+    Message,
+    catch_up_offset,
+    forks_or_has_a_delete_body,
+)
 from shared.http.lane_live import live_slot, long_poll_query
-
-_FORKED_FROM = P.FORKED_FROM.lower().encode("ascii")
 
 
 class AppendLane(Lane):
-    """Plain appends, committed by the group committer and answered from its callback; HEADs,
-    catch-up reads (`?offset=<offset>` alone) and long-polls, read on the loop or the read pool."""
+    """Plain appends, committed by the group committer and answered from its callback; creates
+    and deletes; HEADs, catch-up reads (`?offset=<offset>` alone) and long-polls, read on the
+    loop or the read pool."""
 
     methods = frozenset({b"POST", b"HEAD", b"GET", b"PUT", b"DELETE"})
     query_methods = frozenset({b"GET"})
@@ -95,9 +102,7 @@ class AppendLane(Lane):
         return min(super().max_body(), self.svc.config.max_body_bytes)
 
     def accepts(self, handler: LaneHandler, msg: Message) -> bool:
-        if msg.method == b"PUT" and _FORKED_FROM in msg.headers:
-            return False  # a fork (sub-offsets into sealed chunks, another ingester's source): aiohttp's
-        if msg.method == b"DELETE" and msg.total != msg.head_len:
+        if forks_or_has_a_delete_body(msg):
             return False
         if msg.method == b"GET":  # a catch-up read or a long-poll; SSE, `now`, -1 and 304s are aiohttp's
             if b"if-none-match" in msg.headers or msg.total != msg.head_len:
@@ -155,9 +160,7 @@ class AppendLane(Lane):
         if not msg.internal:  # a reader limits its own clients
             client = handler.client(msg)
             if client is not None:
-                if msg.method == b"PUT":
-                    lim.take(lim.creates, client, "creates")
-                lim.take(lim.writes, client, "writes")
+                lim.take_write(client, msg.method == b"PUT")
         path = self._path(handler, msg)
         if svc.membership is not None:  # another ingester's stream: 421 naming it, like aiohttp's
             svc.membership.check(path)

@@ -41,22 +41,28 @@ from reader.routing import MISDIRECTED, Link, Router
 from reader.state import READER, ReaderState, servable
 from reader.upstream import Answer
 from shared import offsets
-from shared import protocol as P
 from shared.errors import DS3Error, Unavailable
 from shared.http.handlers import stream_path_of
-from shared.http.lane import Lane, LaneHandler, LaneRunner, Message, catch_up_offset
+from shared.http.lane import (
+    Lane,
+    LaneHandler,
+    LaneRunner,
+    Message,
+    catch_up_offset,
+    forks_or_has_a_delete_body,
+)
 from shared.http.lane_live import long_poll_query
 from shared.placement import GENERATION_HEADER, placement_key
 
 log = logging.getLogger("ds3.reader.lane")
 
 _DROP_REQUEST: Final = frozenset(n.encode("ascii") for n in DROP_REQUEST) | {b"x-forwarded-for"}
-_FORKED_FROM: Final = P.FORKED_FROM.lower().encode("ascii")
 
 
 class ForwardLane(Lane):
-    """Plain appends and HEADs, forwarded to the ingester over reader.upstream's pool, and
-    long-polls the stream's live channel answers (reader.fanout)."""
+    """Plain appends, creates, deletes, HEADs and reads at the unsealed tail, forwarded to the
+    ingester over reader.upstream's pool, and long-polls the stream's live channel answers
+    (reader.fanout)."""
 
     methods = frozenset({b"POST", b"HEAD", b"GET", b"PUT", b"DELETE"})
     query_methods = frozenset({b"GET"})
@@ -82,10 +88,8 @@ class ForwardLane(Lane):
         return min(super().max_body(), self.st.config.max_body_bytes)
 
     def accepts(self, handler: LaneHandler, msg: Message) -> bool:
-        if msg.method == b"PUT" and _FORKED_FROM in msg.headers:
-            return False  # a fork: auth checks its source too (aiohttp's path)
-        if msg.method == b"DELETE" and msg.total != msg.head_len:
-            return False  # a DELETE with a body: aiohttp's path (which does not pass it on)
+        if forks_or_has_a_delete_body(msg):
+            return False
         if msg.method != b"GET":
             try:
                 return self._routed(msg, self.stream_path(handler, msg))
@@ -165,9 +169,7 @@ class ForwardLane(Lane):
         if write:
             client = handler.client(msg)
             if client is not None:
-                if msg.method == b"PUT":
-                    lim.take(lim.creates, client, "creates")
-                lim.take(lim.writes, client, "writes")
+                lim.take_write(client, msg.method == b"PUT")
         st.forwarded += 1
         _Forward(self, handler, msg, body, rid, started, write).send(msg.note)
 

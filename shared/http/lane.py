@@ -92,6 +92,7 @@ MAX_BODY: Final = 1024 * 1024  # the lane holds a body in memory until it is com
 REASONS: Final = {s.value: s.phrase for s in HTTPStatus}
 _MAX_HEAD: Final = 16 * 1024  # a candidate's head must be complete within this many bytes
 _INTERNAL_HEADER: Final = INTERNAL_HEADER.lower().encode("ascii")
+_FORKED_FROM: Final = P.FORKED_FROM.lower().encode("ascii")
 _SINGLE_HEADERS: Final = frozenset({b"content-type", b"host", b"content-length"})  # aiohttp: 400 if repeated
 _PAUSE_ABOVE: Final = 256 * 1024  # unprocessed bytes held while an answer is pending
 ROUTES: Final = {b"POST": "stream_append", b"HEAD": "stream_head", b"GET": "stream_read", b"PUT": "stream_create",
@@ -109,6 +110,13 @@ def catch_up_offset(query: bytes) -> str | None:
     if key == b"offset" and CONCRETE_OFFSET.fullmatch(value):
         return value.decode()
     return None
+
+
+def forks_or_has_a_delete_body(msg: Message) -> bool:
+    """A create that forks another stream (auth, and the ingester, check its source too) or a
+    DELETE with a body (aiohttp's path ignores it): writes both lanes leave to aiohttp."""
+    return (msg.method == b"PUT" and _FORKED_FROM in msg.headers) or (
+        msg.method == b"DELETE" and msg.total != msg.head_len)
 
 
 class Message:
