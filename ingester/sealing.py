@@ -21,13 +21,13 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from functools import partial
-from typing import Any
+from typing import Any, Literal
 
 from prometheus_client import Histogram
 
 from ingester.backoff import Backoff
 from ingester.publisher import Publisher
-from ingester.records import ChunkRef, StreamMeta
+from ingester.records import SEALED, ChunkRef, StreamMeta
 from ingester.store import Store
 from ingester.wal import GroupCommitter
 from shared import chunks, keys
@@ -58,6 +58,8 @@ class Sealer:
         self._gc: asyncio.Queue[tuple[str, str]] = asyncio.Queue()
         self.publisher = Publisher(store, committer, objects)
         self._tasks: list[asyncio.Task[None]] = []
+        self._drops: set[asyncio.Task[None]] = set()  # enqueue_drops
+        self._drop_turn = asyncio.Lock()  # drop_records: one step in flight
         self.uploaded = 0
         self.upload_failures = 0
         self.in_flight = 0
@@ -73,6 +75,18 @@ class Sealer:
     def enqueue_chunks(self, refs: list[ChunkRef]) -> None:
         for ref in refs:
             self._queue.put_nowait(ref)
+
+    def enqueue_drops(self, sids: list[int]) -> None:
+        """Streams whose sealed records a restart interrupted dropping (Store.load_drops)."""
+        for sid in sids:
+            task = asyncio.create_task(self.drop_records(sid), name=f"ds3-drop-{sid}")
+            self._drops.add(task)
+            task.add_done_callback(self._dropped)
+
+    def _dropped(self, task: asyncio.Task[None]) -> None:
+        self._drops.discard(task)
+        if not task.cancelled() and task.exception() is not None:  # (the next start finds them again)
+            log.warning("dropping sealed records failed: %s", task.exception())
 
     def enqueue_removed(self, items: list[tuple[str, str]]) -> None:
         for item in items:
@@ -92,9 +106,10 @@ class Sealer:
         self._tasks.append(asyncio.create_task(self.publisher.run(), name="ds3-publish"))
 
     async def stop(self) -> None:
-        for t in self._tasks:
+        tasks = [*self._tasks, *self._drops]
+        for t in tasks:
             t.cancel()
-        for t in self._tasks:
+        for t in tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await t
 
@@ -105,17 +120,35 @@ class Sealer:
         found = await self._run_read(self._read_chunk, ref)
         if found is None:
             return False
-        key, body = found
-        await self.objects.put(key, body, content_type=CHUNK_CONTENT_TYPE)
-        return bool(await self.committer.submit(lambda txn: self.store.mark_sealed(txn, ref)))
+        if found != SEALED:  # (sealed by an attempt whose record drops failed: never PUT again)
+            key, body = found
+            await self.objects.put(key, body, content_type=CHUNK_CONTENT_TYPE)
+            if not await self.committer.submit(lambda txn: self.store.mark_sealed(txn, ref)):
+                return False
+        await self.drop_records(ref.sid)
+        return True
 
-    def _read_chunk(self, ref: ChunkRef) -> tuple[str, bytes] | None:
+    async def drop_records(self, sid: int) -> None:
+        """Drop a stream's records of sealed chunks from the WAL, a bounded step per commit
+        (Store.drop_sealed_records), one step in flight for all streams (their turns in
+        order): appends committed alongside wait for one step, not for a whole chunk's
+        records, nor for a step of every stream that sealed at the same time."""
+        more = True
+        while more:
+            async with self._drop_turn:
+                more = await self.committer.submit(partial(self.store.drop_sealed_records, sid=sid))
+
+    def _read_chunk(self, ref: ChunkRef) -> tuple[str, bytes] | Literal["sealed"] | None:
+        """The chunk's object key and body; SEALED if it is confirmed already (its records
+        may be partly dropped: never encode it again); None if the stream is gone."""
         with self.store.wal.env.begin(buffers=False) as txn:
             got = self.store.chunk_records(txn, ref)
             meta_raw = txn.get(ref.path.encode(), db=self.store.wal.streams)
         if got is None:
             return None
         info, records = got
+        if info.state == SEALED:
+            return SEALED
         content_type = StreamMeta.decode(meta_raw).content_type if meta_raw is not None else ""
         header = chunks.ChunkHeader(
             sid=ref.sid if info.header_sid is None else info.header_sid, chunk=ref.chunk, start=info.start, end=info.end, content_type=content_type,

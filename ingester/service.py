@@ -198,6 +198,7 @@ class IngesterService:
             self.sealer.enqueue_removed(garbage)
             self.sealer.enqueue_descriptors(await self.committer.submit(self.store.load_unpublished))
             self.sealer.start()
+            self.sealer.enqueue_drops(await self.committer.submit(self.store.load_drops))
             log.info("sealing chunks into %s (%d to upload, %d removed streams to clean)",
                      self.config.store, len(refs), len(garbage))
         if self.config.ingester_id is not None:

@@ -216,7 +216,10 @@ def test_sealing_uploads_journaled_records_and_drops_them(tmp_path: Path, clock:
         assert (info.start, info.end) == (0, 6)
         assert [(end, data) for end, _flags, data in records] == [(3, b"abc"), (6, b"def")]
         assert h.run(lambda txn: h.store.mark_sealed(txn, ref))
-        assert placement(h, "s") == (1, 0)  # the sealed chunk's records are gone; "ghi" was folded
+        assert placement(h, "s") == (3, 0)  # folded, "ghi" too; the sealed chunk's records go next
+        assert read_from(h, "s", 0) == b"abcdefghi"
+        assert h.run(lambda txn: h.store.drop_sealed_records(txn, meta.sid)) is False  # all of them, done
+        assert placement(h, "s") == (1, 0)  # the sealed chunk's records are gone
         res = h.reads.read_sync("s", offsets.START, 1 << 20)
         assert isinstance(res.sealed, Sealed) and (res.sealed.start, res.sealed.end) == (0, 6)
         assert read_from(h, "s", 6) == b"ghi"

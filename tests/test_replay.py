@@ -100,6 +100,11 @@ def scenario(h: Harness, clock: Clock) -> None:
     assert len(refs) > 3
     for ref in refs[: len(refs) // 2]:
         h.run(partial(h.store.mark_sealed, ref=ref))
+    sealed = sorted({ref.sid for ref in refs[: len(refs) // 2]})
+    h.run(partial(h.store.drop_sealed_records, sid=sealed[0], limit=2))  # one stream's: partly dropped
+    for sid in sealed[1:]:  # the others' in steps of two
+        while h.run(partial(h.store.drop_sealed_records, sid=sid, limit=2)):
+            pass
     for path in ("a", "j"):  # (written as the streams are now: their marks go)
         meta = h.meta(path)
         assert h.run(partial(h.store.published, path=path, written=None if meta is None else descriptor_of(meta)))
@@ -140,6 +145,8 @@ def scenario(h: Harness, clock: Clock) -> None:
     tail = h.append("bulk", b"z", close=True).stream.tail_offset
     for ref in rolled(h, "bulk"):
         h.run(partial(h.store.mark_sealed, ref=ref))
+        while h.run(partial(h.store.drop_sealed_records, sid=ref.sid)):
+            pass
     snap = retention.SnapshotRequest("bulk", meta.sid, tail, offsets.parse(tail).position, JSON, 3,
                                      f"snapshots/{meta.uid[:2]}/{meta.uid}/{tail}.0000")
     garbage = h.run(partial(retention.publish, h.store, req=snap))

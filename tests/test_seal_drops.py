@@ -1,0 +1,175 @@
+"""A sealed chunk's records leave the WAL in bounded steps (Store.drop_sealed_records), not in
+the commit that marks the chunk sealed: that one commit used to delete tens of thousands of
+records and held every append batched with it for up to half a second.
+
+What a user would notice if these broke: a read at some offset of a chunk being dropped
+returning other bytes, or nothing; records of a chunk whose object is not in the store yet
+deleted (its only copy); a chunk object overwritten with a partial body after a retry; sealed
+records left in the WAL for good after a restart."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ingester.chain import Sealed
+from ingester.records import ChunkRef
+from ingester.sealing import Sealer
+from ingester.writes import SealPolicy
+from shared import offsets
+from shared.objectstore import open_store
+from tests.wal_harness import Clock, Harness
+
+MESSAGE = 10  # bytes per message
+PER_CHUNK = 25  # messages per sealed chunk
+
+
+def _harness(tmp_path: Path, clock: Clock) -> Harness:
+    return Harness(tmp_path / "wal", clock,
+                   seal=SealPolicy(seal_bytes=MESSAGE * PER_CHUNK, seal_age=3600, wal_max_bytes=1 << 30))
+
+
+def _fill(h: Harness, path: str, chunks: int) -> tuple[bytes, list[ChunkRef]]:
+    """`chunks` rolled chunks of PER_CHUNK messages each, and one message in the open chunk."""
+    h.create(path)
+    for i in range(chunks * PER_CHUNK + 1):
+        h.append(path, b"%09d|" % i)
+    meta = h.meta(path)
+    assert meta is not None
+    refs = [ChunkRef(path, meta.sid, meta.uid, meta.first_chunk + c) for c in range(chunks)]
+    return h.contents(path), refs
+
+
+def _read_at(h: Harness, path: str, position: int) -> bytes | Sealed:
+    res = h.reads.read_sync(path, offsets.Offset(0, position), 1 << 20)
+    return res.sealed if res.sealed is not None else b"".join(res.messages)
+
+
+def _check_reads(h: Harness, path: str, content: bytes, sealed_end: int) -> None:
+    """Every message boundary reads as before: from the WAL, the same bytes to the end; or,
+    where the records are gone, a pointer into the sealed chunk holding that position."""
+    for position in range(0, len(content), MESSAGE):
+        got = _read_at(h, path, position)
+        if isinstance(got, Sealed):
+            assert position < sealed_end and got.start == position and position < got.end <= sealed_end
+        else:
+            assert got == content[position:], position
+
+
+def test_a_sealed_chunks_records_go_in_bounded_steps_and_every_offset_reads_the_same(
+    tmp_path: Path, clock: Clock
+) -> None:
+    h = _harness(tmp_path, clock)
+    try:
+        content, refs = _fill(h, "s", 1)
+        sid = refs[0].sid
+        assert h.run(lambda txn: h.store.mark_sealed(txn, refs[0]))
+        assert h.stored(sid) == PER_CHUNK + 1  # marked sealed: nothing dropped in that commit
+        _check_reads(h, "s", content, PER_CHUNK * MESSAGE)
+        left = [h.stored(sid)]
+        while h.run(lambda txn: h.store.drop_sealed_records(txn, sid, limit=10)):
+            left.append(h.stored(sid))
+            _check_reads(h, "s", content, PER_CHUNK * MESSAGE)
+        left.append(h.stored(sid))
+        assert left == [26, 16, 6, 1]  # ten a step, then the rest; the open chunk's message stays
+        _check_reads(h, "s", content, PER_CHUNK * MESSAGE)
+        assert _read_at(h, "s", PER_CHUNK * MESSAGE) == content[PER_CHUNK * MESSAGE:]
+        assert h.run(lambda txn: h.store.drop_sealed_records(txn, sid)) is False  # nothing more
+    finally:
+        h.close()
+
+
+def test_a_drop_stops_at_a_chunk_not_confirmed_yet(tmp_path: Path, clock: Clock) -> None:
+    """Uploads may land out of order: the second chunk's confirmation must not take the
+    first chunk's records, still the only copy of them."""
+    h = _harness(tmp_path, clock)
+    try:
+        content, refs = _fill(h, "s", 2)
+        sid = refs[0].sid
+        assert h.run(lambda txn: h.store.mark_sealed(txn, refs[1]))
+        assert h.run(lambda txn: h.store.drop_sealed_records(txn, sid)) is False
+        assert h.stored(sid) == 2 * PER_CHUNK + 1
+        assert h.contents("s") == content
+        assert h.run(lambda txn: h.store.mark_sealed(txn, refs[0]))
+        while h.run(lambda txn: h.store.drop_sealed_records(txn, sid, limit=7)):
+            pass
+        assert h.stored(sid) == 1  # both chunks' records, in one run of steps
+        _check_reads(h, "s", content, 2 * PER_CHUNK * MESSAGE)
+    finally:
+        h.close()
+
+
+def test_a_drop_a_restart_interrupted_is_found_and_finished(tmp_path: Path, clock: Clock) -> None:
+    h = _harness(tmp_path, clock)
+    try:
+        content, refs = _fill(h, "s", 1)
+        _fill(h, "other", 1)  # rolled, not confirmed: nothing to drop there
+        sid = refs[0].sid
+        assert h.run(h.store.load_drops) == []
+        assert h.run(lambda txn: h.store.mark_sealed(txn, refs[0]))
+        h.run(lambda txn: h.store.drop_sealed_records(txn, sid, limit=3))
+    finally:
+        h.close()
+    h = _harness(tmp_path, clock)  # the restart
+    try:
+        assert h.run(h.store.load_drops) == [sid]
+        objects = open_store(f"file://{tmp_path / 'objects'}")
+        sealer = Sealer(h.store, h.committer, objects, h.reads.run)
+
+        async def start_then_wait() -> None:  # (as the service does, on its loop)
+            sealer.enqueue_drops(h.run(h.store.load_drops))
+            for _ in range(500):
+                if h.stored(sid) == 1:
+                    return
+                await asyncio.sleep(0.01)
+
+        h.loop.run_until_complete(start_then_wait())
+        assert h.stored(sid) == 1
+        assert h.run(h.store.load_drops) == []
+        _check_reads(h, "s", content, PER_CHUNK * MESSAGE)
+        h.loop.run_until_complete(sealer.stop())
+    finally:
+        h.close()
+
+
+def test_an_upload_retried_after_a_failed_drop_never_puts_the_chunk_again(
+    tmp_path: Path, clock: Clock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    h = _harness(tmp_path, clock)
+    try:
+        content, refs = _fill(h, "s", 1)
+        sid = refs[0].sid
+        objects = open_store(f"file://{tmp_path / 'objects'}")
+        puts: list[tuple[str, bytes]] = []
+        put = objects.put
+
+        async def counting_put(key: str, data: bytes, **kw: Any) -> str:
+            puts.append((key, data))
+            return await put(key, data, **kw)
+
+        monkeypatch.setattr(objects, "put", counting_put)
+        drop = h.store.drop_sealed_records
+        calls = []
+
+        def drop_failing_once(txn: Any, sid: int, limit: int = 10) -> bool:  # (steps of ten)
+            calls.append(limit)
+            if len(calls) == 2:  # after one step: records of the sealed chunk partly dropped
+                raise OSError("disk trouble")
+            return drop(txn, sid, limit=10)
+
+        monkeypatch.setattr(h.store, "drop_sealed_records", drop_failing_once)
+        sealer = Sealer(h.store, h.committer, objects, h.reads.run)
+        with pytest.raises(Exception, match="nothing was stored"):
+            h.loop.run_until_complete(sealer.upload(refs[0]))
+        assert 1 < h.stored(sid) < PER_CHUNK + 1
+        assert h.loop.run_until_complete(sealer.upload(refs[0]))  # the upload loop's retry
+        assert len(puts) == 1  # the chunk was not encoded again from what was left of it
+        key, body = puts[0]
+        assert h.loop.run_until_complete(objects.get(key)) == body
+        assert h.stored(sid) == 1
+        _check_reads(h, "s", content, PER_CHUNK * MESSAGE)
+    finally:
+        h.close()
