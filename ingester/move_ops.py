@@ -23,6 +23,7 @@ from ingester import buckets as bucket_records
 from ingester import remote_forks
 from ingester.chain import stream_records
 from ingester.records import (
+    SEALED,
     SEALING,
     SID,
     ChunkInfo,
@@ -110,7 +111,10 @@ def freeze_export(store: Store, txn: lmdb.Transaction, key: str, to: Ingester, g
                     break
                 state = ProducerState.decode(v)
                 moved.producers.append((bytes(k[8:]).decode(), state.epoch, state.last_seq, state.updated_at))
-        moved.records = [(r.end, r.chunk, r.flags, r.data) for r in stream_records(txn, store.wal, meta.sid, 0)]
+        # (records of sealed chunks still here, their drop not finished: the store has them)
+        sealed = {chunk for chunk, info in moved.chunks if info.get("state") == SEALED}
+        moved.records = [(r.end, r.chunk, r.flags, r.data) for r in stream_records(txn, store.wal, meta.sid, 0)
+                         if r.chunk not in sealed]
         moving = {m.path for m in metas}
         moved.source = _source_chain(store, txn, meta, moving)
         moved.pins = _pins(store, txn, meta, moving)

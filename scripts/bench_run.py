@@ -459,6 +459,7 @@ def throughput_summary(r: LoadResult) -> dict[str, Any]:
         "error_samples": d["error_samples"],
         "ack_p50_ms": d["ack"]["p50_ms"],
         "ack_p99_ms": d["ack"]["p99_ms"],
+        "ack_max_ms": d["ack"]["max_ms"],
         "server_cpu_s": w.server_cpu,
         "cpu_s_per_1000_appends": (w.server_cpu / appends * 1000) if appends else None,
         "server_cores_used": w.server_cpu / w.seconds if w.seconds else None,
@@ -493,6 +494,7 @@ def latency_summary(r: LoadResult) -> dict[str, Any]:
         "error_samples": d["error_samples"],
         "ack_p50_ms": d["ack"]["p50_ms"],
         "ack_p99_ms": d["ack"]["p99_ms"],
+        "ack_max_ms": d["ack"]["max_ms"],
         "server_cpu_s": w.server_cpu,
         "loadgen_cores_used": w.loadgen_cpu / w.seconds if w.seconds else None,
         "other_cores_used": other_cores(w),
@@ -608,14 +610,14 @@ def server_table(name: str, r: dict[str, Any]) -> str:
     lines = [f"{name}  ({r['url']}{rounds})"]
     lines.append(
         f"  {'scenario':<26}{'appends/s':>11}{'CPU-s/1000':>12}{'srv cores':>11}{'ack p50':>9}{'ack p99':>9}"
-        f"{'errors':>8}{'loadgen':>9}{'other':>7}{'disk p99':>10}"
+        f"{'ack max':>9}{'errors':>8}{'loadgen':>9}{'other':>7}{'disk p99':>10}"
     )
     for kind, label in (("streams", "32 writers x own stream"), ("shared", "32 writers x one stream")):
         s = r[kind]
         lines.append(
             f"  {label:<26}{fmt(s['appends_per_s'], 0):>11}{fmt(s['cpu_s_per_1000_appends'], 3):>12}"
             f"{fmt(s['server_cores_used'], 2):>11}{fmt(s['ack_p50_ms'], 1):>9}{fmt(s['ack_p99_ms'], 1):>9}"
-            f"{s['errors']:>8}{fmt(100 * (s['loadgen_cores_used'] or 0), 0) + '%':>9}"
+            f"{fmt(s.get('ack_max_ms'), 1):>9}{s['errors']:>8}{fmt(100 * (s['loadgen_cores_used'] or 0), 0) + '%':>9}"
             f"{fmt(s['other_cores_used'], 2):>7}{fmt(s['disk_probe_p99_ms'], 2):>10}"
         )
     lat = r["latency"]

@@ -15,12 +15,14 @@ from typing import Any
 
 import pytest
 
+from ingester import move_ops
 from ingester.chain import Sealed
 from ingester.records import ChunkRef
 from ingester.sealing import Sealer
 from ingester.writes import SealPolicy
 from shared import offsets
 from shared.objectstore import open_store
+from shared.placement import Ingester
 from tests.wal_harness import Clock, Harness
 
 MESSAGE = 10  # bytes per message
@@ -172,4 +174,25 @@ def test_an_upload_retried_after_a_failed_drop_never_puts_the_chunk_again(
         assert h.stored(sid) == 1
         _check_reads(h, "s", content, PER_CHUNK * MESSAGE)
     finally:
+        h.close()
+
+
+def test_a_stream_moved_while_its_sealed_records_are_dropped_takes_none_of_them(tmp_path: Path, clock: Clock) -> None:
+    h = _harness(tmp_path, clock)
+    other = Harness(tmp_path / "other", clock,
+                    seal=SealPolicy(seal_bytes=MESSAGE * PER_CHUNK, seal_age=3600, wal_max_bytes=1 << 30))
+    try:
+        content, refs = _fill(h, "s", 2)
+        sid = refs[0].sid
+        for ref in refs:
+            assert h.run(lambda txn, ref=ref: h.store.mark_sealed(txn, ref))
+        h.run(lambda txn: h.store.drop_sealed_records(txn, sid, limit=30))  # the first chunk's, and 5 more
+        assert h.stored(sid) == 2 * PER_CHUNK + 1 - 30
+        export = h.run(lambda txn: move_ops.freeze_export(h.store, txn, "s", Ingester("b", "http://b"), 1, "a"))
+        assert export is not None
+        assert [end for end, *_ in export.streams[0].records] == [len(content)]  # the open chunk's only
+        other.run(lambda txn: move_ops.import_moved(other.store, txn, export))
+        _check_reads(other, "s", content, 2 * PER_CHUNK * MESSAGE)
+    finally:
+        other.close()
         h.close()
