@@ -17,7 +17,7 @@ import pytest
 
 from ingester import move_ops
 from ingester.chain import Sealed
-from ingester.records import ChunkRef
+from ingester.records import ChunkRef, encode_record, record_key
 from ingester.sealing import Sealer
 from ingester.writes import SealPolicy
 from shared import offsets
@@ -195,4 +195,22 @@ def test_a_stream_moved_while_its_sealed_records_are_dropped_takes_none_of_them(
         _check_reads(other, "s", content, 2 * PER_CHUNK * MESSAGE)
     finally:
         other.close()
+        h.close()
+
+
+def test_a_record_past_its_chunks_end_stops_a_drop_instead_of_spinning(tmp_path: Path, clock: Clock) -> None:
+    """Never written so; but a drop runs on the writer thread, where a loop that cannot
+    advance would stop every write of the ingester."""
+    h = _harness(tmp_path, clock)
+    try:
+        _content, refs = _fill(h, "s", 1)
+        sid = refs[0].sid
+        assert h.run(lambda txn: h.store.mark_sealed(txn, refs[0]))
+        h.run(lambda txn: h.store.drop_sealed_records(txn, sid))  # a clean WAL: the open chunk's record left
+        assert h.stored(sid) == 1
+        bad_end = PER_CHUNK * MESSAGE + 5  # before the open chunk's record, tagged as the sealed chunk's
+        h.run(lambda txn: txn.put(record_key(sid, bad_end), encode_record(refs[0].chunk, 0, b"x"), db=h.wal.records))
+        assert h.stored(sid) == 2
+        assert h.run(lambda txn: h.store.drop_sealed_records(txn, sid)) is False
+    finally:
         h.close()
