@@ -209,16 +209,15 @@ class SealingBook:
 
     def load_drops(self: StoreCore, txn: lmdb.Transaction) -> list[int]:
         """At start: streams whose first record is in a sealed chunk (a drop interrupted by
-        a restart), to finish dropping."""
+        a restart), to finish dropping. One seek per stream that has records."""
         out: list[int] = []
         cur = txn.cursor(db=self.wal.records)
-        for _key, raw in txn.cursor(db=self.wal.streams):
-            meta = StreamMeta.decode(raw)
-            prefix = SID.pack(meta.sid)
-            if not cur.set_range(prefix) or cur.key()[:8] != prefix:
-                continue
+        found = cur.first()
+        while found:
+            sid = SID.unpack(cur.key()[:8])[0]
             chunk = RECORD_HEADER.unpack_from(cur.value())[0]
-            info = txn.get(chunk_key(meta.sid, chunk), db=self.wal.chunks)
-            if info is not None and ChunkInfo.decode(info).state == SEALED:
-                out.append(meta.sid)
+            raw = txn.get(chunk_key(sid, chunk), db=self.wal.chunks)
+            if raw is not None and ChunkInfo.decode(raw).state == SEALED:
+                out.append(sid)
+            found = cur.set_range(SID.pack(sid + 1))
         return out
