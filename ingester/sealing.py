@@ -1,9 +1,10 @@
 """Moving sealed history to the object store, off the write path.
 
 - Uploader: for each rolled chunk, read its records (read transaction, thread pool), encode
-  the chunk object, PUT it, and only then ask the writer to mark it sealed and drop its
-  records. A crash anywhere in between re-uploads the same bytes after restart (the object
-  is a pure function of the records), so nothing is lost and nothing is half-visible.
+  the chunk object, PUT it, and only then ask the writer to mark it sealed; its records then
+  leave the WAL a bounded step per commit (drop_records). A crash anywhere before the mark
+  re-uploads the same bytes after restart (the object is a pure function of the records), so
+  nothing is lost and nothing is half-visible; a chunk once marked is never encoded again.
 - Cleaner: deletes the objects of removed streams (their uids are recorded in the WAL in
   the same transaction as the removal, so a crash cannot leak them).
 - Publisher (ingester/publisher.py): writes stream descriptors (create, close, delete) for
@@ -66,8 +67,8 @@ class Sealer:
         self.gc_deleted = 0  # objects of removed streams deleted
         # Collected by ingester.metrics at scrape time.
         self.upload_seconds = Histogram(
-            "ds3_seal_upload_seconds", "Time to seal one chunk: read it from the WAL, encode, PUT, mark it sealed "
-            "(successful attempts).", buckets=UPLOAD_SECONDS_BUCKETS, registry=None,
+            "ds3_seal_upload_seconds", "Time to seal one chunk: read it from the WAL, encode, PUT, mark it sealed, "
+            "drop its records from the WAL (successful attempts).", buckets=UPLOAD_SECONDS_BUCKETS, registry=None,
         )
 
     # --- feeding -------------------------------------------------------------------------

@@ -1,9 +1,9 @@
 """The WAL store's chunk bookkeeping, a mixin of ingester/store.py's Store: open chunks roll
 (by size as records arrive, by age on the sealing loop's tick) into rolled chunks to upload; a
-chunk confirmed in the object store drops its records from the WAL (in steps: see
-drop_sealed_records); removed streams' objects
-and changed descriptors wait in `sys` (gc:, pub:) until the sealing loop has dealt with them,
-so a crash between the commit and the store cannot lose that work (reloaded at start)."""
+chunk confirmed in the object store drops its records from the WAL, in steps
+(drop_sealed_records); removed streams' objects and changed descriptors wait in `sys` (gc:,
+pub:) until the sealing loop has dealt with them, so a crash between the commit and the store
+cannot lose that work (reloaded at start)."""
 
 from __future__ import annotations
 
