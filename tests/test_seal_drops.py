@@ -214,3 +214,32 @@ def test_a_record_past_its_chunks_end_stops_a_drop_instead_of_spinning(tmp_path:
         assert h.run(lambda txn: h.store.drop_sealed_records(txn, sid)) is False
     finally:
         h.close()
+
+
+@pytest.mark.parametrize("folded", [0, 10, PER_CHUNK, PER_CHUNK + 1])
+def test_a_chunks_records_for_its_upload_come_whole_from_records_and_journal(
+    tmp_path: Path, clock: Clock, folded: int
+) -> None:
+    """The uploader reads `records` entries straight off the cursor, then what is still
+    journaled: the chunk is the same whichever part of it was folded."""
+    h = _harness(tmp_path, clock)
+    try:
+        h.create("s")
+        for i in range(2 * PER_CHUNK + 1):
+            if i == folded:
+                h.run(lambda txn: h.store.journal.fold(txn))
+            h.append("s", b"%09d|" % i)
+        meta = h.meta("s")
+        assert meta is not None
+        content = h.contents("s")
+        for c in range(2):
+            ref = ChunkRef("s", meta.sid, meta.uid, meta.first_chunk + c)
+            got = h.run(lambda txn, ref=ref: h.store.chunk_records(txn, ref))
+            assert got is not None
+            info, records = got
+            lo = c * PER_CHUNK * MESSAGE
+            assert (info.start, info.end) == (lo, lo + PER_CHUNK * MESSAGE)
+            assert [end for end, _flags, _data in records] == [lo + (k + 1) * MESSAGE for k in range(PER_CHUNK)]
+            assert b"".join(data for _end, _flags, data in records) == content[lo:lo + PER_CHUNK * MESSAGE]
+    finally:
+        h.close()
