@@ -67,8 +67,8 @@ class Sealer:
         self.gc_deleted = 0  # objects of removed streams deleted
         # Collected by ingester.metrics at scrape time.
         self.upload_seconds = Histogram(
-            "ds3_seal_upload_seconds", "Time to seal one chunk: read it from the WAL, encode, PUT, mark it sealed, "
-            "drop its records from the WAL (successful attempts).", buckets=UPLOAD_SECONDS_BUCKETS, registry=None,
+            "ds3_seal_upload_seconds", "Time to seal one chunk: read it from the WAL, encode, PUT, mark it sealed "
+            "(successful attempts; its records leave the WAL afterwards).", buckets=UPLOAD_SECONDS_BUCKETS, registry=None,
         )
 
     # --- feeding -------------------------------------------------------------------------
@@ -78,7 +78,9 @@ class Sealer:
             self._queue.put_nowait(ref)
 
     def enqueue_drops(self, sids: list[int]) -> None:
-        """Streams whose sealed records a restart interrupted dropping (Store.load_drops)."""
+        """Drop these streams' records of sealed chunks, each in a task of its own: after an
+        upload, and at start for drops a restart interrupted (Store.load_drops). A drop that
+        fails is left to the stream's next seal or the next start (both find it)."""
         for sid in sids:
             task = asyncio.create_task(self.drop_records(sid), name=f"ds3-drop-{sid}")
             self._drops.add(task)
@@ -86,8 +88,9 @@ class Sealer:
 
     def _dropped(self, task: asyncio.Task[None]) -> None:
         self._drops.discard(task)
-        if not task.cancelled() and task.exception() is not None:  # (the next start finds them again)
-            log.warning("dropping sealed records failed: %s", task.exception())
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("dropping sealed records from the WAL failed (the stream's next seal, or the next "
+                        "start, goes on with it): %s", task.exception())
 
     def enqueue_removed(self, items: list[tuple[str, str]]) -> None:
         for item in items:
@@ -126,7 +129,7 @@ class Sealer:
             await self.objects.put(key, body, content_type=CHUNK_CONTENT_TYPE)
             if not await self.committer.submit(lambda txn: self.store.mark_sealed(txn, ref)):
                 return False
-        await self.drop_records(ref.sid)
+        self.enqueue_drops([ref.sid])  # (a task of its own: the next upload need not wait for it)
         return True
 
     async def drop_records(self, sid: int) -> None:

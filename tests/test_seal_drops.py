@@ -21,6 +21,7 @@ from ingester.records import ChunkRef, encode_record, record_key
 from ingester.sealing import Sealer
 from ingester.writes import SealPolicy
 from shared import offsets
+from shared.errors import Unavailable
 from shared.objectstore import open_store
 from shared.placement import Ingester
 from tests.wal_harness import Clock, Harness
@@ -137,9 +138,13 @@ def test_a_drop_a_restart_interrupted_is_found_and_finished(tmp_path: Path, cloc
         h.close()
 
 
-def test_an_upload_retried_after_a_failed_drop_never_puts_the_chunk_again(
+def test_an_upload_retried_after_its_mark_committed_never_puts_the_chunk_again(
     tmp_path: Path, clock: Clock, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """The mark commits but its caller gets an error (in store durability, a segment upload
+    that fails turns a committed write's answer into a 503): the upload loop retries. The
+    chunk is sealed and its records may be partly dropped by then: encoding it again would
+    PUT a partial body over the object (or, with every record gone, fail for ever)."""
     h = _harness(tmp_path, clock)
     try:
         content, refs = _fill(h, "s", 1)
@@ -153,29 +158,75 @@ def test_an_upload_retried_after_a_failed_drop_never_puts_the_chunk_again(
             return await put(key, data, **kw)
 
         monkeypatch.setattr(objects, "put", counting_put)
-        drop = h.store.drop_sealed_records
-        calls = []
+        mark = h.store.mark_sealed
 
-        def drop_failing_once(txn: Any, sid: int, limit: int = 10) -> bool:  # (steps of ten)
-            calls.append(limit)
-            if len(calls) == 2:  # after one step: records of the sealed chunk partly dropped
-                raise OSError("disk trouble")
-            return drop(txn, sid, limit=10)
+        def mark_then_fail(txn: Any, ref: ChunkRef) -> bool:
+            mark(txn, ref)
+            h.store.drop_sealed_records(txn, sid, limit=10)  # and some records gone already
+            raise Unavailable("the commit log did not reach the store")
 
-        monkeypatch.setattr(h.store, "drop_sealed_records", drop_failing_once)
+        monkeypatch.setattr(h.store, "mark_sealed", mark_then_fail)
         sealer = Sealer(h.store, h.committer, objects, h.reads.run)
-        with pytest.raises(Exception, match="nothing was stored"):
+        with pytest.raises(Unavailable):
             h.loop.run_until_complete(sealer.upload(refs[0]))
         assert 1 < h.stored(sid) < PER_CHUNK + 1
-        assert h.loop.run_until_complete(sealer.upload(refs[0]))  # the upload loop's retry
+        monkeypatch.setattr(h.store, "mark_sealed", mark)
+
+        async def retry_then_wait() -> bool:
+            done = await sealer.upload(refs[0])  # the upload loop's retry
+            for _ in range(500):
+                if h.stored(sid) == 1:
+                    break
+                await asyncio.sleep(0.01)
+            return done
+
+        assert h.loop.run_until_complete(retry_then_wait())
         assert len(puts) == 1  # the chunk was not encoded again from what was left of it
         key, body = puts[0]
         assert h.loop.run_until_complete(objects.get(key)) == body
-        assert h.stored(sid) == 1
+        assert h.stored(sid) == 1  # the drop went on, in a task of its own
         _check_reads(h, "s", content, PER_CHUNK * MESSAGE)
+        h.loop.run_until_complete(sealer.stop())
     finally:
         h.close()
 
+
+def test_a_failed_drop_is_finished_by_the_streams_next_seal(
+    tmp_path: Path, clock: Clock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    h = _harness(tmp_path, clock)
+    try:
+        content, refs = _fill(h, "s", 2)
+        sid = refs[0].sid
+        objects = open_store(f"file://{tmp_path / 'objects'}")
+        drop = h.store.drop_sealed_records
+        failing = [True]
+
+        def drop_or_fail(txn: Any, sid: int, limit: int = 1024) -> bool:
+            if failing[0]:
+                raise OSError("disk trouble")
+            return drop(txn, sid, limit=limit)
+
+        monkeypatch.setattr(h.store, "drop_sealed_records", drop_or_fail)
+        sealer = Sealer(h.store, h.committer, objects, h.reads.run)
+
+        async def upload_then_settle(ref: ChunkRef) -> None:
+            assert await sealer.upload(ref)
+            for _ in range(500):
+                if not sealer._drops:
+                    return
+                await asyncio.sleep(0.01)
+
+        h.loop.run_until_complete(upload_then_settle(refs[0]))
+        assert h.stored(sid) == 2 * PER_CHUNK + 1  # the drop failed: the first chunk's records are still here
+        _check_reads(h, "s", content, 2 * PER_CHUNK * MESSAGE)
+        failing[0] = False
+        h.loop.run_until_complete(upload_then_settle(refs[1]))
+        assert h.stored(sid) == 1  # both chunks' records
+        _check_reads(h, "s", content, 2 * PER_CHUNK * MESSAGE)
+        h.loop.run_until_complete(sealer.stop())
+    finally:
+        h.close()
 
 def test_a_stream_moved_while_its_sealed_records_are_dropped_takes_none_of_them(tmp_path: Path, clock: Clock) -> None:
     h = _harness(tmp_path, clock)
