@@ -10,6 +10,7 @@ records left in the WAL for good after a restart."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +45,14 @@ def _fill(h: Harness, path: str, chunks: int) -> tuple[bytes, list[ChunkRef]]:
     assert meta is not None
     refs = [ChunkRef(path, meta.sid, meta.uid, meta.first_chunk + c) for c in range(chunks)]
     return h.contents(path), refs
+
+
+async def _until(done: Callable[[], bool]) -> None:
+    """Give the sealer's tasks up to 5 s to get there."""
+    for _ in range(500):
+        if done():
+            return
+        await asyncio.sleep(0.01)
 
 
 def _read_at(h: Harness, path: str, position: int) -> bytes | Sealed:
@@ -124,10 +133,7 @@ def test_a_drop_a_restart_interrupted_is_found_and_finished(tmp_path: Path, cloc
 
         async def start_then_wait() -> None:  # (as the service does, on its loop)
             sealer.enqueue_drops(h.run(h.store.load_drops))
-            for _ in range(500):
-                if h.stored(sid) == 1:
-                    return
-                await asyncio.sleep(0.01)
+            await _until(lambda: h.stored(sid) == 1)
 
         h.loop.run_until_complete(start_then_wait())
         assert h.stored(sid) == 1
@@ -174,10 +180,7 @@ def test_an_upload_retried_after_its_mark_committed_never_puts_the_chunk_again(
 
         async def retry_then_wait() -> bool:
             done = await sealer.upload(refs[0])  # the upload loop's retry
-            for _ in range(500):
-                if h.stored(sid) == 1:
-                    break
-                await asyncio.sleep(0.01)
+            await _until(lambda: h.stored(sid) == 1)
             return done
 
         assert h.loop.run_until_complete(retry_then_wait())
@@ -212,10 +215,7 @@ def test_a_failed_drop_is_finished_by_the_streams_next_seal(
 
         async def upload_then_settle(ref: ChunkRef) -> None:
             assert await sealer.upload(ref)
-            for _ in range(500):
-                if not sealer._drops:
-                    return
-                await asyncio.sleep(0.01)
+            await _until(lambda: not sealer._drops)
 
         h.loop.run_until_complete(upload_then_settle(refs[0]))
         assert h.stored(sid) == 2 * PER_CHUNK + 1  # the drop failed: the first chunk's records are still here
