@@ -8,12 +8,11 @@ cannot lose that work (reloaded at start)."""
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterator
 from typing import Final, cast
 
 import lmdb
 
-from ingester import journal
+from ingester.chain import stream_records
 from ingester.records import (
     RECORD_HEADER,
     SEALED,
@@ -147,23 +146,10 @@ class SealingBook:
         out: list[tuple[int, int, bytes]] = []
         if info.state == SEALED:  # its records may be dropped already, some or all
             return info, out
-        # `records` entries straight from the cursor (a chunk holds tens of thousands: this
-        # runs on a read thread, holding the GIL the loop and the writer need), then what of
-        # the chunk is still journaled.
-        position = info.start
-        last = record_key(ref.sid, info.end)  # (keys of later streams sort after it too)
-        cur = txn.cursor(self.wal.records)
-        if cur.set_range(record_key(ref.sid, info.start + 1)):
-            for key, value in cast("Iterator[tuple[bytes, bytes]]", cur):  # (read with buffers=False)
-                if key > last:
-                    break
-                position = int.from_bytes(key[8:16], "big")
-                out.append((position, value[8], value[RECORD_HEADER.size:]))
-        if position < info.end:
-            for rec in journal.records_after(txn, self.wal, ref.sid, position):
-                if rec.end > info.end:
-                    break
-                out.append((rec.end, rec.flags, rec.data))
+        for rec in stream_records(txn, self.wal, ref.sid, info.start):
+            if rec.end > info.end:
+                break
+            out.append((rec.end, rec.flags, rec.data))
         return info, out
 
     def gc_done(self: StoreCore, txn: lmdb.Transaction, uid: str) -> None:
