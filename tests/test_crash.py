@@ -362,6 +362,21 @@ def test_sigkill_of_the_ingester_behind_a_reader_loses_no_ack(tmp_path: Path) ->
     _crash_rounds(tier, True, max(2, ROUNDS // 2))
 
 
+def test_sigkill_while_sealing_behind_a_reader_loses_no_ack(tmp_path: Path) -> None:
+    """The same while every stream seals all the time (16 KiB chunks, or 0.3 s old): kills land
+    mid-seal, mid-upload and between the bounded steps that drop a sealed chunk's records from
+    the WAL (about 1,500 records a chunk: two steps), and the reads after each restart cross
+    from sealed chunks served from the store to the WAL's tail."""
+    store = f"file://{tmp_path / 'objects'}"
+    seal = ("--seal-bytes", "16384", "--seal-age", "0.3")
+    ing = ingester(tmp_path / "data", "--long-poll-timeout", "2", "--store", store, "--write-rate", "0", *seal)
+    tier = ReaderTier(ing, reader(tmp_path / "reader", ing.url, store, "--write-rate", "0"))
+    _crash_rounds(tier, True, max(2, ROUNDS // 2))
+    sealed = [p for p in (tmp_path / "objects" / "chunks").rglob("*") if p.is_file() and p.name.isdigit()]
+    print(f"{len(sealed)} chunk objects sealed")
+    assert len(sealed) >= 2 * len(CONTENT_TYPES), f"only {len(sealed)} chunks sealed: the kills met no seal"
+
+
 def _crash_rounds(server: Server, byte_positions: bool, rounds: int) -> None:
     seed = int(os.environ.get("DS3_CRASH_SEED", str(time.time_ns() % 1_000_000)))
     rng = random.Random(seed)
