@@ -98,6 +98,17 @@ def records_after(txn: lmdb.Transaction, dbs: JournalDbs, sid: int, position: in
     return out
 
 
+def fold_all(txn: lmdb.Transaction, dbs: JournalDbs) -> int:
+    """Move every journal record into `records` and empty `journal` and `jtail` (on a raw
+    transaction: the writer's fold, and replay's of a logged FOLD); returns how many moved."""
+    pairs = ((value[_KEY_AT:_VALUE_AT], value[_VALUE_AT:]) for value in txn.cursor(dbs.journal).iternext(
+        keys=False, values=True))
+    moved, _added = txn.cursor(dbs.records).putmulti(pairs)
+    txn.drop(dbs.journal, delete=False)
+    txn.drop(dbs.jtail, delete=False)
+    return int(moved)
+
+
 class JournalWriter:
     """The writer thread's side: appends, folds, drops. Caches each stream's newest serial
     and the next serial; `reset` forgets them when a batch aborts."""
@@ -143,14 +154,13 @@ class JournalWriter:
         return int(txn.stat(self.dbs.journal)["entries"])
 
     def fold(self, txn: lmdb.Transaction) -> int:
-        """Move every journal record into `records`; returns how many moved."""
-        pairs = ((value[_KEY_AT:_VALUE_AT], value[_VALUE_AT:]) for value in txn.cursor(self.dbs.journal).iternext(
-            keys=False, values=True))
-        moved, _added = txn.cursor(self.dbs.records).putmulti(pairs)
-        txn.drop(self.dbs.journal, delete=False)
-        txn.drop(self.dbs.jtail, delete=False)
+        """Move every journal record into `records`; returns how many moved. Through a
+        LoggedTxn the fold is logged as one FOLD write (replay folds the same journal), not as
+        a PUT of every record moved: that wrote each journaled message into the log twice."""
+        logged = getattr(txn, "fold_journal", None)
+        moved = logged(self.dbs) if logged is not None else fold_all(txn, self.dbs)
         self._newest.clear()  # every stream's chain is empty now (serials keep rising)
-        return moved
+        return int(moved)
 
     def fold_stream(self, txn: lmdb.Transaction, sid: int) -> int:
         """Move one stream's journal records into `records` (before writing there directly)."""

@@ -15,7 +15,9 @@ What is recorded:
                                       overwrite=False or append=True refused the key)
     replace                           PUT key value
     delete / pop / cursor delete      DELETE key     (only if a key was there)
-    drop(db, delete=False)            CLEAR          (the database emptied, as a fold does)
+    drop(db, delete=False)            CLEAR          (the database emptied)
+    fold_journal(dbs)                 FOLD           (journal.fold_all: every journal record
+                                      moved into `records`; one write, not one per record)
 
 `drop(db, delete=True)` (removing a named database) cannot be logged and raises. None of
 the WAL's databases is dupsort, so a delete removes the key whatever value is given.
@@ -34,7 +36,8 @@ from typing import Any
 
 import lmdb
 
-from shared.logsegment import CLEAR, DELETE, PUT, Write
+from ingester.journal import JournalDbs, fold_all
+from shared.logsegment import CLEAR, DELETE, FOLD, PUT, Write
 
 
 class UnloggedDatabase(LookupError):
@@ -107,6 +110,13 @@ class LoggedTxn:
             raise UnloggedDatabase("dropping a named database cannot be logged (use delete=False to empty it)")
         self._txn.drop(db, delete=False)
         self.writes.append((db_id, CLEAR, b"", b""))
+
+    def fold_journal(self, dbs: JournalDbs) -> int:
+        """journal.fold_all on the raw transaction, logged as one FOLD of the journal."""
+        db_id = self._id(dbs.journal)
+        moved = fold_all(self._txn, dbs)
+        self.writes.append((db_id, FOLD, b"", b""))
+        return moved
 
     def cursor(self, db: lmdb._Database | None = None) -> LoggedCursor:
         return LoggedCursor(self._txn.cursor(db), self._id(db), self.writes)

@@ -18,8 +18,9 @@ from collections.abc import Iterable
 
 import lmdb
 
+from ingester.journal import fold_all
 from ingester.wal import COMMIT_SEQ, SEQ, WalEnv
-from shared.logsegment import CLEAR, DELETE, PUT, Commit, LogSegmentError
+from shared.logsegment import CLEAR, DELETE, FOLD, PUT, Commit, LogSegmentError
 
 
 class ReplayGap(ValueError):
@@ -39,6 +40,8 @@ def apply(txn: lmdb.Transaction, wal: WalEnv, commit: Commit) -> None:
             txn.delete(key, db=db)
         elif op == CLEAR:
             txn.drop(db, delete=False)
+        elif op == FOLD:  # the same journal, folded the same way: the same records
+            fold_all(txn, wal)
         else:
             raise LogSegmentError(f"commit {commit.seq}: unknown op {op}")
     txn.put(COMMIT_SEQ, SEQ.pack(commit.seq), db=wal.sys)  # the write-set holds it too; never rely on that

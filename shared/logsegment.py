@@ -8,7 +8,7 @@ rebuilds the WAL exactly (ingester/replay.py).
     offset 0                                                                        48
     +----------+-------------+-------------+-------------+----------+-------+-------+
     | magic    | version     | commits     | length      | epoch    | first | last  |  prelude
-    | DS3WLOG1 | u32 BE (=1) | u32 BE  (N) | u64 BE  (L) | u64 BE   | u64   | u64   |  48 bytes
+    | DS3WLOG1 | u32 BE (=2) | u32 BE  (N) | u64 BE  (L) | u64 BE   | u64   | u64   |  48 bytes
     +----------+-------------+-------------+-------------+----------+-------+-------+
     | commit 1 .. N, in commit order:                                              |
     |   +---------+-------------+                                                  |
@@ -27,7 +27,11 @@ rebuilds the WAL exactly (ingester/replay.py).
             here: whoever replays checks continuity across segments)
     db:     which named database (DB_IDS below: the ids are part of the format)
     op:     PUT (key := value), DELETE (key; value empty), CLEAR (every key of the
-            database; key and value empty: a fold empties the journal this way)
+            database; key and value empty), FOLD (db: the journal; key and value empty:
+            every journal record moved into `records`, and `journal` and `jtail` emptied,
+            as ingester/journal.py's fold_all does; replay runs the same fold)
+    version: 2 (1: no FOLD; a fold was logged as a PUT of every moved record and two
+            CLEARs, the messages' bytes a second time. Both versions decode.)
 
 Both lengths come before the bytes so each write's header is one struct. All integers are
 big-endian. The checksum is zlib's CRC-32 (no CRC32C implementation ships with the server;
@@ -49,7 +53,8 @@ from dataclasses import dataclass
 from typing import Final, NamedTuple
 
 MAGIC: Final = b"DS3WLOG1"
-VERSION: Final = 1
+VERSION: Final = 2
+VERSIONS: Final = (1, 2)  # what decode reads
 _PRELUDE: Final = struct.Struct(">8sIIQQQQ")
 _COMMIT: Final = struct.Struct(">QI")
 _WRITE: Final = struct.Struct(">BBII")
@@ -73,7 +78,8 @@ DB_NAMES: Final[dict[int, str]] = {v: k for k, v in DB_IDS.items()}
 PUT: Final = 1
 DELETE: Final = 2
 CLEAR: Final = 3
-OP_NAMES: Final[dict[int, str]] = {PUT: "put", DELETE: "delete", CLEAR: "clear"}
+FOLD: Final = 4  # version 2 on
+OP_NAMES: Final[dict[int, str]] = {PUT: "put", DELETE: "delete", CLEAR: "clear", FOLD: "fold"}
 
 # (db id, op, key, value): one write, as LMDB applied it. A plain tuple: the recorder makes
 # one per LMDB write on the hot path.
@@ -115,8 +121,10 @@ def _check_write(seq: int, i: int, write: Write) -> None:
         raise LogSegmentError(f"commit {seq}, write {i}: key and value must be bytes")
     if op != PUT and value:
         raise LogSegmentError(f"commit {seq}, write {i}: a {OP_NAMES[op]} carries no value")
-    if op == CLEAR and key:
-        raise LogSegmentError(f"commit {seq}, write {i}: a clear carries no key")
+    if op in (CLEAR, FOLD) and key:
+        raise LogSegmentError(f"commit {seq}, write {i}: a {OP_NAMES[op]} carries no key")
+    if op == FOLD and db != DB_IDS["journal"]:
+        raise LogSegmentError(f"commit {seq}, write {i}: a fold is of the journal, not of {DB_NAMES[db]}")
     if len(key) > 0xFFFFFFFF or len(value) > 0xFFFFFFFF:
         raise LogSegmentError(f"commit {seq}, write {i}: key or value longer than 4 GiB")
 
@@ -163,7 +171,7 @@ def parse_prelude(b: bytes | memoryview) -> tuple[int, int, int, int, int]:
     magic, version, count, length, epoch, first, last = _PRELUDE.unpack_from(b)
     if magic != MAGIC:
         raise LogSegmentError(f"not a ds3 log segment (magic {bytes(magic)!r})")
-    if version != VERSION:
+    if version not in VERSIONS:
         raise LogSegmentError(f"unsupported log segment version {version}")
     if count == 0:
         raise LogSegmentError("segment claims no commits")
@@ -179,6 +187,7 @@ def decode(data: bytes | memoryview) -> Segment:
     intact segment (truncated, extended, bad magic or version, checksum mismatch)."""
     view = memoryview(data).cast("B")
     count, length, epoch, first, last = parse_prelude(view)
+    version = _PRELUDE.unpack_from(view)[1]
     if len(view) < length:
         raise LogSegmentError(f"truncated segment: {len(view)} of {length} bytes")
     if len(view) > length:
@@ -211,6 +220,8 @@ def decode(data: bytes | memoryview) -> Segment:
             write = (db, op, bytes(view[at : at + klen]), bytes(view[at + klen : at + klen + vlen]))
             at += klen + vlen
             _check_write(seq, i, write)
+            if op == FOLD and version < 2:
+                raise LogSegmentError(f"commit {seq}, write {i}: a fold in a version {version} segment")
             writes.append(write)
         commits.append(Commit(seq, writes))
     if at != end:

@@ -19,16 +19,18 @@ from typing import Any
 import lmdb
 import pytest
 
+from ingester.journal import HEADER, JournalWriter
 from ingester.logged_txn import LoggedTxn, UnloggedDatabase
 from ingester.replay import apply
 from ingester.wal import COMMIT_SEQ, WalEnv
 from ingester.writes import AppendRequest, AppendResult, CreateRequest
 from shared.config import MiB
 from shared.errors import Conflict, NotFound, Unavailable
-from shared.logsegment import CLEAR, DB_IDS, DELETE, PUT, Commit, Write
+from shared.logsegment import CLEAR, DB_IDS, DELETE, FOLD, PUT, Commit, Write
 from tests.wal_harness import TEXT, Clock, FailingCommits, Harness, ShadowLog, dump
 
 SYS, STREAMS, RECORDS = DB_IDS["sys"], DB_IDS["streams"], DB_IDS["records"]
+JOURNAL, JTAIL = DB_IDS["journal"], DB_IDS["jtail"]
 
 
 @pytest.fixture
@@ -51,6 +53,24 @@ def run(wal: WalEnv, op: Callable[[Any], object]) -> tuple[object, list[Write]]:
 
 def r(key: bytes, value: bytes | None = None) -> Write:
     return (RECORDS, PUT, key, value) if value is not None else (RECORDS, DELETE, key, b"")
+
+
+def _journal_then_fold(txn: Any, wal: WalEnv) -> int:
+    """Two streams' messages into the journal, then a fold: the journal's puts are logged, the
+    fold is one FOLD write (replay folds the same journal into the same records)."""
+    writer = JournalWriter(wal)
+    writer.append(txn, 7, 3, 0, 0, b"abc")
+    writer.append(txn, 9, 1, 0, 0, b"x")
+    writer.append(txn, 7, 5, 0, 0, b"de")
+    return writer.fold(txn)
+
+
+def _journal_puts() -> list[Write]:
+    def j(serial: int, prev: int, sid: int, end: int, data: bytes) -> list[Write]:
+        key = struct.pack(">Q", serial)
+        return [(JOURNAL, PUT, key, HEADER.pack(prev, sid, end, 0, 0) + data),
+                (JTAIL, PUT, struct.pack(">Q", sid), key)]
+    return j(1, 0, 7, 3, b"abc") + j(2, 0, 9, 1, b"x") + j(3, 1, 7, 5, b"de")
 
 
 def _drop_prefix(txn: Any, wal: WalEnv) -> int:
@@ -79,6 +99,7 @@ CASES: list[tuple[str, Callable[[Any, WalEnv], object], object, list[Write]]] = 
     ("pop", lambda t, w: t.pop(b"b", db=w.records), b"B", [r(b"b")]),
     ("pop missing", lambda t, w: t.pop(b"nope", db=w.records), None, []),
     ("drop (empty the db)", lambda t, w: t.drop(w.records, delete=False), None, [(RECORDS, CLEAR, b"", b"")]),
+    ("journal fold", _journal_then_fold, 3, [*_journal_puts(), (JOURNAL, FOLD, b"", b"")]),
     ("cursor put", lambda t, w: t.cursor(w.records).put(b"e", b"E"), True, [r(b"e", b"E")]),
     ("cursor put refused", lambda t, w: t.cursor(w.records).put(b"a", b"E", overwrite=False), False, []),
     ("cursor replace", lambda t, w: t.cursor(w.records).replace(b"c", b"C2"), b"C", [r(b"c", b"C2")]),

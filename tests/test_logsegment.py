@@ -17,6 +17,7 @@ from shared.logsegment import (
     CLEAR,
     DB_IDS,
     DELETE,
+    FOLD,
     MAGIC,
     PRELUDE_SIZE,
     PUT,
@@ -55,6 +56,7 @@ ROUND_TRIPS: list[tuple[str, list[Commit], int]] = [
     ("gaps between seqs", [Commit(1, []), Commit(4, [(SYS, PUT, b"a", b"1")]), Commit(2**64 - 1, [])], 0),
     ("epoch", small(), 2**64 - 1),
     ("binary keys", [Commit(1, [(JOURNAL, PUT, bytes([i]) * 8, bytes([255 - i])) for i in range(256)])], 9),
+    ("a fold", [Commit(1, [(JOURNAL, PUT, b"s" * 8, b"m"), (JOURNAL, FOLD, b"", b"")]), Commit(2, [])], 0),
 ]
 
 
@@ -73,7 +75,7 @@ def test_round_trip(name: str, commits: list[Commit], epoch: int) -> None:
 def test_layout_matches_the_drawing() -> None:
     blob = encode([Commit(5, [(SYS, PUT, b"ab", b"xyz")])], epoch=3)
     assert blob[:8] == MAGIC == b"DS3WLOG1"
-    assert struct.unpack(">IIQQQQ", blob[8:48]) == (1, 1, len(blob), 3, 5, 5)
+    assert struct.unpack(">IIQQQQ", blob[8:48]) == (2, 1, len(blob), 3, 5, 5)
     assert blob[48:60] == struct.pack(">QI", 5, 1)
     assert blob[60:70] == struct.pack(">BBII", SYS, PUT, 2, 3)
     assert blob[70:75] == b"abxyz"
@@ -90,7 +92,10 @@ BAD_COMMITS: list[tuple[str, list[Commit], int]] = [
     ("seqs falling", [Commit(3, []), Commit(1, [])], 0),
     ("unknown db", [Commit(1, [(0, PUT, b"k", b"v")])], 0),
     ("unknown db 9", [Commit(1, [(9, PUT, b"k", b"v")])], 0),
-    ("unknown op", [Commit(1, [(SYS, 4, b"k", b"v")])], 0),
+    ("unknown op", [Commit(1, [(SYS, 5, b"k", b"v")])], 0),
+    ("fold with a key", [Commit(1, [(JOURNAL, FOLD, b"k", b"")])], 0),
+    ("fold with a value", [Commit(1, [(JOURNAL, FOLD, b"", b"v")])], 0),
+    ("fold of another db", [Commit(1, [(RECORDS, FOLD, b"", b"")])], 0),
     ("delete with a value", [Commit(1, [(SYS, DELETE, b"k", b"v")])], 0),
     ("clear with a key", [Commit(1, [(SYS, CLEAR, b"k", b"")])], 0),
     ("str key", [Commit(1, [(SYS, PUT, "k", b"v")])], 0),  # type: ignore[list-item]
@@ -135,14 +140,19 @@ def _resealed(body: bytes) -> bytes:
     return body + struct.pack(">I", zlib.crc32(body))
 
 
-def _prelude(count: int, length: int, first: int, last: int, magic: bytes = MAGIC, version: int = 1) -> bytes:
+def _prelude(count: int, length: int, first: int, last: int, magic: bytes = MAGIC, version: int = 2) -> bytes:
     return struct.pack(">8sIIQQQQ", magic, version, count, length, 0, first, last)
 
 
 MALFORMED: list[tuple[str, bytes, str]] = [
     ("bad magic", _resealed(b"DS3CHNK1" + encode(small())[8:-4]), "not a ds3 log segment"),
-    ("bad version", _resealed(encode(small())[:8] + struct.pack(">I", 2) + encode(small())[12:-4]),
-     "unsupported log segment version 2"),
+    ("bad version", _resealed(encode(small())[:8] + struct.pack(">I", 3) + encode(small())[12:-4]),
+     "unsupported log segment version 3"),
+    ("version 0", _resealed(encode(small())[:8] + struct.pack(">I", 0) + encode(small())[12:-4]),
+     "unsupported log segment version 0"),
+    ("a fold in version 1",
+     _resealed(_prelude(1, 74, 1, 1, version=1) + struct.pack(">QIBBII", 1, 1, JOURNAL, FOLD, 0, 0)),
+     "a fold in a version 1 segment"),
     ("no commits", _resealed(_prelude(0, 52, 1, 1)), "claims no commits"),
     ("implausible length", _resealed(_prelude(1, 60, 1, 1)), "implausible segment length"),
     ("first after last", _resealed(_prelude(1, 64, 2, 1) + struct.pack(">QI", 2, 0)), "implausible commit seqs"),
@@ -165,6 +175,14 @@ MALFORMED: list[tuple[str, bytes, str]] = [
 def test_malformed_segments(name: str, blob: bytes, message: str) -> None:
     with pytest.raises(LogSegmentError, match=message):
         decode(blob)
+
+
+def test_version_1_segments_still_decode() -> None:
+    """Segments uploaded before FOLD (version 1) replay as they were written."""
+    blob = encode(small(), epoch=4)
+    v1 = _resealed(blob[:8] + struct.pack(">I", 1) + blob[12:-4])
+    seg = decode(v1)
+    assert (seg.epoch, norm(seg.commits)) == (4, norm(small()))
 
 
 def test_checksum_mismatch_is_named() -> None:
@@ -217,6 +235,7 @@ _write = st.one_of(
     st.tuples(_db, st.just(PUT), _bytes, _bytes),
     st.tuples(_db, st.just(DELETE), _bytes, st.just(b"")),
     st.tuples(_db, st.just(CLEAR), st.just(b""), st.just(b"")),
+    st.just((JOURNAL, FOLD, b"", b"")),
 )
 
 

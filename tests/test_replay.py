@@ -28,7 +28,7 @@ from shared import offsets
 from shared.buckets import internal_path
 from shared.config import MiB
 from shared.errors import Conflict, ProducerSeqGap, StaleProducerEpoch, Unavailable
-from shared.logsegment import DB_IDS, Commit, decode, encode
+from shared.logsegment import DB_IDS, DELETE, FOLD, PUT, Commit, decode, encode
 from tests.wal_harness import JSON, TEXT, Clock, Harness, ShadowLog, dump, fork
 
 Dump = dict[str, list[tuple[bytes, bytes]]]
@@ -231,7 +231,7 @@ def test_the_scenario_touches_every_database(recorded: tuple[Recorder, Dump, dic
     written = {db for c in rec.commits for db, _op, _k, _v in c.writes}
     assert written == set(DB_IDS.values())
     ops = {op for c in rec.commits for _db, op, _k, _v in c.writes}
-    assert ops == {1, 2, 3}  # puts, deletes, and the fold's clears
+    assert ops == {PUT, DELETE, FOLD}  # puts, deletes, and the journal's folds
     assert [c.seq for c in rec.commits] == list(range(1, len(rec.commits) + 1))
     assert all(any(state[name] for state in rec.states) for name in DB_IDS)  # each held data at some point
     assert all(final[name] for name in ("streams", "journal", "jtail", "producers", "chunks", "sys"))
