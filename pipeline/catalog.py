@@ -20,7 +20,7 @@ names the first chunk of the stream at the root of the fork chain.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -182,8 +182,19 @@ class Catalog:
         return ids
 
     # ------------------------------------------------------------ plans
-    def plan(self, desc: Descriptor) -> StreamPlan:
+    def plan(self, desc: Descriptor, start: offsets.Offset | None = None) -> StreamPlan:
+        """The stream's sealed history. `start`: the caller reads nothing before this offset
+        (one the stream issued): the plan may then begin at the chunk holding it, so that only
+        the chunks from there on are listed and have their headers read (a read of the last
+        hour of a long history is a few requests, not one per chunk). The whole history
+        whenever the offset is not known to be this stream's (a fork's, or no sealed chunk of
+        this stream holds it)."""
         snapshot = getattr(desc, "snapshot_offset", None)  # retention (extensions §2)
+        if (start is not None and start.position > 0 and desc.fork_source is None
+                and (not snapshot or start.position > offsets.parse(snapshot).position)):
+            later = self._plan_from(desc, start)
+            if later is not None:
+                return later
         if snapshot:
             earliest = offsets.parse(snapshot)
             if desc.fork_source is None or earliest.position >= desc.fork_position:
@@ -194,10 +205,23 @@ class Catalog:
                               offsets.parse(snapshot).position, snapshot)
         return plan
 
+    def _plan_from(self, desc: Descriptor, start: offsets.Offset) -> StreamPlan | None:
+        """The plan from `start` on (the same walk as from a snapshot's offset), or None when
+        `start` is not known to be one of this stream's: no chunk from its chunk on holds it,
+        and it is not where the stream's sealed history ends either."""
+        later = self._retained_plan(desc, start)
+        if later.chunks:
+            return later
+        found = self._maybe_header(desc.uid, start.chunk)  # nothing sealed after it yet?
+        if found is not None and found[0].chunk == start.chunk and found[0].end == start.position:
+            return later  # no chunk, its sealed end at `start`
+        return None
+
     def _retained_plan(self, desc: Descriptor, earliest: offsets.Offset) -> StreamPlan:
         """A stream with a snapshot: chunks wholly before it may be deleted already, so the
         plan starts at the chunk holding the earliest retained position (offset c_p: byte p
-        is in chunk c, or in c + 1 when c ends at p)."""
+        is in chunk c, or in c + 1 when c ends at p). Also a plan from a start offset (plan):
+        `earliest` is then where the caller's read begins."""
         refs: list[ChunkRef] = []
         ids = self.chunk_ids(desc.uid, earliest.chunk) or self.chunk_ids(desc.uid, earliest.chunk + 1)
         position = earliest.position
@@ -273,8 +297,10 @@ class Catalog:
         except ObjectNotFound:
             return None
 
-    def plans(self, descs: Iterable[Descriptor]) -> list[StreamPlan]:
-        return [self.plan(d) for d in descs]
+    def plans(self, descs: Iterable[Descriptor],
+              starts: Mapping[str, offsets.Offset | None] | None = None) -> list[StreamPlan]:
+        """Plans of `descs`; `starts`: a start offset (see plan) by URL path."""
+        return [self.plan(d, (starts or {}).get(buckets.url_path(d.path))) for d in descs]
 
 
 def resolve(catalog: Catalog, paths: Sequence[str] | None, path_prefix: str | None) -> list[Descriptor]:

@@ -89,8 +89,10 @@ def export(spark: SparkSession, read_options: dict[str, str], output: Path,
         _save_state(state_path, state)
     opts = ReadOptions.parse(read_options)
     catalog = Catalog(opts.store)
-    plans = catalog.plans(resolve(catalog, opts.selection.paths, opts.selection.path_prefix))
     done: dict[str, str] = state["offsets"]
+    # planned from where the last run stopped: a periodic export reads only the new chunks' headers
+    plans = catalog.plans(resolve(catalog, opts.selection.paths, opts.selection.path_prefix),
+                          {k: offsets.parse(v) for k, v in done.items() if v != offsets.START})
     ends = {p.url_path: p.sealed_end_offset for p in plans if p.sealed_end > _position(done.get(p.url_path))}
     if not ends:
         return ExportResult({}, state_path)

@@ -43,6 +43,7 @@ from pipeline.http import Client
 from pipeline.options import OptionError, ReadOptions, WriteOptions
 from pipeline.store import LocalSyncStore, S3SyncStore
 from shared import offsets
+from shared.buckets import url_path
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +75,13 @@ class TailRead(InputPartition):
         self.target = target
         self.offset = offset
         self.stop = stop
+
+
+def later(a: offsets.Offset | None, b: offsets.Offset | None) -> offsets.Offset | None:
+    """The later of two start offsets of one stream (None: from the start)."""
+    if a is None or b is None:
+        return a or b
+    return a if a.position >= b.position else b
 
 
 def target_of(plan: StreamPlan, bounds: Bounds) -> rows.Target:
@@ -250,6 +258,15 @@ class OffsetRange:
             return OffsetRange(v, False, self.hi, self.hi_closed).narrowed(LessThanOrEqual(("offset",), v))
         return None
 
+    def start(self) -> offsets.Offset | None:
+        """The lower bound as an offset, when it is one (a string filter may be anything)."""
+        if self.lo is None:
+            return None
+        try:
+            return offsets.parse(self.lo)
+        except ValueError:
+            return None
+
     def may_hold(self, ref: ChunkRef) -> bool:
         """Whether a row of `ref` may pass: its rows' offsets lie in [start_offset, end_offset)
         (string order is stream order), so a chunk wholly outside the range is skipped."""
@@ -269,7 +286,13 @@ class DS3BatchReader(DataSourceReader):
     def partitions(self) -> Sequence[InputPartition]:
         o = self.opts
         catalog = Catalog(o.store)
-        plans = catalog.plans(resolve(catalog, o.selection.paths, o.selection.path_prefix))
+        descs = resolve(catalog, o.selection.paths, o.selection.path_prefix)
+        starts = dict(o.start)
+        lo = self.offset_range.start()
+        if lo is not None and len(descs) == 1:  # `offset >= X` of one stream: plan from X too
+            path = url_path(descs[0].path)
+            starts[path] = later(starts.get(path), lo)
+        plans = catalog.plans(descs, starts)
         ends = tail_ends(o.url, plans, o.token) if o.include_tail and o.url else None
         parts = plan_partitions(plans, bounds_for(o, plans), o.store, o.partition_bytes, o.url, ends, o.token)
         pruned: list[InputPartition] = []
