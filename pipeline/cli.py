@@ -52,6 +52,8 @@ def _run(master: str, app: str, job: Callable[[Any], Any]) -> Any:
     new session for `master` that is stopped afterwards."""
     from pyspark.sql import SparkSession
 
+    from pipeline.catalog import HistoryUnavailable, StreamNotFound
+    from pipeline.http import HTTPError
     from pipeline.options import OptionError
     from pipeline.session import spark_session
 
@@ -65,6 +67,8 @@ def _run(master: str, app: str, job: Callable[[Any], Any]) -> Any:
         return job(spark)
     except OptionError as e:
         raise click.UsageError(str(e).replace("ds3 data source option", "option")) from None
+    except (StreamNotFound, HistoryUnavailable, HTTPError) as e:  # what the user named is not there
+        raise click.ClickException(str(e)) from None
     finally:
         if active is None:
             spark.stop()

@@ -151,3 +151,17 @@ def test_compact_then_bootstrap_equals_full_replay(pipeline_env: PipelineEnv, sp
                   key=lambda r: r.position)
     assert rows[0].offset == result["snapshot_offset"]
     assert [json.loads(r.value) for r in rows] == later
+
+
+def test_a_stream_that_is_not_there_is_an_error_message_not_a_traceback(
+    pipeline_env: PipelineEnv, spark: Any, tmp_path: Path, aws_env: None
+) -> None:
+    env = pipeline_env
+    for args in (["export", "--stream", "nowhere", "--output", str(tmp_path / "out")],
+                 ["compact", "--stream", "nowhere", "--url", env.url]):
+        result = CliRunner().invoke(main, ["pipeline", *args, "--store", env.store.url,
+                                           "--s3-endpoint", env.s3_endpoint])
+        assert result.exit_code == 1, (args, result.output)
+        assert "Error: stream 'nowhere' not found in store" in result.output, result.output
+        assert "Traceback" not in result.output and result.exception is not None
+        assert isinstance(result.exception, SystemExit)
