@@ -138,7 +138,7 @@ class Answer:
 
     def response(self, cursor: str | None, if_none_match: str | None) -> web.Response:
         """This answer to one long-poll client (with its cursor), or 304 when it has it."""
-        if if_none_match is not None and self.etag and self.etag in (t.strip() for t in if_none_match.split(",")):
+        if self.etag and P.etag_matches(if_none_match, self.etag):
             return web.Response(status=304, headers={"ETag": self.etag,
                                                      "Cache-Control": self.headers.get("Cache-Control", "")})
         headers = self.headers.copy()

@@ -243,8 +243,7 @@ async def serve_sealed(
         headers[P.UP_TO_DATE] = "true"
     if live == "long-poll":
         headers[P.CURSOR] = P.response_cursor(request.query.get("cursor"))
-    inm = request.headers.get("If-None-Match")
-    if inm is not None and etag in (t.strip() for t in inm.split(",")):
+    if P.etag_matches(request.headers.get("If-None-Match"), etag):
         return web.Response(status=304, headers={"ETag": etag, "Cache-Control": cache})
     size = piece.obj_end - piece.obj_start
     if json_mode:

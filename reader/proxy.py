@@ -29,6 +29,9 @@ log = logging.getLogger("ds3.reader.proxy")
 DROP_REQUEST: Final = frozenset(
     {"host", "connection", "keep-alive", "proxy-connection", "te", "trailer", "transfer-encoding",
      "upgrade", "content-length", "accept-encoding", INTERNAL_HEADER.lower(),
+     # aiohttp's server decodes a gzip or deflate body as it reads it: what is forwarded is the
+     # decoded body, which must not say it is still encoded
+     "content-encoding",
      REQUEST_ID_HEADER.lower()}  # replaced by the id this reader accepted or made (shared.http.access)
 )
 DROP_RESPONSE: Final = frozenset(

@@ -101,6 +101,19 @@ def validate_stream_path(path: str, max_bytes: int) -> str:
 # Content types are few and every append compares or checks one: remember the answers (bounded,
 # since clients choose the strings).
 @functools.lru_cache(maxsize=256)
+def etag_matches(if_none_match: str | None, etag: str | None) -> bool:
+    """Whether an If-None-Match header matches `etag` (RFC 9110 13.1.2: the weak comparison,
+    so `W/"x"` matches `"x"`; `*` matches any current representation)."""
+    if if_none_match is None or not etag:
+        return False
+    want = etag.removeprefix("W/")
+    for tag in if_none_match.split(","):
+        tag = tag.strip()
+        if tag == "*" or tag.removeprefix("W/") == want:
+            return True
+    return False
+
+
 def media_type(content_type: str | None) -> str:
     """`Application/JSON; charset=utf-8` -> `application/json` (for comparisons only)."""
     if not content_type:

@@ -308,3 +308,21 @@ def test_response_cursor_chain_is_strictly_increasing() -> None:
         cursor = P.response_cursor(cursor, now=_NOW)
         seen.append(int(cursor))
     assert all(a < b for a, b in itertools.pairwise(seen))
+
+
+@pytest.mark.parametrize(("if_none_match", "etag", "matches"), [
+    ('"abc"', '"abc"', True),
+    ('W/"abc"', '"abc"', True),  # If-None-Match compares weakly (RFC 9110 13.1.2)
+    ('"abc"', 'W/"abc"', True),
+    ('"x", "abc"', '"abc"', True),
+    ('"x",W/"abc" ', '"abc"', True),
+    ("*", '"abc"', True),
+    ('"abcd"', '"abc"', False),
+    ('"ab"', '"abc"', False),
+    ("", '"abc"', False),
+    (None, '"abc"', False),
+    ('"abc"', None, False),
+    ('"abc"', "", False),
+])
+def test_etag_matches(if_none_match: str | None, etag: str | None, matches: bool) -> None:
+    assert P.etag_matches(if_none_match, etag) is matches
