@@ -37,13 +37,17 @@ def fork_source(store: Store, txn: lmdb.Transaction, req: CreateRequest, meta: S
     db = store.wal
     if req.fork_offset is not None:
         try:
-            position = offsets.parse(req.fork_offset).position
+            given = offsets.parse(req.fork_offset)
         except offsets.OffsetSyntaxError as e:
             raise BadRequest(f"invalid Stream-Fork-Offset: {e}") from e
+        position = given.position
         if position > source.tail:
             raise BadRequest("Stream-Fork-Offset is beyond the end of the source stream")
         if is_json(source.content_type) and is_message_boundary(txn, db, source, lookup, position) is False:
             raise BadRequest("Stream-Fork-Offset is not at a message boundary")
+        if position and given.chunk != chunk_at(txn, db, source, lookup, position):  # as reads check (reads.py)
+            raise BadRequest("Stream-Fork-Offset is not one the source stream issued "
+                             "(its chunk id does not match its position)")
     else:
         position = source.tail
     sub = req.fork_sub_offset or 0

@@ -23,6 +23,7 @@ from shared.errors import BadRequest, Gone, Misdirected, NotFound, Retained
 from shared.protocol import is_json
 
 T = TypeVar("T")
+NOT_ISSUED = "offset is not one this stream issued (its chunk id does not match its position)"
 INLINE_READ_BYTES = 64 * 1024  # Reads.read_small: what the event loop reads itself
 
 
@@ -176,6 +177,12 @@ class Reads:
                     is_message_boundary(txn, self.wal, meta, lookup, pos) is False
                 ):
                     raise BadRequest("offset is not at a message boundary of this JSON stream")
+                # An offset names the chunk holding the byte before its position: one that names
+                # another is not this stream's (another stream's, a deleted incarnation's, made
+                # up), and reading from its position alone would skip or repeat data unseen.
+                # (Position 0 is the start whatever it names: nothing can be skipped from there.)
+                if pos and start.chunk != chunk_at(txn, self.wal, meta, lookup, pos):
+                    raise BadRequest(NOT_ISSUED)
             if limit is not None and meta.tail - pos > limit:
                 return None
             result = ReadResult(meta=meta, start=pos, end=pos)

@@ -2,7 +2,8 @@
 position (following fork chains), and slice whole messages out of it.
 
 An offset `c_p` names the chunk c holding the byte before position p, so the byte at p is
-in chunk c, or in c + 1 when p is c's end. Where a stream's own data begins (position 0,
+in chunk c, or in c + 1 when p is c's end. An offset that names another chunk is not one the
+stream issued: it is not served from here, and the ingester refuses it (400). Where a stream's own data begins (position 0,
 or a fork's fork position) the first byte is in its first chunk, named by its descriptor:
 first chunk ids are random per incarnation (see ingester.records.new_first_chunk).
 
@@ -123,7 +124,7 @@ class SealedLocator:
                 self._remember_missing(owner.uid, chunk)
                 continue
             h = head.header
-            if h.start <= start.position < h.end:
+            if h.start <= start.position < h.end and _names(start, chunk, h.start, owner):
                 piece = await self.chunks.slice(owner.uid, chunk, start.position, self.max_bytes, cap=cap)
                 return SealedRead(desc, owner.uid, chunk, piece, offsets.encode(chunk, piece.end))
         return None
@@ -138,6 +139,19 @@ def _candidates(owner: Descriptor, start: offsets.Offset) -> tuple[int, ...]:
     begins (position 0, or a fork's fork position), else the offset's chunk or the next."""
     own_start = owner.fork_position if owner.fork_source is not None else 0
     return (owner.first_chunk,) if start.position == own_start else (start.chunk, start.chunk + 1)
+
+
+def _names(start: offsets.Offset, chunk: int, chunk_start: int, owner: Descriptor) -> bool:
+    """Whether `start` is the offset this stream issued for its position, given that `chunk`
+    (starting at `chunk_start`) holds the byte there: it names the chunk holding the byte
+    before, `chunk` itself or, at `chunk`'s first byte, the one before it. Where the stream's
+    own data begins any spelling reads from there (as on the ingester). Otherwise the read is
+    passed to the ingester, which refuses an offset the stream never issued."""
+    if start.position == (owner.fork_position if owner.fork_source is not None else 0):
+        return True
+    if chunk == start.chunk:
+        return chunk_start < start.position
+    return chunk == start.chunk + 1 and chunk_start == start.position
 
 
 def _position(offset: str) -> int:

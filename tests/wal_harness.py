@@ -169,10 +169,14 @@ class Harness:
         return len(self.keys(self.wal.records, sid)) + journaled
 
     def contents(self, path: str, max_bytes: int = 1 << 20, position: int = 0) -> bytes:
-        """Every byte a catch-up reader gets from `position` (a read by offset, which only
-        needs the position part), following Stream-Next-Offset page by page."""
+        """Every byte a catch-up reader gets from `position` (a read from the offset the stream
+        issued for it), following Stream-Next-Offset page by page."""
         data = b""
-        start: offsets.Offset | str = offsets.Offset(0, position) if position else offsets.START
+        start: offsets.Offset | str = offsets.START
+        if position:
+            at = self.reads.position_sync(path, position)
+            assert at is not None, f"{path}: position {position} is past the tail"
+            start = offsets.Offset(at.chunk, position)
         while True:
             res = self.reads.read_sync(path, start, max_bytes)
             data += b"".join(res.messages)
