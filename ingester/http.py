@@ -82,6 +82,9 @@ def create_request(h: Callable[[str], str | None], path: str, max_path_bytes: in
         raise BadRequest("send Stream-TTL or Stream-Expires-At, not both")
     ttl = P.parse_ttl(ttl_text) if ttl_text is not None else None
     expires_at = P.parse_expires_at(expires_text) if expires_text is not None else None
+    if expires_at is not None and expires_at <= time.time():
+        # (accepted, it answered 201 for a stream that no request could ever find)
+        raise BadRequest("Stream-Expires-At is in the past: the stream would be expired at once")
     fork_from = h(P.FORKED_FROM)
     fork_offset = h(P.FORK_OFFSET)
     sub_text = h(P.FORK_SUB_OFFSET)

@@ -330,6 +330,7 @@ async def test_bad_append_headers(client: TestClient[Any, Any], headers: dict[st
         ({"Stream-Expires-At": "tomorrow"}, "Stream-Expires-At"),
         ({"Stream-Expires-At": "2025-13-01T00:00:00Z"}, "Stream-Expires-At"),
         ({"Stream-TTL": "60", "Stream-Expires-At": "2030-01-01T00:00:00Z"}, "not both"),
+        ({"Stream-Expires-At": "1999-01-01T00:00:00Z"}, "in the past"),
         ({"Stream-Fork-Offset": "0000000000000000_0000000000000000"}, "Stream-Forked-From"),
         ({"Stream-Forked-From": "src"}, "Stream-Forked-From"),
         ({"Stream-Forked-From": "/v1/stream/a/../src"}, "'..'"),
