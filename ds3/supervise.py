@@ -36,6 +36,38 @@ def _free_port(host: str) -> int:
         return int(s.getsockname()[1])
 
 
+def port_in_use(host: str, port: int) -> OSError | None:
+    """Why `port` cannot be listened on at `host` now, or None. Checked before anything
+    starts: the readiness check would otherwise find whatever already answers there."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:  # (no SO_REUSEPORT: any listener there counts)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            return e
+    return None
+
+
+def layout_mismatch(data_dir: Path, ingesters: int) -> str | None:
+    """Why `data_dir` cannot be run with `ingesters` ingesters (its streams would not be seen),
+    or None. One ingester keeps its WAL in DATA_DIR/wal; several, theirs in DATA_DIR/iK, placed
+    by DATA_DIR/cluster.json."""
+    cluster_file = data_dir / "cluster.json"
+    if ingesters == 1 and cluster_file.exists():
+        try:
+            n = len(load_cluster_file(cluster_file).ingesters)
+        except (OSError, ValueError, PlacementError):
+            n = 0
+        runs = f"--ingesters {n}" if n > 1 else "--ingesters N"
+        return (f"{data_dir} was run with {runs} ({cluster_file} places its streams on those ingesters): "
+                f"start it with {runs}, or give another --data-dir")
+    if ingesters > 1 and not cluster_file.exists() and any((data_dir / "wal").glob("*.mdb")):
+        return (f"{data_dir} holds one ingester's write-ahead log ({data_dir / 'wal'}): its streams would not be "
+                f"seen by {ingesters} ingesters; start it without --ingesters, or give another --data-dir")
+    return None
+
+
 def _wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float = 30.0) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -126,6 +158,14 @@ def run_dev(
     ingesters: int = 1,
 ) -> int:
     data_dir = data_dir.resolve()
+    mismatch = layout_mismatch(data_dir, ingesters)
+    if mismatch is not None:
+        log.error("ds3 dev: %s", mismatch)
+        return 1
+    busy = port_in_use(host, port)
+    if busy is not None:
+        log.error("ds3 dev: cannot listen on %s port %d: %s", host, port, busy.strerror or busy)
+        return 1
     objects = data_dir / "objects"
     objects.mkdir(parents=True, exist_ok=True)
     ds3 = [sys.executable, "-m", "ds3.cli"]

@@ -24,12 +24,12 @@ SECRET = "s" * 40
 
 
 @contextmanager
-def dev(tmp_path: Path, env: dict[str, str]) -> Iterator[str]:
+def dev(tmp_path: Path, env: dict[str, str], *args: str) -> Iterator[str]:
     port = free_port()
     log = tmp_path / "dev.log"
     full = {**{k: v for k, v in os.environ.items() if not k.startswith("DS3_")}, **env}
     with open(log, "wb") as out:
-        proc = subprocess.Popen([DS3, "dev", "--port", str(port), "--data-dir", str(tmp_path / "d")],
+        proc = subprocess.Popen([DS3, "dev", "--port", str(port), "--data-dir", str(tmp_path / "d"), *args],
                                 stdout=out, stderr=subprocess.STDOUT, env=full, start_new_session=True)
     try:
         deadline = time.monotonic() + 40
@@ -81,3 +81,40 @@ def test_settings_that_cannot_apply_are_refused_by_name(tmp_path: Path, name: st
     r = subprocess.run([DS3, "dev", "--port", str(free_port()), "--data-dir", str(tmp_path / "d")],
                        env=env, capture_output=True, text=True, timeout=30)
     assert r.returncode == 2 and name in r.stderr, r.stderr
+
+
+def _dev_run(tmp_path: Path, *args: str, port: int | None = None) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DS3_")}
+    return subprocess.run([DS3, "dev", "--port", str(port or free_port()), "--data-dir", str(tmp_path / "d"), *args],
+                          env=env, capture_output=True, text=True, timeout=60)
+
+
+def test_a_port_in_use_is_refused_before_anything_says_ready(tmp_path: Path) -> None:
+    """Another server on the port used to answer dev's readiness check: dev said "ready",
+    then its reader failed to listen."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        r = _dev_run(tmp_path, port=taken.getsockname()[1])
+    assert r.returncode == 1, r.stderr
+    assert "cannot listen on 127.0.0.1 port" in r.stderr and "dev ready" not in r.stderr, r.stderr
+    assert not (tmp_path / "d" / "objects").exists()  # nothing was started
+
+
+def test_a_data_dir_run_with_another_number_of_ingesters_is_refused(tmp_path: Path) -> None:
+    """A data dir of `--ingesters 2` started without it (or the other way round) used to start
+    empty, its streams out of sight; the message says how to start it."""
+    with dev(tmp_path, {}) as url:
+        assert _call(f"{url}/v1/stream/kept", "PUT") == 201
+    r = _dev_run(tmp_path, "--ingesters", "2")
+    assert r.returncode == 1 and "holds one ingester's write-ahead log" in r.stderr, r.stderr
+    two = tmp_path / "two"
+    two.mkdir()
+    with dev(two, {}, "--ingesters", "2") as url:
+        assert _call(f"{url}/v1/stream/kept", "PUT") == 201
+    r = subprocess.run([DS3, "dev", "--port", str(free_port()), "--data-dir", str(two / "d")],
+                       env={k: v for k, v in os.environ.items() if not k.startswith("DS3_")},
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and "was run with --ingesters 2" in r.stderr, r.stderr
