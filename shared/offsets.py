@@ -10,7 +10,8 @@ stream order):
 - position: the byte position in the stream's logical data (the offset points *after*
   the byte at position-1, i.e. it is where the next read starts).
 - chunk id: the chunk whose data ends at or after `position - 1`, i.e. the chunk that
-  held the stream's tail when this position was the tail.  Position 0 is chunk 0.  A
+  held the stream's tail when this position was the tail.  Position 0 is named by the
+  stream's first chunk (random per incarnation; reads take any chunk at position 0).  A
   reader can turn an offset into an object key without asking anyone (design §4); a
   position that is the exact end of a sealed chunk keeps naming that chunk, so an offset
   once issued never changes spelling.
