@@ -52,7 +52,7 @@ def _log_options(f: FC) -> FC:
              help="text: one readable line per record; json: one JSON object per line (ts, level, logger, msg, "
                   "request_id, and the access log's fields), for log pipelines."),
         _opt("--access-log/--no-access-log", env="DS3_ACCESS_LOG", default=None,
-             help="Log every request at info level (logger ds3.access; about 20 µs per request). "
+             help="Log every request at info level (logger ds3.access; a line costs about 3 µs, written in batches). "
                   "Default: on for readers, off for the ingester (its callers are readers, which log "
                   "the same request ids; it would cost every append)."),
     ])
@@ -406,7 +406,9 @@ def dev(**kw: Any) -> None:
 def cluster() -> None:
     """The cluster description: which ingesters share the store and own which streams
     (docs/architecture.md "Placement"). Kept in the store at _ds3/cluster.json; every ingester
-    started with --ingester-id re-reads it every --cluster-refresh seconds."""
+    started with --ingester-id re-reads it every --cluster-refresh seconds. (A file given to the
+    servers with --cluster instead is not seen by these commands: `ds3 dev --ingesters N` keeps
+    its description in DATA_DIR/cluster.json.)"""
 
 
 def _cluster_store_options(f: FC) -> FC:
@@ -462,8 +464,9 @@ def cluster_set(store: str, s3_endpoint: str | None, ingesters: tuple[str, ...],
     """Replace the ingester list: writes the next generation with If-Match on the version read,
     so two admins cannot overwrite each other (the loser changes nothing and is told).
 
-    Placement moves about 1/N of the streams when an ingester is added; moving their data is not
-    done yet (issue 15, item 4): change a cluster that holds streams only when that is acceptable."""
+    Placement moves about 1/N of the streams when an ingester is added: each moved stream goes
+    to its new owner with its data, offsets and producer state, pulled on its first request
+    there (docs/architecture.md "Moves")."""
     import json
 
     from shared.cluster import set_cluster

@@ -23,7 +23,7 @@ from ingester.service import SERVICE, IngesterService
 from shared import buckets as B
 from shared import extensions
 from shared.errors import BadRequest, NotFound
-from shared.http.handlers import method_not_allowed, one_param, preflight, strict_query
+from shared.http.handlers import BUCKET_METHODS, method_not_allowed, one_param, preflight, strict_query
 from shared.placement import bucket_placement_key
 
 DEFAULT_LIMIT = 1000
@@ -92,7 +92,7 @@ async def handle_bucket(request: web.Request, svc: IngesterService, bucket_id: s
 
         await svc.committer.submit(delete)
         return web.Response(status=204)
-    return method_not_allowed(method)
+    return method_not_allowed(method, "a bucket", BUCKET_METHODS)
 
 
 

@@ -12,7 +12,7 @@ from reader.proxy import IngesterClient, to_response
 from reader.state import READER
 from shared import buckets as B
 from shared import extensions
-from shared.http.handlers import method_not_allowed, preflight, read_body
+from shared.http.handlers import BUCKET_METHODS, method_not_allowed, preflight, read_body
 from shared.placement import bucket_placement_key
 
 
@@ -27,7 +27,7 @@ async def handle(request: web.Request) -> web.StreamResponse:
     if stream_id is not None and not listing:
         return await handle_stream(request)
     if method not in ("PUT", "GET", "HEAD", "DELETE"):
-        return method_not_allowed(method)
+        return method_not_allowed(method, "a bucket", BUCKET_METHODS)
     body = await read_body(request, st.config.max_body_bytes) if method == "PUT" else None
     st.forwarded += 1
     up = await st.router.call(bucket_placement_key(bucket_id), method, request.path_qs, IngesterClient._request_headers(request), body)

@@ -275,7 +275,9 @@ async def test_bucket_lifecycle(session: aiohttp.ClientSession, base: str) -> No
     assert t0 - 5 <= meta["created_at_ms"] <= int(time.time() * 1000) + 5
     head = await call(session, "HEAD", url)
     assert head.status == 200 and head.body == b""
-    assert (await call(session, "POST", url, b"x", TEXT)).status == 405
+    refused = await call(session, "POST", url, b"x", TEXT)
+    expect_error(refused, 405, "not allowed on a bucket")
+    assert refused.headers["Allow"] == "GET, HEAD, PUT, DELETE, OPTIONS"
     pre = await call(session, "OPTIONS", url, headers={"Origin": "http://x", "Access-Control-Request-Method": "PUT"})
     assert pre.status == 204 and "DELETE" in pre.headers["Access-Control-Allow-Methods"]
 

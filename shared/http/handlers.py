@@ -161,10 +161,11 @@ def preflight() -> web.Response:
     )
 
 
-def method_not_allowed(method: str) -> web.Response:
-    return web.Response(
-        status=405, text=f"method {method} is not allowed on a stream\n", headers={"Allow": P.CORS_ALLOW_METHODS}
-    )
+BUCKET_METHODS = "GET, HEAD, PUT, DELETE, OPTIONS"
+
+
+def method_not_allowed(method: str, what: str = "a stream", allow: str = P.CORS_ALLOW_METHODS) -> web.Response:
+    return web.Response(status=405, text=f"method {method} is not allowed on {what}\n", headers={"Allow": allow})
 
 
 def stream_path(request: web.Request, max_bytes: int) -> str:
