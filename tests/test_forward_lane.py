@@ -710,3 +710,29 @@ def test_a_bucket_s_streams_take_the_lane_as_aiohttp_answers_them(tier: Tier, re
         answers.append(_normal(re.sub(rb"/new[0-9a-f]{8}", b"/new", raw.replace(bucket.encode(), b"BUCKET")), bucket))
     assert answers[0][0] == status, answers[0]
     assert answers[0] == answers[1]
+
+
+@pytest.mark.parametrize("what", ["long path", "long header", "bad syntax"])
+def test_a_request_aiohttp_cannot_parse_is_a_plain_400_and_one_log_line(tier: Tier, what: str) -> None:
+    """A request line or header over 8190 bytes, or broken syntax: 400 with a message saying
+    so, at the reader and at the ingester; a warning line in the log, not aiohttp's traceback
+    (any client could fill the logs with those) nor an echo of 8 KiB of the client's bytes."""
+    request = {
+        "long path": b"GET /v1/stream/" + b"a" * 10_000 + b" HTTP/1.1\r\nHost: x\r\n\r\n",
+        "long header": b"GET /v1/stream/x HTTP/1.1\r\nHost: x\r\nX-Big: " + b"b" * 10_000 + b"\r\n\r\n",
+        "bad syntax": b"GET /v1/stream/x HTTP/1.1\r\nHost: x\r\nContent-Length: nope\r\n\r\n",
+    }[what]
+    for p in (tier.fast, tier.ingester):
+        before = p.log_path.read_text()
+        status, headers, body = parsed(exchange(p.port, request)[0])
+        assert status == 400, (p.args[0], what, status, body[:300])
+        text = body.decode()
+        assert text.startswith("malformed HTTP request: ") and len(text) < 400, text
+        if what != "bad syntax":
+            assert "longer than 8190 bytes" in text
+        assert headers.get("x-content-type-options") == "nosniff"
+        deadline = time.monotonic() + 5
+        while "malformed request from" not in p.log_path.read_text()[len(before):]:
+            assert time.monotonic() < deadline, p.log_path.read_text()[len(before):]
+            time.sleep(0.05)
+        assert "Traceback" not in p.log_path.read_text()[len(before):]

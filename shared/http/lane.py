@@ -61,6 +61,7 @@ from typing import Any, Final, Literal, cast
 import httptools
 from aiohttp import web
 from aiohttp.http import SERVER_SOFTWARE
+from aiohttp.http_exceptions import BadHttpMethod, HttpProcessingError, LineTooLong
 from aiohttp.web_protocol import RequestHandler
 
 from shared import extensions, logs
@@ -328,6 +329,26 @@ class _Head:
 
 
 class LaneHandler(RequestHandler):
+    def handle_error(self, request: Any, status: int = 500, exc: BaseException | None = None,
+                     message: str | None = None) -> web.StreamResponse:
+        """A request aiohttp could not parse (a request line or header over 8190 bytes, bad
+        syntax): a plain 400 that says what is wrong, and one warning line. aiohttp's own logs
+        a traceback at error level for each, which any client could fill the logs with, and
+        echoes up to 8 KiB of the client's bytes."""
+        if status != 400 or not isinstance(exc, HttpProcessingError):
+            return super().handle_error(request, status, exc, message)
+        if isinstance(exc, LineTooLong):
+            why = "a request line or header line is longer than 8190 bytes"
+        else:
+            why = (exc.message or type(exc).__name__).splitlines()[0][:200]
+        # (not HTTP at all, often TLS to a plain port: aiohttp's own path logs that at debug too)
+        (log.debug if isinstance(exc, BadHttpMethod) else log.warning)("malformed request from %s: %s",
+                                                                        request.remote, why)
+        resp = web.Response(status=400, text=f"malformed HTTP request: {why}\n",
+                            headers={"X-Content-Type-Options": "nosniff"})
+        resp.force_close()
+        return resp
+
     def __init__(self, manager: web.Server, *, lane: Lane, **kwargs: Any) -> None:
         super().__init__(manager, **kwargs)
         self._lane = lane
