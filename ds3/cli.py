@@ -390,7 +390,13 @@ def dev(**kw: Any) -> None:
     and are refused."""
     _setup_logging(kw, "dev")
     from ds3.supervise import DevSettingError, child_environment, run_dev
+    from shared.config import check_shared
 
+    try:
+        check_shared(port=kw["port"], long_poll_timeout=kw["long_poll_timeout"], seal_bytes=kw["seal_bytes"],
+                     seal_age=kw["seal_age"])
+    except ConfigError as e:
+        raise click.UsageError(str(e)) from e
     if not 1 <= kw["ingesters"] <= 64:
         raise click.UsageError(f"ingesters (DS3_INGESTERS): {kw['ingesters']} is not between 1 and 64")
     if kw["workers"] is not None and not 1 <= kw["workers"] <= 256:

@@ -31,6 +31,16 @@ def _check_store_url(url: str) -> None:
         raise ConfigError(f"store (DS3_STORE): {e}") from None
 
 
+def check_shared(*, port: int, long_poll_timeout: float, seal_bytes: int, seal_age: float) -> None:
+    """The settings `ds3 dev` takes and hands to its ingester, checked before it starts anything
+    (the ingester's config checks them the same way)."""
+    _need(0 <= port <= 65535, "port (DS3_PORT)", f"{port} is not a TCP port")
+    _need(0.1 <= long_poll_timeout <= 3600, "long-poll-timeout (DS3_LONG_POLL_TIMEOUT)",
+          "must be between 0.1 and 3600 seconds")
+    _need(1024 <= seal_bytes <= 1024 * MiB, "seal-bytes (DS3_SEAL_BYTES)", "must be between 1 KiB and 1 GiB")
+    _need(0.05 <= seal_age <= 86400, "seal-age (DS3_SEAL_AGE)", "must be between 0.05 s and a day")
+
+
 def _need(ok: bool, setting: str, why: str) -> None:
     if not ok:
         raise ConfigError(f"{setting}: {why}")
@@ -193,10 +203,9 @@ class IngesterConfig:
              "needs an object store (--store / DS3_STORE): the standby restores from its log")
         need(1 <= self.lease_seconds <= 3600, "lease-seconds (DS3_LEASE_SECONDS)",
              "must be between 1 and 3600 seconds")
-        need(0 <= self.port <= 65535, "port (DS3_PORT)", f"{self.port} is not a TCP port")
+        check_shared(port=self.port, long_poll_timeout=self.long_poll_timeout, seal_bytes=self.seal_bytes,
+                     seal_age=self.seal_age)
         need(0 <= self.tail_max_age <= 60, "tail-max-age (DS3_TAIL_MAX_AGE)", "must be between 0 and 60 seconds")
-        need(0.1 <= self.long_poll_timeout <= 3600, "long-poll-timeout (DS3_LONG_POLL_TIMEOUT)",
-             "must be between 0.1 and 3600 seconds")
         need(1 <= self.sse_max_seconds <= 3600, "sse-max-seconds (DS3_SSE_MAX_SECONDS)",
              "must be between 1 and 3600 seconds")
         need(1 <= self.max_snapshot_bytes <= 4096 * MiB, "max-snapshot-bytes (DS3_MAX_SNAPSHOT_BYTES)",
@@ -213,8 +222,6 @@ class IngesterConfig:
         need(1 <= self.read_threads <= 64, "read-threads (DS3_READ_THREADS)", "must be between 1 and 64")
         if self.store is not None:
             _check_store_url(self.store)
-        need(1024 <= self.seal_bytes <= 1024 * MiB, "seal-bytes (DS3_SEAL_BYTES)", "must be between 1 KiB and 1 GiB")
-        need(0.05 <= self.seal_age <= 86400, "seal-age (DS3_SEAL_AGE)", "must be between 0.05 s and a day")
         need(self.wal_max_bytes >= 2 * self.seal_bytes, "wal-max-bytes (DS3_WAL_MAX_BYTES)",
              "must be at least twice seal-bytes")
         need(1 <= self.uploads <= 64, "uploads (DS3_UPLOADS)", "must be between 1 and 64")

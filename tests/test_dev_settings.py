@@ -118,3 +118,15 @@ def test_a_data_dir_run_with_another_number_of_ingesters_is_refused(tmp_path: Pa
                        env={k: v for k, v in os.environ.items() if not k.startswith("DS3_")},
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 1 and "was run with --ingesters 2" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("name, value", [("DS3_SEAL_BYTES", "0"), ("DS3_SEAL_AGE", "0"),
+                                         ("DS3_LONG_POLL_TIMEOUT", "-1"), ("DS3_PORT", "99999")])
+def test_dev_checks_its_own_settings_before_starting_anything(tmp_path: Path, name: str, value: str) -> None:
+    """They were checked by the child they went to, after dev had started others, in that
+    child's `python -m ds3.cli ingester` usage text."""
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("DS3_")}, name: value}
+    args = [DS3, "dev", "--data-dir", str(tmp_path / "d")] + ([] if name == "DS3_PORT" else ["--port", str(free_port())])
+    r = subprocess.run(args, env=env, capture_output=True, text=True, timeout=30)
+    assert r.returncode == 2 and name in r.stderr and "Usage: ds3 dev" in r.stderr, r.stderr
+    assert "python -m ds3.cli" not in r.stderr and not (tmp_path / "d").exists()
