@@ -3,9 +3,10 @@ position (following fork chains), and slice whole messages out of it.
 
 An offset `c_p` names the chunk c holding the byte before position p, so the byte at p is
 in chunk c, or in c + 1 when p is c's end. An offset that names another chunk is not one the
-stream issued: it is not served from here, and the ingester refuses it (400). Where a stream's own data begins (position 0,
-or a fork's fork position) the first byte is in its first chunk, named by its descriptor:
-first chunk ids are random per incarnation (see ingester.records.new_first_chunk).
+stream issued: it is not served from here, and the ingester refuses it (400). Where a
+stream's own data begins (position 0, or a fork's fork position) the first byte is in its
+first chunk, named by its descriptor: first chunk ids are random per incarnation (see
+ingester.records.new_first_chunk).
 
 A chunk the store does not have (yet) is remembered as missing for `recheck_seconds` (the
 reader's --descriptor-ttl, 1 s by default): reads at a stream's unsealed tail (the empty page

@@ -141,8 +141,9 @@ def test_forks_read_journaled_source_records_with_sub_offsets(h: Harness) -> Non
     fold(h)
     h.append("src", b"world")
     h.append("src", b"again")
-    at_world = offsets.encode(0, 5)
-    fork(h, "f", "src", offset=str(offsets.parse(h.reads.read_sync("src", offsets.START, 5).next_offset)))
+    at_world = h.reads.read_sync("src", offsets.START, 5).next_offset  # the offset the stream issued after "hello"
+    assert offsets.parse(at_world).position == 5
+    fork(h, "f", "src", offset=at_world)
     fork(h, "g", "src", offset=at_world, sub=3)  # three bytes into "world", which is journaled
     h.append("f", b"!")
     assert h.contents("f") == b"hello!"

@@ -21,7 +21,6 @@ from ingester.chain import Sealed
 from ingester.records import ChunkRef, encode_record, record_key
 from ingester.sealing import Sealer
 from ingester.writes import SealPolicy
-from shared import offsets
 from shared.errors import Unavailable
 from shared.objectstore import open_store
 from shared.placement import Ingester
@@ -56,7 +55,7 @@ async def _until(done: Callable[[], bool]) -> None:
 
 
 def _read_at(h: Harness, path: str, position: int) -> bytes | Sealed:
-    res = h.reads.read_sync(path, offsets.Offset(0, position), 1 << 20)
+    res = h.reads.read_sync(path, h.offset_at(path, position), 1 << 20)
     return res.sealed if res.sealed is not None else b"".join(res.messages)
 
 

@@ -168,15 +168,18 @@ class Harness:
             journaled = sum(1 for _k, v in txn.cursor(self.wal.journal) if SID.unpack(v[8:16])[0] == sid)
         return len(self.keys(self.wal.records, sid)) + journaled
 
+    def offset_at(self, path: str, position: int) -> offsets.Offset:
+        """The offset the stream issues for `position` (its chunk id is the chunk holding the
+        byte before: reads refuse any other)."""
+        at = self.reads.position_sync(path, position)
+        assert at is not None, f"{path}: position {position} is past the tail"
+        return offsets.Offset(at.chunk, position)
+
     def contents(self, path: str, max_bytes: int = 1 << 20, position: int = 0) -> bytes:
         """Every byte a catch-up reader gets from `position` (a read from the offset the stream
         issued for it), following Stream-Next-Offset page by page."""
         data = b""
-        start: offsets.Offset | str = offsets.START
-        if position:
-            at = self.reads.position_sync(path, position)
-            assert at is not None, f"{path}: position {position} is past the tail"
-            start = offsets.Offset(at.chunk, position)
+        start: offsets.Offset | str = self.offset_at(path, position) if position else offsets.START
         while True:
             res = self.reads.read_sync(path, start, max_bytes)
             data += b"".join(res.messages)
