@@ -362,13 +362,16 @@ def test_sigkill_of_the_ingester_behind_a_reader_loses_no_ack(tmp_path: Path) ->
     _crash_rounds(tier, True, max(2, ROUNDS // 2))
 
 
-def test_sigkill_while_sealing_behind_a_reader_loses_no_ack(tmp_path: Path) -> None:
+@pytest.mark.parametrize("durability", ["local", "store"])
+def test_sigkill_while_sealing_behind_a_reader_loses_no_ack(tmp_path: Path, durability: str) -> None:
     """The same while every stream seals all the time (16 KiB chunks, or 0.3 s old): kills land
     mid-seal, mid-upload and between the bounded steps that drop a sealed chunk's records from
     the WAL (about 1,500 records a chunk: two steps), and the reads after each restart cross
-    from sealed chunks served from the store to the WAL's tail."""
+    from sealed chunks served from the store to the WAL's tail. In `store` durability an append
+    is acknowledged once its commit's log segment is in the store too, so kills also land
+    between a segment's PUT and its commit."""
     store = f"file://{tmp_path / 'objects'}"
-    seal = ("--seal-bytes", "16384", "--seal-age", "0.3")
+    seal = ("--seal-bytes", "16384", "--seal-age", "0.3", "--durability", durability)
     ing = ingester(tmp_path / "data", "--long-poll-timeout", "2", "--store", store, "--write-rate", "0", *seal)
     tier = ReaderTier(ing, reader(tmp_path / "reader", ing.url, store, "--write-rate", "0"))
     _crash_rounds(tier, True, max(2, ROUNDS // 2))
