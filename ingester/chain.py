@@ -190,11 +190,14 @@ def record_at(
     return None
 
 
-def chunk_at(txn: lmdb.Transaction, dbs: Dbs, meta: StreamMeta, lookup: MetaLookup, position: int) -> int:
-    """The chunk id that names `position` (the chunk holding the byte before it); position 0
-    is named by the first chunk of the stream at the root of the fork chain."""
+def at_position(
+    txn: lmdb.Transaction, dbs: Dbs, meta: StreamMeta, lookup: MetaLookup, position: int
+) -> tuple[int, bool | None, Record | Sealed | None]:
+    """What names and bounds `position`, from one lookup of the message before it: the chunk
+    id that names it (chunk_at), whether a message ends there (None when only the sealed
+    chunk's index knows), and that message (None at 0 and at the tail, which need no lookup)."""
     if position == meta.tail:
-        return meta.tail_chunk
+        return meta.tail_chunk, True, None
     if position <= 0:
         root = meta
         for _ in range(64):
@@ -202,20 +205,21 @@ def chunk_at(txn: lmdb.Transaction, dbs: Dbs, meta: StreamMeta, lookup: MetaLook
             if source is None:
                 break
             root = source
-        return root.first_chunk
+        return root.first_chunk, True, None
     rec = record_at(txn, dbs, meta, lookup, position - 1)
-    if isinstance(rec, Sealed):
-        return rec.chunk
-    return rec.chunk if rec is not None else meta.first_chunk
+    chunk = rec.chunk if rec is not None else meta.first_chunk
+    boundary: bool | None
+    if meta.fork_source is not None and position == meta.fork_position:
+        boundary = True
+    elif isinstance(rec, Sealed):
+        boundary = True if position in (rec.info.start, rec.info.end) else None
+    else:
+        boundary = rec is not None and rec.end == position
+    return chunk, boundary, rec
 
 
-def is_message_boundary(
-    txn: lmdb.Transaction, dbs: Dbs, meta: StreamMeta, lookup: MetaLookup, position: int
-) -> bool | None:
-    """Whether a message ends at `position`; None when only the sealed chunk's index knows."""
-    if position in (0, meta.tail) or (meta.fork_source is not None and position == meta.fork_position):
-        return True
-    rec = record_at(txn, dbs, meta, lookup, position - 1)
-    if isinstance(rec, Sealed):
-        return True if position in (rec.info.start, rec.info.end) else None
-    return rec is not None and rec.end == position
+def chunk_at(txn: lmdb.Transaction, dbs: Dbs, meta: StreamMeta, lookup: MetaLookup, position: int) -> int:
+    """The chunk id that names `position` (the chunk holding the byte before it); position 0
+    is named by the first chunk of the stream at the root of the fork chain."""
+    return at_position(txn, dbs, meta, lookup, position)[0]
+

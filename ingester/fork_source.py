@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 import lmdb
 
-from ingester.chain import Sealed, chain_records, chunk_at, is_message_boundary, record_at
+from ingester.chain import Sealed, at_position, chain_records, chunk_at, record_at
 from ingester.records import FLAG_END_OF_APPEND, StreamMeta, new_first_chunk
 from ingester.writes import CreateRequest, SubOffsetSealed
 from shared import offsets
@@ -43,9 +43,10 @@ def fork_source(store: Store, txn: lmdb.Transaction, req: CreateRequest, meta: S
         position = given.position
         if position > source.tail:
             raise BadRequest("Stream-Fork-Offset is beyond the end of the source stream")
-        if is_json(source.content_type) and is_message_boundary(txn, db, source, lookup, position) is False:
+        named, boundary, _ = at_position(txn, db, source, lookup, position)
+        if is_json(source.content_type) and boundary is False:
             raise BadRequest("Stream-Fork-Offset is not at a message boundary")
-        if position and given.chunk != chunk_at(txn, db, source, lookup, position):  # as reads check (reads.py)
+        if position and given.chunk != named:  # as reads check (reads.py)
             raise BadRequest("Stream-Fork-Offset is not one the source stream issued "
                              "(its chunk id does not match its position)")
     else:

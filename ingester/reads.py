@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 
 import lmdb
 
-from ingester.chain import Sealed, chain_records, chunk_at, is_message_boundary, record_at, refresh_tail
+from ingester.chain import Sealed, at_position, chain_records, record_at, refresh_tail
 from ingester.records import StreamMeta
 from ingester.wal import WalEnv
 from shared import offsets
@@ -116,10 +116,8 @@ class Reads:
             def lookup(p: str) -> StreamMeta | None:
                 return self._meta(txn, p)
 
-            chunk = chunk_at(txn, self.wal, meta, lookup, position)
-            boundary = is_message_boundary(txn, self.wal, meta, lookup, position)
-            rec = record_at(txn, self.wal, meta, lookup, position - 1) if boundary is None else None
-            return Position(meta, chunk, boundary, rec if isinstance(rec, Sealed) else None)
+            chunk, boundary, rec = at_position(txn, self.wal, meta, lookup, position)
+            return Position(meta, chunk, boundary, rec if boundary is None and isinstance(rec, Sealed) else None)
 
     def messages_sync(self, path: str, start: int, until: int, max_bytes: int) -> MessagesPage:
         """Messages in [start, until) from the WAL, up to about max_bytes (at least one)."""
@@ -173,15 +171,14 @@ class Reads:
                 pos = start.position
                 if pos > meta.tail:
                     raise BadRequest("offset is beyond the end of the stream")
-                if is_json(meta.content_type) and (
-                    is_message_boundary(txn, self.wal, meta, lookup, pos) is False
-                ):
+                named, boundary, _ = at_position(txn, self.wal, meta, lookup, pos)
+                if is_json(meta.content_type) and boundary is False:
                     raise BadRequest("offset is not at a message boundary of this JSON stream")
                 # An offset names the chunk holding the byte before its position: one that names
                 # another is not this stream's (another stream's, a deleted incarnation's, made
                 # up), and reading from its position alone would skip or repeat data unseen.
                 # (Position 0 is the start whatever it names: nothing can be skipped from there.)
-                if pos and start.chunk != chunk_at(txn, self.wal, meta, lookup, pos):
+                if pos and start.chunk != named:
                     raise BadRequest(NOT_ISSUED)
             if limit is not None and meta.tail - pos > limit:
                 return None

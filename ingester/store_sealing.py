@@ -118,12 +118,8 @@ class SealingBook:
         while left > 0:
             if key[:8] != prefix:  # (b"" past the last record)
                 return False
-            chunk = RECORD_HEADER.unpack_from(cur.value())[0]
-            raw = txn.get(chunk_key(sid, chunk), db=self.wal.chunks)
-            if raw is None:
-                return False
-            info = ChunkInfo.decode(raw)
-            if info.state != SEALED:
+            info = _sealed_chunk_of(self, txn, sid, cur.value())
+            if info is None:
                 return False
             last = record_key(sid, info.end)  # keys sort by position: the chunk's records end here
             if key > last:
@@ -215,9 +211,16 @@ class SealingBook:
         found = cur.first()
         while found:
             sid = SID.unpack(cur.key()[:8])[0]
-            chunk = RECORD_HEADER.unpack_from(cur.value())[0]
-            raw = txn.get(chunk_key(sid, chunk), db=self.wal.chunks)
-            if raw is not None and ChunkInfo.decode(raw).state == SEALED:
+            if _sealed_chunk_of(self, txn, sid, cur.value()) is not None:
                 out.append(sid)
             found = cur.set_range(SID.pack(sid + 1))
         return out
+
+
+def _sealed_chunk_of(store: StoreCore, txn: lmdb.Transaction, sid: int, record: bytes | memoryview) -> ChunkInfo | None:
+    """The chunk of stream `sid` that holds a `records` value, if it is sealed."""
+    raw = txn.get(chunk_key(sid, RECORD_HEADER.unpack_from(record)[0]), db=store.wal.chunks)
+    if raw is None:
+        return None
+    info = ChunkInfo.decode(raw)
+    return info if info.state == SEALED else None
