@@ -43,14 +43,8 @@ from reader.upstream import Answer
 from shared import offsets
 from shared.errors import DS3Error, Unavailable
 from shared.http.handlers import stream_path_of
-from shared.http.lane import (
-    Lane,
-    LaneHandler,
-    LaneRunner,
-    Message,
-    catch_up_offset,
-    forks_or_has_a_delete_body,
-)
+from shared.http.lane import Lane, Message, catch_up_offset, forks_or_has_a_delete_body
+from shared.http.lane_connection import LaneHandler, LaneRunner
 from shared.http.lane_live import long_poll_query
 from shared.placement import GENERATION_HEADER, placement_key
 

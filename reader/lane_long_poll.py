@@ -13,14 +13,15 @@ from reader.fanout import Answer
 from reader.proxy import DROP_RESPONSE, Upstream
 from shared import protocol as P
 from shared.errors import Unavailable
-from shared.http.lane import LaneHandler, Message
+from shared.http.lane import Message
+from shared.http.lane_connection import LaneHandler
 from shared.http.lane_live import live_slot
 from shared.logs import REQUEST_ID_HEADER
 
 if TYPE_CHECKING:
     from reader.forwardlane import ForwardLane
 
-# The ingester's own answer headers that the reader writes itself (shared.http.lane._write):
+# The ingester's own answer headers that the reader writes itself (shared.http.lane_connection, LaneHandler._reply):
 # hop-by-hop ones, Date, Server, the request id and the common headers.
 DROP_ANSWER_HEADERS: Final = frozenset(n.encode("ascii") for n in DROP_RESPONSE) | {
     REQUEST_ID_HEADER.lower().encode(), b"x-content-type-options", b"cross-origin-resource-policy",

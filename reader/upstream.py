@@ -8,7 +8,7 @@ answer back as it came, in a callback: status, the raw header block and the body
 Appends are pipelined (`request(..., pipelined=True)`): the pool's pipe connection carries the
 appends of every client of this process without waiting for answers, and those queued in one
 loop iteration leave in one write. The ingester's lane takes each as it arrives (they share its
-group commits) and answers in order, several in one write (shared/http/lane.py), so a commit's
+group commits) and answers in order, several in one write (shared/http/lane_connection.py), so a commit's
 answers cost each side one send and one receive instead of one per append: about a third of the
 CPU both tiers spent per forwarded append. A pipe holds at most MAX_PIPELINE requests; a full
 one is left to drain and another connection becomes the pipe (also what limits the damage when

@@ -1,4 +1,4 @@
-"""Pipelined appends served alongside each other (shared/http/lane.py, `Lane.alongside`).
+"""Pipelined appends served alongside each other (shared/http/lane_connection.py, `Lane.alongside`).
 
 A reader pipelines many clients' appends down one connection to the ingester; the lane must
 take each as it arrives (so they share a group commit) and still answer in request order. A
@@ -19,7 +19,8 @@ from aiohttp import web
 from shared.config import AuthConfig, LimitsConfig
 from shared.http import access, auth, limits
 from shared.http.handlers import BODY_TIMEOUT
-from shared.http.lane import Lane, LaneHandler, LaneRunner, Message
+from shared.http.lane import Lane, Message
+from shared.http.lane_connection import LaneHandler, LaneRunner
 from tests.rawhttp import post
 
 

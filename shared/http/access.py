@@ -93,7 +93,7 @@ def _log_access(request: web.Request, response: web.StreamResponse | None, route
 
 def log_access(rid: str | None, method: str, raw_path: str, route: str, status: int, seconds: float, sent: int,
                client: str, subject: str | None = None) -> None:
-    """One access log line (aiohttp's requests above, the fast lanes' in shared/http/lane.py)."""
+    """One access log line (aiohttp's requests above, the fast lanes' in shared/http/lane_connection.py)."""
     path = logs.printable(raw_path)
     duration_ms = round(seconds * 1000, 3)
     fields = {  # request_id too, so a handler that formats later (off the request's context) has it

@@ -9,7 +9,8 @@ from collections.abc import Callable
 from typing import Final
 
 from shared.errors import TooManyRequests
-from shared.http.lane import CONCRETE_OFFSET, Lane, LaneHandler, Message
+from shared.http.lane import CONCRETE_OFFSET, Lane, Message
+from shared.http.lane_connection import LaneHandler
 from shared.http.limits import LIVE_RETRY_AFTER
 
 _CURSOR: Final = re.compile(rb"\d{1,18}")
