@@ -41,6 +41,14 @@ def check_shared(*, port: int, long_poll_timeout: float, seal_bytes: int, seal_a
     _need(0.05 <= seal_age <= 86400, "seal-age (DS3_SEAL_AGE)", "must be between 0.05 s and a day")
 
 
+def _check_body_limits(*, max_snapshot_bytes: int, max_body_bytes: int) -> None:
+    """The largest snapshot and request body: the ingester and the reader check them the same way."""
+    _need(1 <= max_snapshot_bytes <= 4096 * MiB, "max-snapshot-bytes (DS3_MAX_SNAPSHOT_BYTES)",
+          "must be between 1 byte and 4 GiB")
+    _need(1 <= max_body_bytes <= 1024 * MiB, "max-body-bytes (DS3_MAX_BODY_BYTES)",
+          "must be between 1 byte and 1 GiB")
+
+
 def _need(ok: bool, setting: str, why: str) -> None:
     if not ok:
         raise ConfigError(f"{setting}: {why}")
@@ -180,10 +188,7 @@ class IngesterConfig:
     limits: LimitsConfig = field(default_factory=LimitsConfig)
 
     def __post_init__(self) -> None:
-        def need(ok: bool, setting: str, why: str) -> None:
-            if not ok:
-                raise ConfigError(f"{setting}: {why}")
-
+        need = _need
         need(bool(self.host), "host (DS3_HOST)", "must not be empty")
         self._check_cluster()
         need(self.durability in ("local", "store"), "durability (DS3_DURABILITY)",
@@ -208,10 +213,7 @@ class IngesterConfig:
         need(0 <= self.tail_max_age <= 60, "tail-max-age (DS3_TAIL_MAX_AGE)", "must be between 0 and 60 seconds")
         need(1 <= self.sse_max_seconds <= 3600, "sse-max-seconds (DS3_SSE_MAX_SECONDS)",
              "must be between 1 and 3600 seconds")
-        need(1 <= self.max_snapshot_bytes <= 4096 * MiB, "max-snapshot-bytes (DS3_MAX_SNAPSHOT_BYTES)",
-             "must be between 1 byte and 4 GiB")
-        need(1 <= self.max_body_bytes <= 1024 * MiB, "max-body-bytes (DS3_MAX_BODY_BYTES)",
-             "must be between 1 byte and 1 GiB")
+        _check_body_limits(max_snapshot_bytes=self.max_snapshot_bytes, max_body_bytes=self.max_body_bytes)
         need(1024 <= self.max_read_bytes <= 256 * MiB, "max-read-bytes (DS3_MAX_READ_BYTES)",
              "must be between 1 KiB and 256 MiB")
         need(1 <= self.max_path_bytes <= LMDB_MAX_KEY, "max-path-bytes (DS3_MAX_PATH_BYTES)",
@@ -296,10 +298,7 @@ class ReaderConfig:
     limits: LimitsConfig = field(default_factory=LimitsConfig)
 
     def __post_init__(self) -> None:
-        def need(ok: bool, setting: str, why: str) -> None:
-            if not ok:
-                raise ConfigError(f"{setting}: {why}")
-
+        need = _need
         need(1 <= self.workers <= 256, "workers (DS3_WORKERS)", f"{self.workers} is not between 1 and 256")
         # neither: the reader follows the store prefix's owner (its ownership record's URL)
         need(self.ingester is None or self.ingester.startswith(("http://", "https://")), "ingester (DS3_INGESTER)",
@@ -321,10 +320,7 @@ class ReaderConfig:
              "must be between 0.1 and 3600 seconds")
         need(1024 <= self.max_read_bytes <= 1024 * MiB, "max-read-bytes (DS3_MAX_READ_BYTES)",
              "must be between 1 KiB and 1 GiB")
-        need(1 <= self.max_snapshot_bytes <= 4096 * MiB, "max-snapshot-bytes (DS3_MAX_SNAPSHOT_BYTES)",
-             "must be between 1 byte and 4 GiB")
-        need(1 <= self.max_body_bytes <= 1024 * MiB, "max-body-bytes (DS3_MAX_BODY_BYTES)",
-             "must be between 1 byte and 1 GiB")
+        _check_body_limits(max_snapshot_bytes=self.max_snapshot_bytes, max_body_bytes=self.max_body_bytes)
         need(0 <= self.descriptor_ttl <= 3600, "descriptor-ttl (DS3_DESCRIPTOR_TTL)",
              "must be between 0 and 3600 seconds")
         # The reader reads private streams and renews TTLs on the ingester on its own behalf.
