@@ -187,6 +187,18 @@ def validate_prefix(prefix: str) -> str:
     return prefix
 
 
+def check_put_conditions(if_absent: bool, if_match: str | None) -> None:
+    """put() takes at most one of its two conditions."""
+    if if_absent and if_match is not None:
+        raise ValueError("put: if_absent and if_match exclude each other")
+
+
+def check_chunk_size(chunk_size: int) -> None:
+    """stream() yields pieces of at least one byte."""
+    if chunk_size <= 0:
+        raise ValueError(f"chunk_size must be positive: {chunk_size}")
+
+
 def check_range(start: int | None, end: int | None) -> tuple[int, int | None]:
     """Normalise a get()/stream() range: start defaults to 0; both must be >= 0, start <= end."""
     lo = 0 if start is None else start

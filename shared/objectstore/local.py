@@ -56,6 +56,8 @@ from .base import (
     MappedRange,
     ObjectInfo,
     StoreCounters,
+    check_chunk_size,
+    check_put_conditions,
     check_range,
     validate_key,
     validate_prefix,
@@ -191,8 +193,7 @@ class LocalStore:
         if_match: str | None = None,
         durable: bool = True,
     ) -> str:
-        if if_absent and if_match is not None:
-            raise ValueError("put: if_absent and if_match exclude each other")
+        check_put_conditions(if_absent, if_match)
         path = self._path(key)
         # durable=False (unconditional writes only): the same temp file and rename, without the
         # file's and the directory's fsyncs; sync() makes them. Two fsyncs per object cost more
@@ -474,8 +475,7 @@ class LocalStore:
     ) -> AsyncIterator[bytes]:
         path = self._path(key)
         lo, hi = check_range(start, end)
-        if chunk_size <= 0:
-            raise ValueError(f"chunk_size must be positive: {chunk_size}")
+        check_chunk_size(chunk_size)
         self.counters.gets += 1
         try:
             f = await asyncio.to_thread(self._open_at, path, lo)

@@ -56,6 +56,8 @@ from .base import (
     DEFAULT_LIST_PAGE_SIZE,
     ObjectInfo,
     StoreCounters,
+    check_chunk_size,
+    check_put_conditions,
     check_range,
     validate_key,
     validate_prefix,
@@ -276,8 +278,7 @@ class S3Store:
         if_match: str | None = None,
         durable: bool = True,  # (an acknowledged S3 PUT is durable: nothing to defer)
     ) -> str:
-        if if_absent and if_match is not None:
-            raise ValueError("put: if_absent and if_match exclude each other")
+        check_put_conditions(if_absent, if_match)
         if if_match is None and len(data) <= _PRESIGNED_PUT_MAX:
             return await self._put_presigned(key, data, content_type, if_absent)
         req: PutObjectRequestTypeDef = {"Bucket": self.bucket, "Key": self._key(key), "Body": data}
@@ -470,8 +471,7 @@ class S3Store:
         end: int | None = None,
         chunk_size: int = DEFAULT_CHUNK_SIZE,
     ) -> AsyncIterator[bytes]:
-        if chunk_size <= 0:
-            raise ValueError(f"chunk_size must be positive: {chunk_size}")
+        check_chunk_size(chunk_size)
         body = await self.open_body(key, start, end)
         if body is None:
             return
