@@ -60,6 +60,7 @@ from ingester.records import (
 from ingester.remote_forks import is_shadow
 from shared import moveformat
 from shared.buckets import INTERNAL_PREFIX
+from shared.cluster import cancel_and_wait
 from shared.config import LMDB_MAX_KEY
 from shared.errors import Conflict, DS3Error, Misdirected, Unavailable
 from shared.http.auth import INTERNAL_HEADER
@@ -120,10 +121,7 @@ class Mover:
 
     async def stop(self) -> None:
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(task)
 
     def changed(self, _old: Cluster | None, _new: Cluster) -> None:
         """A description was adopted: sweep now."""

@@ -51,6 +51,15 @@ DEFAULT_READ_TIMEOUT: Final = 10.0  # a read that takes longer counts as failed 
 _CACHE_MAX: Final = 65_536  # owners remembered per description (placement keys -> owner)
 
 
+async def cancel_and_wait(task: asyncio.Task[None] | None) -> None:
+    """Stop a background loop (the watcher's, the ingester's move sweep): cancel it and return
+    once it has ended. None: there is none."""
+    if task is not None:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
 # --- the stored description ---------------------------------------------------------------
 
 
@@ -271,10 +280,7 @@ class ClusterWatcher:
 
     async def stop(self) -> None:
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(task)
 
 
 class Membership:
