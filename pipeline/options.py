@@ -35,8 +35,13 @@ class OptionError(ValueError):
         self.option = name
 
 
-def _lower(options: Mapping[str, str]) -> dict[str, str]:
-    return {k.lower(): v for k, v in dict(options).items()}
+def _known_options(options: Mapping[str, str], known: frozenset[str]) -> dict[str, str]:
+    """The options by lower-case name; OptionError for the first (sorted) name not in `known`."""
+    opts = {k.lower(): v for k, v in dict(options).items()}
+    unknown = sorted(set(opts) - known)
+    if unknown:
+        raise OptionError(unknown[0], f"unknown option (known: {', '.join(sorted(known))})")
+    return opts
 
 
 def _flag(opts: dict[str, str], name: str) -> bool:
@@ -139,10 +144,7 @@ class ReadOptions:
 
     @classmethod
     def parse(cls, options: Mapping[str, str]) -> ReadOptions:
-        opts = _lower(options)
-        unknown = sorted(set(opts) - READ_OPTIONS)
-        if unknown:
-            raise OptionError(unknown[0], f"unknown option (known: {', '.join(sorted(READ_OPTIONS))})")
+        opts = _known_options(options, READ_OPTIONS)
         if "store" not in opts:
             raise OptionError("store", "required: s3://bucket/prefix or file:///path (as ds3 --store)")
         try:
@@ -191,10 +193,7 @@ class WriteOptions:
 
     @classmethod
     def parse(cls, options: Mapping[str, str]) -> WriteOptions:
-        opts = _lower(options)
-        unknown = sorted(set(opts) - WRITE_OPTIONS)
-        if unknown:
-            raise OptionError(unknown[0], f"unknown option (known: {', '.join(sorted(WRITE_OPTIONS))})")
+        opts = _known_options(options, WRITE_OPTIONS)
         if "url" not in opts:
             raise OptionError("url", "required: the base URL of a ds3 reader or ingester")
         selection = _selection({k: v for k, v in opts.items() if k != "prefix"} | (
