@@ -188,55 +188,53 @@ class IngesterConfig:
     limits: LimitsConfig = field(default_factory=LimitsConfig)
 
     def __post_init__(self) -> None:
-        need = _need
-        need(bool(self.host), "host (DS3_HOST)", "must not be empty")
+        _need(bool(self.host), "host (DS3_HOST)", "must not be empty")
         self._check_cluster()
-        need(self.durability in ("local", "store"), "durability (DS3_DURABILITY)",
+        _need(self.durability in ("local", "store"), "durability (DS3_DURABILITY)",
              f"{self.durability!r} is not one of: local, store")
-        need(self.durability == "local" or self.store is not None, "durability (DS3_DURABILITY)",
+        _need(self.durability == "local" or self.store is not None, "durability (DS3_DURABILITY)",
              "store needs an object store (--store / DS3_STORE)")
-        need(0.01 <= self.ship_interval <= 3600, "ship-interval (DS3_SHIP_INTERVAL)",
+        _need(0.01 <= self.ship_interval <= 3600, "ship-interval (DS3_SHIP_INTERVAL)",
              "must be between 0.01 and 3600 seconds")
-        need(1 <= self.log_uploads <= 4, "log-uploads (DS3_LOG_UPLOADS)", "must be between 1 and 4")
-        need(1 <= self.checkpoint_interval <= 7 * 86400, "checkpoint-interval (DS3_CHECKPOINT_INTERVAL)",
+        _need(1 <= self.log_uploads <= 4, "log-uploads (DS3_LOG_UPLOADS)", "must be between 1 and 4")
+        _need(1 <= self.checkpoint_interval <= 7 * 86400, "checkpoint-interval (DS3_CHECKPOINT_INTERVAL)",
              "must be between 1 second and a week")
-        need(self.advertise_url is None or self.advertise_url.startswith(("http://", "https://")),
+        _need(self.advertise_url is None or self.advertise_url.startswith(("http://", "https://")),
              "advertise-url (DS3_ADVERTISE_URL)", "must be an http(s):// URL")
-        need(self.owner_id is None or 0 < len(self.owner_id) <= 200, "owner-id (DS3_OWNER_ID)",
+        _need(self.owner_id is None or 0 < len(self.owner_id) <= 200, "owner-id (DS3_OWNER_ID)",
              "must be 1 to 200 characters")
-        need(not self.standby or self.store is not None, "standby (DS3_STANDBY)",
+        _need(not self.standby or self.store is not None, "standby (DS3_STANDBY)",
              "needs an object store (--store / DS3_STORE): the standby restores from its log")
-        need(1 <= self.lease_seconds <= 3600, "lease-seconds (DS3_LEASE_SECONDS)",
+        _need(1 <= self.lease_seconds <= 3600, "lease-seconds (DS3_LEASE_SECONDS)",
              "must be between 1 and 3600 seconds")
         check_shared(port=self.port, long_poll_timeout=self.long_poll_timeout, seal_bytes=self.seal_bytes,
                      seal_age=self.seal_age)
-        need(0 <= self.tail_max_age <= 60, "tail-max-age (DS3_TAIL_MAX_AGE)", "must be between 0 and 60 seconds")
-        need(1 <= self.sse_max_seconds <= 3600, "sse-max-seconds (DS3_SSE_MAX_SECONDS)",
+        _need(0 <= self.tail_max_age <= 60, "tail-max-age (DS3_TAIL_MAX_AGE)", "must be between 0 and 60 seconds")
+        _need(1 <= self.sse_max_seconds <= 3600, "sse-max-seconds (DS3_SSE_MAX_SECONDS)",
              "must be between 1 and 3600 seconds")
         _check_body_limits(max_snapshot_bytes=self.max_snapshot_bytes, max_body_bytes=self.max_body_bytes)
-        need(1024 <= self.max_read_bytes <= 256 * MiB, "max-read-bytes (DS3_MAX_READ_BYTES)",
+        _need(1024 <= self.max_read_bytes <= 256 * MiB, "max-read-bytes (DS3_MAX_READ_BYTES)",
              "must be between 1 KiB and 256 MiB")
-        need(1 <= self.max_path_bytes <= LMDB_MAX_KEY, "max-path-bytes (DS3_MAX_PATH_BYTES)",
+        _need(1 <= self.max_path_bytes <= LMDB_MAX_KEY, "max-path-bytes (DS3_MAX_PATH_BYTES)",
              f"must be between 1 and {LMDB_MAX_KEY}")
-        need(self.wal_map_size >= 16 * MiB, "wal-map-size (DS3_WAL_MAP_SIZE)", "must be at least 16 MiB")
-        need(0.05 <= self.sweep_interval <= 3600, "sweep-interval (DS3_SWEEP_INTERVAL)",
+        _need(self.wal_map_size >= 16 * MiB, "wal-map-size (DS3_WAL_MAP_SIZE)", "must be at least 16 MiB")
+        _need(0.05 <= self.sweep_interval <= 3600, "sweep-interval (DS3_SWEEP_INTERVAL)",
              "must be between 0.05 and 3600 seconds")
-        need(1 <= self.read_threads <= 64, "read-threads (DS3_READ_THREADS)", "must be between 1 and 64")
+        _need(1 <= self.read_threads <= 64, "read-threads (DS3_READ_THREADS)", "must be between 1 and 64")
         if self.store is not None:
             _check_store_url(self.store)
-        need(self.wal_max_bytes >= 2 * self.seal_bytes, "wal-max-bytes (DS3_WAL_MAX_BYTES)",
+        _need(self.wal_max_bytes >= 2 * self.seal_bytes, "wal-max-bytes (DS3_WAL_MAX_BYTES)",
              "must be at least twice seal-bytes")
-        need(1 <= self.uploads <= 64, "uploads (DS3_UPLOADS)", "must be between 1 and 64")
+        _need(1 <= self.uploads <= 64, "uploads (DS3_UPLOADS)", "must be between 1 and 64")
 
     def _check_cluster(self) -> None:
         from shared.cluster import load_cluster_file
         from shared.placement import PlacementError, validate_id
 
-        need = _need
-        need(0.1 <= self.cluster_refresh <= 3600, "cluster-refresh (DS3_CLUSTER_REFRESH)",
+        _need(0.1 <= self.cluster_refresh <= 3600, "cluster-refresh (DS3_CLUSTER_REFRESH)",
              "must be between 0.1 and 3600 seconds")
         if self.ingester_id is None:
-            need(self.cluster is None, "cluster (DS3_CLUSTER)",
+            _need(self.cluster is None, "cluster (DS3_CLUSTER)",
                  "needs ingester-id (DS3_INGESTER_ID): this ingester's id in the description")
             return
         try:
@@ -244,7 +242,7 @@ class IngesterConfig:
         except PlacementError as e:
             raise ConfigError(f"ingester-id (DS3_INGESTER_ID): {e}") from None
         if self.cluster is None:
-            need(self.store is not None, "ingester-id (DS3_INGESTER_ID)",
+            _need(self.store is not None, "ingester-id (DS3_INGESTER_ID)",
                  "the cluster description is read from the store (--store, its _ds3/cluster.json) or from a "
                  "file (--cluster FILE): give one of them")
             return
@@ -252,7 +250,7 @@ class IngesterConfig:
             cluster = load_cluster_file(self.cluster)
         except PlacementError as e:
             raise ConfigError(f"cluster (DS3_CLUSTER): {e}") from None
-        need(cluster.get(self.ingester_id) is not None, "ingester-id (DS3_INGESTER_ID)",
+        _need(cluster.get(self.ingester_id) is not None, "ingester-id (DS3_INGESTER_ID)",
              f"{self.ingester_id!r} is not in the cluster file {self.cluster} (its ingesters: "
              f"{', '.join(cluster.ids)})")
 
@@ -298,12 +296,11 @@ class ReaderConfig:
     limits: LimitsConfig = field(default_factory=LimitsConfig)
 
     def __post_init__(self) -> None:
-        need = _need
-        need(1 <= self.workers <= 256, "workers (DS3_WORKERS)", f"{self.workers} is not between 1 and 256")
+        _need(1 <= self.workers <= 256, "workers (DS3_WORKERS)", f"{self.workers} is not between 1 and 256")
         # neither: the reader follows the store prefix's owner (its ownership record's URL)
-        need(self.ingester is None or self.ingester.startswith(("http://", "https://")), "ingester (DS3_INGESTER)",
+        _need(self.ingester is None or self.ingester.startswith(("http://", "https://")), "ingester (DS3_INGESTER)",
              "must be an http(s):// URL")
-        need(0.1 <= self.cluster_refresh <= 3600, "cluster-refresh (DS3_CLUSTER_REFRESH)",
+        _need(0.1 <= self.cluster_refresh <= 3600, "cluster-refresh (DS3_CLUSTER_REFRESH)",
              "must be between 0.1 and 3600 seconds")
         if self.cluster is not None:
             from shared.cluster import load_cluster_file
@@ -314,15 +311,15 @@ class ReaderConfig:
             except PlacementError as e:
                 raise ConfigError(f"cluster (DS3_CLUSTER): {e}") from None
         _check_store_url(self.store)
-        need(0 <= self.port <= 65535, "port (DS3_PORT)", f"{self.port} is not a TCP port")
-        need(0 <= self.tail_max_age <= 60, "tail-max-age (DS3_TAIL_MAX_AGE)", "must be between 0 and 60 seconds")
-        need(0.1 <= self.long_poll_timeout <= 3600, "long-poll-timeout (DS3_LONG_POLL_TIMEOUT)",
+        _need(0 <= self.port <= 65535, "port (DS3_PORT)", f"{self.port} is not a TCP port")
+        _need(0 <= self.tail_max_age <= 60, "tail-max-age (DS3_TAIL_MAX_AGE)", "must be between 0 and 60 seconds")
+        _need(0.1 <= self.long_poll_timeout <= 3600, "long-poll-timeout (DS3_LONG_POLL_TIMEOUT)",
              "must be between 0.1 and 3600 seconds")
-        need(1024 <= self.max_read_bytes <= 1024 * MiB, "max-read-bytes (DS3_MAX_READ_BYTES)",
+        _need(1024 <= self.max_read_bytes <= 1024 * MiB, "max-read-bytes (DS3_MAX_READ_BYTES)",
              "must be between 1 KiB and 1 GiB")
         _check_body_limits(max_snapshot_bytes=self.max_snapshot_bytes, max_body_bytes=self.max_body_bytes)
-        need(0 <= self.descriptor_ttl <= 3600, "descriptor-ttl (DS3_DESCRIPTOR_TTL)",
+        _need(0 <= self.descriptor_ttl <= 3600, "descriptor-ttl (DS3_DESCRIPTOR_TTL)",
              "must be between 0 and 3600 seconds")
         # The reader reads private streams and renews TTLs on the ingester on its own behalf.
-        need(not self.auth.enabled or self.auth.internal_token is not None, "internal-token (DS3_INTERNAL_TOKEN)",
+        _need(not self.auth.enabled or self.auth.internal_token is not None, "internal-token (DS3_INTERNAL_TOKEN)",
              "a reader with auth on needs the internal token its ingester was given")
