@@ -6,7 +6,9 @@ directory (two reader workers sharing the port, as `ds3 dev` runs them), so the 
 cross sealed chunks, the open tail and the boundary between them, and consecutive requests of
 one test land on different worker processes. And two cluster topologies (issue 15): one reader
 routing over 2 and over 3 ingesters that share a local store and a cluster description file
-(`ds3 dev --ingesters N`'s layout), so the suite's streams are spread over the ingesters.
+(`ds3 dev --ingesters N`'s layout), so the suite's streams are spread over the ingesters. And
+the moto topology again with `--durability store` (issue 14): every append and metadata change
+acknowledged only once its group commit's log segment is in the store.
 
 Runs tests/conformance/run-conformance.sh (vitest + @durable-streams/server-conformance-tests)
 with a 3 s long-poll timeout on both sides. Needs Node/npm; installs tests/conformance/node_modules
@@ -102,14 +104,16 @@ def _topology(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> tupl
     if kind.startswith("cluster-"):
         return _cluster_topology(int(kind.split("-")[1]), tmp_path, lp)
     env: dict[str, str] = {}
-    if kind == "reader-s3":
+    if kind.startswith("reader-s3"):
         bucket = request.getfixturevalue("s3_bucket")
         endpoint = request.getfixturevalue("s3_server").endpoint
         store, extra, env = f"s3://{bucket}/conformance", ["--s3-endpoint", endpoint], dict(TEST_ENV)
     else:
         (tmp_path / "objects").mkdir()
         store, extra = (tmp_path / "objects").as_uri(), []
-    ing = ingester(tmp_path / "data", *lp, "--store", store, *SEAL, *extra)
+    # reader-s3-store: every append acknowledged only once its commit's log segment is in S3
+    durability = ["--durability", "store"] if kind.endswith("-store") else []
+    ing = ingester(tmp_path / "data", *lp, "--store", store, *SEAL, *extra, *durability)
     workers = ["--workers", "2"] if kind == "reader-local" else []
     rdr = reader(tmp_path, ing.url, store, *lp, *extra, *workers)
     for p in (ing, rdr):
@@ -130,7 +134,7 @@ def _cluster_topology(n: int, tmp_path: Path, lp: list[str]) -> tuple[list[Proc]
     return [*ings, rdr], rdr.url
 
 
-@pytest.mark.parametrize("kind", ["ingester", "reader-s3", "reader-local", "cluster-2", "cluster-3"])
+@pytest.mark.parametrize("kind", ["ingester", "reader-s3", "reader-s3-store", "reader-local", "cluster-2", "cluster-3"])
 def test_conformance_suite(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> None:
     _ensure_npm_deps()
     report = tmp_path / "conformance.json"
@@ -172,3 +176,5 @@ def test_conformance_suite(kind: str, tmp_path: Path, request: pytest.FixtureReq
         _failing_tests(report)
     )
     assert passed == EXPECTED_PASSED, f"{last} (expected {EXPECTED_PASSED} passed)\n{output[-3000:]}"
+    if kind.endswith("-store"):  # (the suite passed in store durability, not in the default)
+        assert "(durability store" in procs[0].log_path.read_text()
