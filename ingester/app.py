@@ -16,20 +16,26 @@ from shared.config import IngesterConfig
 from shared.http import access, auth, limits
 from shared.http.handlers import common_headers, errors_middleware
 
-# Answered by a standby too (the rest: 503 naming the owner, IngesterService.standby_refusal).
+# Answered by a standby and a fenced ingester too (the rest: 503; a standby's names the owner,
+# IngesterService.standby_refusal).
 _STANDBY_SERVES: Final = frozenset({"/healthz", "/readyz", "/metrics"})
 
 
 @web.middleware
-async def standby_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+async def ownership_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """With a store: only the prefix's owner answers requests about streams (the fast lane
+    leaves everything to aiohttp meanwhile, ingester/fastlane.py AppendLane.ready)."""
     svc = request.app.get(SERVICE)
-    if svc is not None and svc.standing_by and request.path not in _STANDBY_SERVES:
-        raise svc.standby_refusal()
+    if svc is not None and request.path not in _STANDBY_SERVES:
+        if svc.standing_by:
+            raise svc.standby_refusal()
+        if (refusal := svc.fenced_refusal()) is not None:
+            raise refusal
     return await handler(request)
 
 
 def create_app(config: IngesterConfig) -> web.Application:
-    middlewares = [errors_middleware, standby_middleware] if config.standby else [errors_middleware]
+    middlewares = [errors_middleware, ownership_middleware] if config.store is not None else [errors_middleware]
     app = web.Application(middlewares=middlewares, client_max_size=config.max_body_bytes)
     metrics = access.install(app)  # request ids, access log, /metrics, /healthz, /readyz (outermost)
     ingester_metrics.install(app, metrics, config)

@@ -86,7 +86,7 @@ class AppendLane(Lane):
             if SERVICE not in self.app:
                 return False
             self.svc = self.app[SERVICE]
-        if self.svc.standing_by:  # aiohttp's path answers a standby's 503
+        if self.svc.standing_by or self.svc.fenced_refusal() is not None:  # aiohttp's path answers their 503
             return False
         return super().ready()
 

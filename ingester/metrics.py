@@ -187,7 +187,7 @@ def install(app: web.Application, metrics: AppMetrics, config: IngesterConfig) -
         ready.add("cluster", cluster, cached=False)
         ready.describe("cluster", lambda: cluster_status(app.get(SERVICE)))
 
-    if config.ingester_id is not None or config.standby:
+    if config.store is not None:  # every ingester with a store owns its prefix, or is fenced
         async def owner() -> str | None:
             svc = app.get(SERVICE)
             if svc is None or svc.ownership is None:

@@ -131,6 +131,20 @@ class IngesterService:
         """The 503 a standby answers stream requests with, naming the owner's URL."""
         return standby.refusal(self)
 
+    def fenced_refusal(self) -> Superseded | None:
+        """Why this ingester answers no stream request now (None: it may): it owned its store
+        prefix and does not now (taken over, or its lease lapsed before a renewal). Reads too,
+        not only writes: another ingester may have taken over and appended since, so our tail,
+        a HEAD's next offset, a long-poll's "nothing new", may be stale."""
+        own = self.ownership
+        if own is None or self.standing_by or own.valid():
+            return None
+        refusal = self._committer.refusal if self._committer is not None else None
+        if isinstance(refusal, Superseded):
+            return refusal
+        return Superseded("this ingester does not own its store prefix now: its lease lapsed before it was "
+                          "renewed", own.epoch)
+
     @property
     def committer(self) -> GroupCommitter:
         assert self._committer is not None, "service not started"
