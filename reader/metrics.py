@@ -130,8 +130,7 @@ def install(app: web.Application, metrics: AppMetrics) -> None:
             return "starting"
         links = st.router.all_links()
         if not links:
-            return st.router.watcher.error if st.router.watcher is not None and st.router.watcher.error else \
-                "no cluster description read yet"
+            return st.router.no_ingester_yet()
         why = await asyncio.gather(*(probe(link.client) for link in links))
         if all(w is not None for w in why):
             return "; ".join(w for w in why if w is not None)[:600]

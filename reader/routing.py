@@ -118,13 +118,16 @@ class Router:
         if url is not None:
             return self.link(url)
         if self.default is None:
-            if self.owner is not None:
-                raise Unavailable("no ingester owns the store prefix yet (no ownership record"
-                                  f"{': ' + self.owner.error if self.owner.error else ''}); start one, or give "
-                                  "the reader --ingester", 2)
-            why = self.watcher.error if self.watcher is not None else None
-            raise Unavailable(f"no cluster description read yet: {why or 'starting'}", 2)
+            raise Unavailable(self.no_ingester_yet(), 2)
         return self.default
+
+    def no_ingester_yet(self) -> str:
+        """Why there is no ingester to forward to (no --ingester, and none found yet)."""
+        if self.owner is not None:
+            return ("no ingester owns the store prefix yet (no ownership record"
+                    f"{': ' + self.owner.error if self.owner.error else ''}); start one, or give the reader --ingester")
+        why = self.watcher.error if self.watcher is not None else None
+        return f"no cluster description read yet: {why or 'starting'}"
 
     def failed(self, link: Link) -> None:
         """A forward to `link` found no ingester there: the owner may have moved (a takeover)."""

@@ -5,6 +5,7 @@ reader moves to it without a restart, and every append is there at its offset.""
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -58,5 +59,9 @@ def test_a_reader_without_an_ingester_or_an_owner_says_what_to_do(tmp_path: Path
         status, headers, body = request(reader, "PUT", "/v1/stream/x", headers=TEXT)
         assert status == 503 and headers["retry-after"] == "2"
         assert b"no ingester owns the store prefix yet" in body and b"--ingester" in body
+        # /readyz gives the same reason (it said "no cluster description read yet")
+        status, _, body = request(reader, "GET", "/readyz")
+        ready = json.loads(body)
+        assert status == 503 and "no ingester owns the store prefix yet" in ready["checks"]["ingester"], ready
     finally:
         reader.stop()
