@@ -252,3 +252,30 @@ def access_line(msg: str, fields: dict[str, Any]) -> bool:
         return False
     h.write_access(fmt.access(time.time(), msg, fields))
     return True
+
+
+class RepeatedWarnings:
+    """Warnings that repeat per request in a known state (a standby's or a fenced ingester's
+    503s, a reader whose ingester is down: one per request, hundreds a second) logged once per
+    `interval` seconds per kind; the next line of a kind counts the ones left out meanwhile.
+    The per-request 503s stay countable in metrics and the access log."""
+
+    def __init__(self, logger: logging.Logger, interval: float = 10.0) -> None:
+        self.logger = logger
+        self.interval = interval
+        self._last: dict[str, tuple[float, int]] = {}  # kind -> (when last logged, left out since)
+
+    def warning(self, kind: str, msg: str, *args: Any) -> None:
+        now = time.monotonic()
+        at, left_out = self._last.get(kind, (-self.interval, 0))
+        if now - at < self.interval:
+            self._last[kind] = (at, left_out + 1)
+            return
+        if len(self._last) >= 1024:  # (kinds are a handful; never grow without bound)
+            self._last.clear()
+        self._last[kind] = (now, 0)
+        if left_out:
+            self.logger.warning(msg + " (and %d more like it in the last %.0f s, not logged)", *args, left_out,
+                                now - at)
+        else:
+            self.logger.warning(msg, *args)

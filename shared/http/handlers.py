@@ -12,7 +12,7 @@ from urllib.parse import parse_qsl, unquote
 import orjson
 from aiohttp import web
 
-from shared import buckets, offsets
+from shared import buckets, logs, offsets
 from shared import protocol as P
 from shared.errors import (
     BadRequest,
@@ -35,6 +35,9 @@ from shared.errors import (
 from shared.placement import GENERATION_HEADER, OWNER_HEADER, OWNER_ID_HEADER
 
 log = logging.getLogger("ds3.http")
+# 503s of one cause, logged once per 10 s: a standby, a fenced ingester or a reader whose
+# ingester is down answers every request with one
+_unavailable: Final = logs.RepeatedWarnings(log)
 IMMUTABLE: Final = "public, max-age=31536000, immutable"
 # Set once a handler has sent its status line: an error after that can only cut the body.
 PREPARED: Final = web.RequestKey("ds3_prepared", bool)
@@ -127,7 +130,7 @@ async def errors_middleware(
         return await handler(request)
     except DS3Error as e:
         if isinstance(e, Unavailable | ObjectStoreError):
-            log.warning("%s %s: %s", request.method, request.path, e.message)
+            _unavailable.warning(e.message[:120], "%s %s: %s", request.method, request.path, e.message)
         if request.get(PREPARED):
             raise  # the status line is out: aiohttp drops the connection, the client sees a cut body
         if isinstance(e, RequestTimeout):
