@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator
 from typing import Final
 
@@ -44,7 +45,12 @@ def create_app(config: IngesterConfig) -> web.Application:
 
     async def service_ctx(app: web.Application) -> AsyncIterator[None]:
         svc = IngesterService(config)
-        await svc.start()
+        try:
+            await svc.start()
+        except BaseException:  # refused or failed: close what it opened (the store's HTTP sessions)
+            with contextlib.suppress(Exception):
+                await svc.stop()
+            raise
         app[SERVICE] = svc
         yield
         await svc.stop()

@@ -36,6 +36,7 @@ from shared.objectstore import open_store
 from shared.ownership import OwnerRecord
 from tests.cluster import StoreView
 from tests.procs import DS3, Proc, free_port, ingester, reader
+from tests.s3server import TEST_ENV, MotoS3
 from tests.tcpgate import TcpGate
 
 pytestmark = pytest.mark.slow
@@ -324,6 +325,16 @@ def test_store_mode_restart_with_a_wal_behind_the_log_restores_it(tmp_path: Path
         assert _read_all(b.url, "s0").endswith(b"after\n")
     finally:
         b.stop()
+
+
+def test_a_start_refused_by_the_store_says_why_and_leaves_nothing_open(tmp_path: Path, s3_server: MotoS3) -> None:
+    # a bucket that does not exist: one clear line, no "Unclosed client session" after it
+    out = subprocess.run([DS3, "ingester", "--host", "127.0.0.1", "--port", str(free_port()), "--data-dir",
+                          str(tmp_path / "d"), "--store", "s3://no-such-bucket/p", "--s3-endpoint", s3_server.endpoint],
+                         capture_output=True, timeout=60, env=os.environ | TEST_ENV)
+    assert out.returncode != 0
+    assert b"bucket 'no-such-bucket' does not exist" in out.stderr, out.stderr
+    assert b"Unclosed" not in out.stderr and b"Traceback" not in out.stderr, out.stderr
 
 
 def test_second_ingester_refuses_while_the_lease_is_live(tmp_path: Path, file_store: StoreView) -> None:
