@@ -48,8 +48,8 @@ async def regain(svc: IngesterService, epoch: int) -> bool:
     while True:
         try:
             rec = await own.current()
-            if rec is None or rec.owner_id != own.owner_id or rec.epoch != epoch:
-                return False
+            if rec is None or rec.owner_id != own.owner_id or (rec.epoch != epoch and not own.sent(rec)):
+                return False  # (a later epoch of ours that we sent: a retake whose answer was lost)
             await own.acquire()  # our own record: taken back with epoch + 1 (If-Match)
             await shipper.resume(svc.committer.seq)  # checkpoints what the log missed meanwhile
         except (OwnedElsewhere, StoreAhead) as e:

@@ -79,7 +79,8 @@ async def restore_keeping_the_lease(config: IngesterConfig, own: Ownership, own_
     """Restore while renewing the lease just taken: a restore may outlast it (a long log, a
     slow store), and a lapsed lease would let another standby take the prefix meanwhile.
     Superseded if the lease is lost before the restore is done."""
-    keeper = asyncio.create_task(LeaseKeeper(own).run(), name="ds3-lease-restoring")
+    lease = LeaseKeeper(own)
+    keeper = asyncio.create_task(lease.run(), name="ds3-lease-restoring")
     restoring = asyncio.create_task(restore_wal(config, own_objects), name="ds3-restore")
     try:
         await asyncio.wait({keeper, restoring}, return_when=asyncio.FIRST_COMPLETED)
@@ -90,7 +91,14 @@ async def restore_keeping_the_lease(config: IngesterConfig, own: Ownership, own_
             raise error if isinstance(error, Superseded) else Superseded(
                 f"the ownership lease was lost while restoring ({error!r})", own.epoch)
         restoring.result()
+    except asyncio.CancelledError:
+        keeper.cancel()  # we are being stopped: no waiting for a renewal (its answer may be lost)
+        raise
     finally:
-        for task in (keeper, restoring):
-            task.cancel()
+        # Stop the keeper, not cancel it: a renewal in flight is let finish, so that its ETag
+        # is ours. Cancelled, its write would still land (the local store writes in a worker
+        # thread) with the ownership none the wiser: the service's keeper, next, would find
+        # the record changed under it.
+        lease.stop()
+        restoring.cancel()
         await asyncio.gather(keeper, restoring, return_exceptions=True)

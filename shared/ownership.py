@@ -12,10 +12,21 @@ concurrent writers exactly one wins, on S3 as on the local store:
   on the version read) if its lease has lapsed or it names our own owner_id (a restart);
   otherwise refuse with OwnedElsewhere, naming the owner and until when.
 - renew(): rewrite our record with a fresh lease, If-Match on the version we wrote last. A
-  precondition failure means someone took over: we are fenced (Superseded) for good.
+  precondition failure means someone took over: we are fenced (Superseded) for good. Unless
+  the record is a version we sent ourselves whose answer we never got (see below).
 - release(): on a clean shutdown, stop, then write a zero-length lease (lease_expires_at ==
   renewed_at): a standby may take over at once.
 - current(): the record, for readers (the advertised URL of the ingester) and standbys.
+
+Lost answers. A write of the record can land although its writer never learns it did: the
+local store writes in a worker thread, which goes on when the coroutine awaiting it is
+cancelled (a LeaseKeeper stopped mid-renewal, a timeout); an S3 PUT can be applied and its
+answer lost. The record then holds a version of ours under an ETag we do not know, and our
+next write's If-Match fails. So every version sent whose answer did not come is remembered
+(`_unconfirmed`, until a later write of ours is confirmed); a precondition failure that finds
+one of them, byte for byte (so: our owner_id, our epoch), adopts it and its ETag and writes
+again. Anything else (another owner, a higher epoch, a version we never sent) still fences.
+LeaseKeeper.stop() ends the renewal loop without cancelling a renewal in flight.
 
 The epoch only grows; it is what later fences every write of the log (issue 14, item 4): a
 writer stamps its epoch, and the record says which epoch is current.
@@ -41,6 +52,7 @@ tick() is one step, for tests.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import time
@@ -67,6 +79,10 @@ DEFAULT_LEASE: Final = 10.0
 DEFAULT_MAX_SKEW: Final = 1.0
 # acquire(): lost races in a row before giving up (each means another writer won just now).
 _ACQUIRE_ATTEMPTS: Final = 5
+# _rewrite(): versions of ours adopted in a row (each one a lost answer) before giving up.
+_REWRITE_ATTEMPTS: Final = 4
+# Versions sent whose answers were lost that are remembered (a store outage: one per try).
+_UNCONFIRMED_KEPT: Final = 16
 
 
 class Clock(Protocol):
@@ -184,6 +200,9 @@ class Ownership:
         self._lock = asyncio.Lock()  # one write of the record at a time
         self._record: OwnerRecord | None = None  # the version we wrote last
         self._etag = ""
+        # Versions sent since the last one confirmed, whose answers did not come (oldest first):
+        # any may be in the store now.
+        self._unconfirmed: list[OwnerRecord] = []
         self._valid_until = -math.inf  # monotonic
         self._fenced: str | None = None  # why, once fenced
 
@@ -240,6 +259,21 @@ class Ownership:
         except ObjectNotFound:
             return None
 
+    def sent(self, rec: OwnerRecord) -> bool:
+        """Whether `rec` is a version of the record this process wrote whose answer it never
+        got (an acquire or renewal that landed although it was cancelled or failed)."""
+        return rec in self._unconfirmed
+
+    async def _put(self, rec: OwnerRecord, body: bytes, **cond: Any) -> str:
+        """Write `rec` (encoded: `body`) under `cond`; its ETag. Until the answer comes, `rec` is
+        one of the versions that may have landed unseen (cancelled, failed, timed out)."""
+        if rec not in self._unconfirmed:
+            self._unconfirmed.append(rec)
+            del self._unconfirmed[:-_UNCONFIRMED_KEPT]
+        etag = await self.store.put(self.key, body, content_type="application/json", **cond)
+        self._unconfirmed.clear()  # this one is the newest version; none before it can land now
+        return etag
+
     async def _landed(self, body: bytes) -> str | None:
         """After a PreconditionFailed: the ETag if the record is our very write (its answer was
         lost and the retry found it done), else None."""
@@ -271,13 +305,14 @@ class Ownership:
                     previous = f"taken over from {old.owner_id}, epoch {old.epoch}"
                 body = rec.encode()
                 try:
-                    etag = await self.store.put(self.key, body, content_type="application/json", **cond)
+                    etag = await self._put(rec, body, **cond)
                 except PreconditionFailed:
                     landed = await self._landed(body)
                     if landed is None:
                         continue  # another writer won this round: look again
                     etag = landed
                 self._record, self._etag, self._fenced = rec, etag, None
+                self._unconfirmed.clear()
                 self._valid_until = mono + self.lease_seconds
                 log.info("own %s: epoch %d (%s), lease %.1f s", self.store.url, rec.epoch, previous,
                          self.lease_seconds)
@@ -323,23 +358,51 @@ class Ownership:
 
     async def _rewrite(self, rec: OwnerRecord) -> str:
         """Write our next version over the one we wrote last; its ETag. Superseded (fenced) if
-        the record is another's now."""
+        the record is another's now. A version of ours whose answer was lost, found in its
+        place, is adopted (record and ETag) and written over."""
         body = rec.encode()
+        for _ in range(_REWRITE_ATTEMPTS):
+            expected = self._etag
+            try:
+                return await self._put(rec, body, if_match=expected)
+            except PreconditionFailed:
+                pass
+            found = await self._read()
+            if found is not None and found[0] == body:
+                self._unconfirmed.clear()
+                return found[1]  # it was ours: the answer was lost and a retry found it done
+            if found is not None and found[1] == expected:
+                # Still our version: the write lost to concurrent conditional writes that all
+                # failed (S3 409s). Not superseded; the caller retries.
+                raise ObjectStoreUnavailable(f"ownership record {self.key}: concurrent writes, none won")
+            mine = self._unconfirmed_found(found)
+            if mine is None:
+                now_there = "no record" if found is None else _describe(found[0], self.key)
+                self._fence(f"superseded: the record is now {now_there}")
+                raise Superseded(f"ownership of the store prefix (epoch {rec.epoch}) was taken over: "
+                                 f"{now_there}", rec.epoch)
+            assert found is not None
+            # An earlier write of ours landed though its answer never came (cancelled, timed
+            # out): the record is still ours. Carry on from it. (The lease we count on stays
+            # the one we know of: shorter than the one it granted.)
+            log.info("ownership record of %s: a version of ours (epoch %d, renewed at %.3f) landed "
+                     "unanswered; carrying on from it", self.store.url, mine.epoch, mine.renewed_at)
+            self._record, self._etag = mine, found[1]
+            del self._unconfirmed[:self._unconfirmed.index(mine) + 1]  # it, and the ones it followed
+        raise ObjectStoreUnavailable(f"ownership record {self.key}: {_REWRITE_ATTEMPTS} versions of ours "
+                                     "whose answers were lost found in a row")
+
+    def _unconfirmed_found(self, found: tuple[bytes, str] | None) -> OwnerRecord | None:
+        """The version of ours `found` holds, if it is one we sent unanswered at our epoch."""
+        if found is None or self._record is None:
+            return None
         try:
-            return await self.store.put(self.key, body, content_type="application/json", if_match=self._etag)
-        except PreconditionFailed:
-            pass
-        found = await self._read()
-        if found is not None and found[0] == body:
-            return found[1]  # it was ours: the answer was lost and a retry found it done
-        if found is not None and found[1] == self._etag:
-            # Still our version: the write lost to concurrent conditional writes that all
-            # failed (S3 409s). Not superseded; the caller retries.
-            raise ObjectStoreUnavailable(f"ownership record {self.key}: concurrent writes, none won")
-        now_there = "no record" if found is None else _describe(found[0], self.key)
-        self._fence(f"superseded: the record is now {now_there}")
-        raise Superseded(f"ownership of the store prefix (epoch {rec.epoch}) was taken over: {now_there}",
-                         rec.epoch)
+            rec = OwnerRecord.decode(found[0], self.key)
+        except ObjectStoreError:
+            return None
+        if rec.owner_id != self.owner_id or rec.epoch != self._record.epoch or rec not in self._unconfirmed:
+            return None
+        return rec
 
 
 def _describe(data: bytes, key: str) -> str:
@@ -359,7 +422,7 @@ class LeaseKeeper:
         keeper = LeaseKeeper(ownership)
         task = asyncio.create_task(keeper.run())   # ends with Superseded when fenced
         ...
-        task.cancel(); await ownership.release()
+        keeper.stop(); await task; await ownership.release()
     """
 
     def __init__(
@@ -377,6 +440,7 @@ class LeaseKeeper:
         if not (0 < self.interval < ownership.lease_seconds):
             raise ValueError(f"renewal interval must be within (0, lease): {self.interval}")
         self.failures = 0  # store errors in a row
+        self._stopping = asyncio.Event()
 
     async def tick(self) -> float:
         """One renewal; returns the seconds to wait before the next. Raises Superseded once
@@ -400,6 +464,16 @@ class LeaseKeeper:
         return self.interval
 
     async def run(self) -> None:
-        """tick() forever: returns only by raising Superseded (or being cancelled)."""
-        while True:
-            await asyncio.sleep(await self.tick())
+        """tick() until stop(): otherwise returns only by raising Superseded (or being
+        cancelled)."""
+        while not self._stopping.is_set():
+            delay = await self.tick()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(delay):
+                    await self._stopping.wait()
+
+    def stop(self) -> None:
+        """Make run() return once the renewal in flight, if any, is done. Unlike cancelling
+        run(), this does not cut a renewal off from its answer while its write may still land
+        (the local store writes in a worker thread, which a cancellation does not stop)."""
+        self._stopping.set()
