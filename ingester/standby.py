@@ -57,7 +57,9 @@ async def stand_by(svc: IngesterService) -> None:
                 if await _take_over(svc, rec, lapsed_at):
                     return
                 continue
-            if rec != svc.standby_owner:
+            old = svc.standby_owner
+            if old is None or (rec.owner_id, rec.epoch, rec.advertise_url) != (old.owner_id, old.epoch, old.advertise_url):
+                # (said when the owner changes, not at each of its lease renewals)
                 log.info("standby: %s at %s owns %s (epoch %d)", rec.owner_id, rec.advertise_url or "(no URL)",
                          own.store.url, rec.epoch)
             svc.standby_owner = rec
