@@ -103,6 +103,17 @@ def create_app(config: ReaderConfig) -> web.Application:
         await objects.close()
 
     app.cleanup_ctx.append(clients_ctx)
+
+    async def end_live(app: web.Application) -> None:
+        # Stopping (after the listening sockets closed, before the connections are waited for):
+        # parked long-polls get the live channel's end (503, Retry-After), wherever they wait
+        # (the fast lane's or aiohttp's), and SSE responses end, instead of being cut when
+        # the shutdown timeout runs out or the loop ends (reader/fanout.py LiveHub.end).
+        st = app.get(READER)
+        if st is not None:
+            await st.sse.end()
+
+    app.on_shutdown.append(end_live)
     app.on_response_prepare.append(common_headers)
     add_routes(app)
     bucket_http.add_routes(app)

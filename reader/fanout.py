@@ -21,6 +21,11 @@ exact bytes is easy; the reverse is not.
 A channel keeps polling while anyone waited on it during its last poll, so long-poll clients
 coming back with the next offset find it running; it stops after a poll nobody waited on,
 when the stream closes, or on an upstream failure (which its waiters get).
+
+When the reader stops (LiveHub.end, from the app's on_shutdown), every channel ends: its
+long-poll waiters get the channel's end, 503 with Retry-After (on the fast lane and aiohttp's
+path alike), and its SSE clients' responses end; long-polls forwarded as reads end the same
+way, and long-polls and SSE clients that come after it are not followed any more.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ import copy
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from aiohttp import web
 
@@ -46,6 +51,12 @@ if TYPE_CHECKING:
     from reader.routing import Router
 
 log = logging.getLogger("ds3.reader.live")
+T = TypeVar("T")
+
+
+def ended() -> Unavailable:
+    """What a long-poll gets when its live channel ends under it (and when the reader stops)."""
+    return Unavailable("the live subscription ended", 1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -288,7 +299,7 @@ class Channel:
         finally:
             if self.hub.channels.get(self.path) is self:
                 del self.hub.channels[self.path]
-            self._answer_waiters(failure or Unavailable("the live subscription ended", 1))
+            self._answer_waiters(failure or ended())
             self._publish(None)
             self.subscribers.clear()
 
@@ -346,6 +357,8 @@ class LiveHub:
         self.clients = 0  # SSE clients served now
         self.shared = 0  # SSE clients that attached to a running channel
         self.dropped = 0  # SSE clients cut loose because they stopped reading
+        self.stopped = False  # the reader stops: no channel any more (end)
+        self._forwarded: set[asyncio.Future[Any]] = set()  # long-polls forwarded as reads (forwarded)
 
     def channel(self, path: str, offset: str) -> Channel:
         """The stream's channel, started at `offset` when there is none."""
@@ -356,9 +369,40 @@ class LiveHub:
         return ch
 
     def stop(self) -> None:
+        """End every channel (their waiters get ended()) and every forwarded long-poll, and
+        follow nothing from now on."""
+        self.stopped = True
         for ch in list(self.channels.values()):
             if ch.task is not None:
                 ch.task.cancel()
+        for fut in list(self._forwarded):
+            fut.cancel()
+
+    async def end(self) -> None:
+        """stop(), and wait until every channel has ended (its waiters answered)."""
+        self.stop()
+        tasks = [ch.task for ch in list(self.channels.values()) if ch.task is not None]
+        await asyncio.gather(*tasks, *self._forwarded, return_exceptions=True)
+        await asyncio.sleep(0)  # (the waiters' callbacks, the fast lane's answers, run now)
+
+    async def forwarded(self, call: Awaitable[T]) -> T:
+        """A long-poll forwarded as a read (`call`, the upstream request): its answer, or
+        ended() when the reader stops first, as a channel's waiters get it."""
+        if self.stopped:
+            if asyncio.iscoroutine(call):
+                call.close()
+            raise ended()
+        fut: asyncio.Future[T] = asyncio.ensure_future(call)
+        self._forwarded.add(fut)
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if self.stopped and fut.cancelled() and (task is None or not task.cancelling()):
+                raise ended() from None
+            raise
+        finally:
+            self._forwarded.discard(fut)
 
     # ------------------------------------------------------------------------ long-poll
     def follows(self, path: str, offset: str) -> bool:
@@ -371,7 +415,9 @@ class LiveHub:
         """A long-poll at a concrete offset on the stream's channel: the answer it gets at once
         (one of the channel's recent answers began there), or the channel and a parked future for its
         next answer (None: the timeout passed first; the caller removes it from ch.waiters when
-        done), or None: not the channel's, forward it as a read."""
+        done), or None: not the channel's, forward it as a read. ended() once the reader stops."""
+        if self.stopped:
+            raise ended()
         ch = self.channels.get(path)
         if ch is not None and ch.offset != offset:
             earlier = ch.answer_from(offset)

@@ -311,9 +311,10 @@ def _generation(answer: Answer) -> str | None:
     return None
 
 
-
-
 class ForwardLaneRunner(LaneRunner):
-    """web.AppRunner whose connections get the forwarding lane (use it like an AppRunner)."""
+    """web.AppRunner whose connections get the forwarding lane (use it like an AppRunner).
+    SIGTERM/SIGINT drain: no new connections, parked long-polls and SSE responses end
+    (reader/app.py's on_shutdown), other requests in flight get up to the shutdown timeout."""
 
     lane_class = ForwardLane
+    drain_on_signal = True

@@ -126,9 +126,11 @@ async def handle_get(request: web.Request, st: ReaderState, path: str) -> web.St
                 return answered
         key = placement_key(path)
         if given == offsets.NOW:  # "now" is the tail when this request came: never a shared one
-            up = await st.router.call(key, "GET", request.path_qs, IngesterClient._request_headers(request), None)
+            call = st.router.call(key, "GET", request.path_qs, IngesterClient._request_headers(request), None)
         else:
-            up = await st.router.get_collapsed(key, request.path_qs, IngesterClient._request_headers(request))
+            call = st.router.get_collapsed(key, request.path_qs, IngesterClient._request_headers(request))
+        # a long-poll waiting at the ingester ends as the live channels' waiters do when the reader stops
+        up = await (st.sse.forwarded(call) if live == "long-poll" else call)
     except Unavailable:
         eof = _eof_from_descriptor(desc, given)
         if eof is not None:

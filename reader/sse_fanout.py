@@ -87,6 +87,9 @@ class Subscriber:
         return data_event(page.body, page.content_type) + self.control(page.next_offset, page.up_to_date, page.closed)
 
     def attach(self, content_type: str) -> None:
+        if self.hub.stopped:  # the reader stops: the response ends here, the client reconnects elsewhere
+            self._end()
+            return
         ch = self.hub.channel(self.path, self.offset)
         if ch.content_type is None:
             ch.content_type = content_type
@@ -118,7 +121,7 @@ class Subscriber:
 async def serve(hub: LiveHub, request: web.Request, path: str, start: str, cursor: str | None) -> web.StreamResponse:
     sub = Subscriber(hub, path, start, cursor)
     ch = hub.channels.get(path)
-    if ch is not None and ch.offset == start and ch.content_type is not None:
+    if ch is not None and ch.offset == start and ch.content_type is not None and not hub.stopped:
         # at the channel's offset: up to date as far as this reader knows, no read needed
         hub.shared += 1
         ch.wanted = True
@@ -157,7 +160,7 @@ async def serve(hub: LiveHub, request: web.Request, path: str, start: str, curso
 async def _follow(hub: LiveHub, resp: web.StreamResponse, sub: Subscriber, ends_at: float) -> None:
     """Catch up with reads whenever the client is not attached; else wait for the channel to
     say it ended the client or detached it."""
-    while not sub.ended and time.monotonic() < ends_at:
+    while not sub.ended and not hub.stopped and time.monotonic() < ends_at:  # (stopped: the reader stops)
         if not sub.attached():
             try:
                 page = await hub.read_page(sub.path, sub.offset)

@@ -14,8 +14,10 @@ for its replacement, which inherits the same socket. The parent serves nothing i
   they start (a port in use, a bad setting the parent could not see), the parent gives up and
   exits 1 rather than spin;
 - SIGTERM or SIGINT is passed to every worker, which drains like a single reader does
-  (aiohttp's shutdown: no new connections, in-flight requests get up to 5 s), then the parent
-  exits 0;
+  (reader.forwardlane.ForwardLaneRunner: no new connections, parked long-polls are answered
+  503 with Retry-After and SSE responses end, other requests in flight get up to 5 s), then the
+  parent exits 0. The parent closes its copies of the listening sockets first: once the
+  workers close theirs, new connections are refused rather than queued for nobody;
 - workers stay in the parent's process group (a `kill -9 -PGID` takes them all) and leave by
   themselves when the parent is gone (they watch their parent pid).
 
@@ -192,10 +194,10 @@ def supervise(argv: list[str], count: int, host: str, port: int) -> int:
                     if not stopping:
                         workers[i] = start(w.index)
         finally:
-            _stop_all(workers)
-            for made in sets:
+            for made in sets:  # (the workers hold them until they stop listening)
                 for sock in made:
                     sock.close()
+            _stop_all(workers)
     return code
 
 

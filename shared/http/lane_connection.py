@@ -24,8 +24,10 @@ answered, so it sees their effects, as it would on a connection of its own.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import re
+import signal
 import time
 from collections import deque
 from collections.abc import Callable
@@ -35,6 +37,7 @@ import httptools
 from aiohttp import web
 from aiohttp.http_exceptions import BadHttpMethod, HttpProcessingError, LineTooLong
 from aiohttp.web_protocol import RequestHandler
+from aiohttp.web_runner import GracefulExit
 
 from shared import extensions, logs
 from shared.errors import DS3Error, RequestTimeout
@@ -66,17 +69,58 @@ class LaneServer(web.Server):
     def __call__(self) -> RequestHandler:
         return LaneHandler(self, lane=self.lane, loop=self._loop, **self._kwargs)
 
+    def pre_shutdown(self) -> None:
+        for conn in self._connections:
+            if isinstance(conn, LaneHandler):
+                conn.draining = True
+        super().pre_shutdown()
+
 
 class LaneRunner(web.AppRunner):
     """web.AppRunner whose connections get a fast lane (use it like an AppRunner). Subclasses
-    name their Lane."""
+    name their Lane, and whether SIGTERM/SIGINT drain (`drain_on_signal`, see setup)."""
 
     lane_class: type[Lane] = Lane
+    # With handle_signals, aiohttp's own handler raises GracefulExit out of the event loop: under
+    # asyncio.run (ds3/cli.py _run) every task is then cancelled at once, handlers and live
+    # channels included, so nothing in flight is answered; the runner's cleanup only runs
+    # amid that. True: the signal starts the cleanup (stop listening, on_shutdown, wait up
+    # to shutdown_timeout for the requests in flight, the app's cleanup) while everything
+    # still runs, and GracefulExit is raised only once it is done.
+    drain_on_signal: bool = False
 
     def __init__(self, app: web.Application, **kwargs: Any) -> None:
         super().__init__(app, **kwargs)
         self.lane = self.lane_class(app)
         app[LANE] = self.lane
+        self._cleaning: asyncio.Future[None] | None = None
+
+    async def setup(self) -> None:
+        self._cleaning = None
+        await super().setup()
+        if self.drain_on_signal and self._handle_signals:
+            loop = asyncio.get_running_loop()
+            with contextlib.suppress(NotImplementedError):  # (no signal handlers on Windows)
+                loop.add_signal_handler(signal.SIGINT, self._on_signal, signal.SIGINT)
+                loop.add_signal_handler(signal.SIGTERM, self._on_signal, signal.SIGTERM)
+
+    def _on_signal(self, signum: int) -> None:
+        if self._cleaning is not None:
+            return  # draining already (a process group's SIGTERM and the supervisor's both come)
+        log.info("%s: draining (new connections refused, requests in flight get up to %g s)",
+                 signal.Signals(signum).name, self._shutdown_timeout)
+        self._cleaning = asyncio.ensure_future(super().cleanup())
+        self._cleaning.add_done_callback(_leave)
+
+    async def cleanup(self) -> None:
+        """Once, however many callers ask (the drain started by a signal, and the code that made
+        the runner, whose `finally` runs when GracefulExit ends the loop)."""
+        if not self.drain_on_signal:
+            await super().cleanup()
+            return
+        if self._cleaning is None:
+            self._cleaning = asyncio.ensure_future(super().cleanup())
+        await asyncio.shield(self._cleaning)
 
     async def _make_server(self) -> web.Server:
         server = await super()._make_server()
@@ -84,6 +128,13 @@ class LaneRunner(web.AppRunner):
             server.request_handler, request_factory=server.request_factory, lane=self.lane,
             handler_cancellation=server.handler_cancellation, loop=server._loop, **server._kwargs,
         )
+
+
+def _leave(cleaned: asyncio.Future[None]) -> None:
+    """The drain is over: end the event loop as aiohttp's signal handler would have."""
+    if not cleaned.cancelled() and cleaned.exception() is not None:
+        log.error("the shutdown failed", exc_info=cleaned.exception())
+    raise GracefulExit()
 
 
 class _Follower:
@@ -185,6 +236,7 @@ class LaneHandler(RequestHandler):
         self.path_of: tuple[bytes, str] = (b"", "")  # a Lane's cache: the last URL path served and its stream path
         # a pending answer's way out when the client leaves or the server stops first (a long-poll's)
         self.pending_cancel: Callable[[], None] | None = None
+        self.draining = False  # the server stops: what is in flight is answered, nothing new is taken
 
     # --- bytes in ------------------------------------------------------------------------
 
@@ -195,15 +247,33 @@ class LaneHandler(RequestHandler):
             # passing this on, more than 32 pipelined requests stalled until the next bytes came.
             super().data_received(data)
             return
-        if self._lane_off or self._force_close or self._close:
+        if self._lane_off or ((self._force_close or self._close) and self._fast is None):
+            # (a lane message whose body is arriving is in flight: the server's shutdown waits
+            # for its answer, so its bytes still go to the lane)
             if self._pos < len(self._buf):  # (cannot happen: nothing is held once the lane is off)
                 data = bytes(self._buf[self._pos:]) + data
                 self._buf.clear()
                 self._pos = 0
+            if self.draining and self._request_in_progress:
+                self._body_while_draining(data)
+                return
             super().data_received(data)
             return
         self._buf += data
         self._pump()
+
+    def _body_while_draining(self, data: bytes) -> None:
+        """Bytes for aiohttp's request in progress while the server stops: aiohttp drops all it
+        receives once a connection is closing, so a request whose body was still arriving
+        would wait for it until the shutdown timeout cancelled it, unanswered. Parsed as if
+        open (its body reaches its handler; a message after it is parsed but never served:
+        aiohttp's loop ends with this request)."""
+        closing = self._close, self._force_close
+        self._close = self._force_close = False
+        try:
+            super().data_received(data)
+        finally:
+            self._close, self._force_close = closing
 
     def _pump(self) -> None:
         """Take messages from the buffer in order until an answer is pending or more bytes are
@@ -237,8 +307,8 @@ class LaneHandler(RequestHandler):
         """Handle the message at the buffer's position; False when it needs more bytes."""
         buf, pos = self._buf, self._pos
         fast = self._fast
-        if self._late:
-            return False
+        if self._late or (fast is None and (self._close or self._force_close)):
+            return False  # (closing: nothing new is taken; a message whose body is arriving is)
         if fast is None and self._waiting:
             # Answers are pending: only a message served alongside them is taken now; anything
             # else waits in the buffer until they are out.
@@ -374,6 +444,7 @@ class LaneHandler(RequestHandler):
         self._write(r.status, dict(r.headers), r.body if isinstance(r.body, bytes) else b"",
                     logs.accept_request_id(None))
         self.force_close()
+        self._settle_drain()
 
     # --- serving -------------------------------------------------------------------------
 
@@ -474,14 +545,21 @@ class LaneHandler(RequestHandler):
             self._flush_due = True
             self._loop.call_soon(self._flush)
         if not waiting:
-            drained, self._drained = self._drained, None
-            if drained is not None and not drained.done():
-                drained.set_result(None)
+            self._settle_drain()
             if self._late:
                 self._late = False
                 self._body_late()
                 return
         self._pump()  # what came after it (a no-op when the answer came from inside the pump)
+
+    def _settle_drain(self) -> None:
+        """The shutdown waiting for this connection's lane messages may go on: none is pending
+        or receiving its body any more."""
+        if self._waiting or (self._fast is not None and not self._lane_off):
+            return
+        drained, self._drained = self._drained, None
+        if drained is not None and not drained.done():
+            drained.set_result(None)
 
     def _flush(self) -> None:
         """Send the answers that are ready, in one write."""
@@ -533,6 +611,9 @@ class LaneHandler(RequestHandler):
             self._body_timer.cancel()
             self._body_timer = None
         self._cancel_pending()
+        drained, self._drained = self._drained, None
+        if drained is not None and not drained.done():  # (nobody left to answer)
+            drained.set_result(None)
         super().connection_lost(exc)
 
     def _cancel_pending(self) -> None:
@@ -543,7 +624,7 @@ class LaneHandler(RequestHandler):
 
     async def shutdown(self, timeout: float | None = 15.0) -> None:
         self._cancel_pending()  # a waiting long-poll is cut, as aiohttp cancels its handlers
-        if self._waiting:  # let the pending answers go out first
+        if self._waiting or (self._fast is not None and not self._lane_off):  # let the pending answers go out first
             self._drained = drained = self._loop.create_future()
             try:
                 await asyncio.wait_for(asyncio.shield(drained), timeout)
