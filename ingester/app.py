@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from typing import Final
@@ -55,6 +56,21 @@ def create_app(config: IngesterConfig) -> web.Application:
         yield
         await svc.stop()
 
+    async def end_live_waits(app: web.Application) -> None:
+        """The drain (SIGTERM): every long-poll waiting answers now as at its timeout (204,
+        the same offset: its client asks again, of whoever serves next), every SSE response
+        ends, instead of being cut when the requests in flight are given up on."""
+        svc = app.get(SERVICE)
+        if svc is None:
+            return
+        svc.draining = True
+        svc.notifier.wake_all()  # the lane's long-polls read again and answer from the wake-up
+        for _ in range(100):  # aiohttp's handlers and reads on the pool: a few loop turns
+            await asyncio.sleep(0.01)
+            if svc.notifier.waiting == 0:
+                break
+
+    app.on_shutdown.append(end_live_waits)
     app.cleanup_ctx.append(service_ctx)
     app.on_response_prepare.append(common_headers)
     add_routes(app)

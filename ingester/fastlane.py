@@ -365,7 +365,7 @@ class _LongPoll(_Read):
             self.end()
             self.handler.answer(self.msg, 200, data_headers(res, P.response_cursor(self.cursor), tail_max_age),
                                 body_of(res), self.rid, self.started)
-        elif res.closed_at_end or time.monotonic() >= self.deadline:
+        elif res.closed_at_end or time.monotonic() >= self.deadline or svc.draining:
             self.end()
             cursor = None if res.closed_at_end else P.response_cursor(self.cursor)
             self.handler.answer(self.msg, 204, no_content_headers(res, cursor, tail_max_age), b"", self.rid,
@@ -412,6 +412,7 @@ class FastLaneRunner(LaneRunner):
     """web.AppRunner whose connections get the append lane (use it like an AppRunner)."""
 
     lane_class = AppendLane
+    drain_on_signal = True  # SIGTERM: requests in flight are answered first (ingester/app.py end_live_waits)
 
 
 def served(app: web.Application) -> tuple[int, int] | None:

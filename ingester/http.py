@@ -203,7 +203,7 @@ async def handle_get(request: web.Request, svc: IngesterService, path: str) -> w
             if res.closed_at_end:
                 return no_content(res, None, svc.config.tail_max_age)
             remaining = deadline - time.monotonic()
-            if remaining <= 0:
+            if remaining <= 0 or svc.draining:
                 return no_content(res, P.response_cursor(cursor), svc.config.tail_max_age)
             await svc.notifier.wait(path, seen, remaining)
             seen = svc.notifier.version(path)
@@ -329,7 +329,7 @@ async def stream_sse(
             here = offsets.parse(res.next_offset)
             if res.up_to_date:
                 remaining = ends_at - time.monotonic()
-                if remaining <= 0:
+                if remaining <= 0 or svc.draining:
                     break
                 changed = await svc.notifier.wait(path, seen, min(remaining, svc.config.long_poll_timeout))
                 seen = svc.notifier.version(path)

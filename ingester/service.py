@@ -76,6 +76,9 @@ class IngesterService:
         self.shipper: Shipper | None = None
         self.ownership: Ownership | None = None
         self.notifier = Notifier()
+        # SIGTERM's drain began (ingester/app.py end_live_waits): a live wait answers at once,
+        # a long-poll as its timeout would, an SSE response ends
+        self.draining = False
         self._committer: GroupCommitter | None = None
         self._snapshots: Snapshots | None = None
         self._reaper: ObjectReaper | None = None
