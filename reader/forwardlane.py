@@ -40,7 +40,7 @@ from reader.proxy import DROP_REQUEST
 from reader.routing import MISDIRECTED, Link, Router
 from reader.state import READER, ReaderState, servable
 from reader.upstream import Answer
-from shared import offsets
+from shared import logs, offsets
 from shared.errors import DS3Error, Unavailable
 from shared.http.handlers import stream_path_of
 from shared.http.lane import Lane, Message, catch_up_offset, forks_or_has_a_delete_body
@@ -49,6 +49,8 @@ from shared.http.lane_live import long_poll_query
 from shared.placement import GENERATION_HEADER, placement_key
 
 log = logging.getLogger("ds3.reader.lane")
+# an ingester down fails every forwarded request alike: said once per 10 s per cause
+_unreachable: Final = logs.RepeatedWarnings(log)
 
 _DROP_REQUEST: Final = frozenset(n.encode("ascii") for n in DROP_REQUEST) | {b"x-forwarded-for"}
 
@@ -253,7 +255,8 @@ class _Forward:
         if self.write:
             st.descriptors.forget(self.path)
         if isinstance(answer, Unavailable):
-            log.warning("%s %s: %s", msg.method.decode(), msg.url[:200].decode("latin-1"), answer.message)
+            _unreachable.warning(answer.message[:120], "%s %s: %s", msg.method.decode(),
+                                 msg.url[:200].decode("latin-1"), answer.message)
             router.failed(self.link)
             if msg.method == b"GET" and (desc := st.descriptors.peek(self.path)) is not None:
                 st.locator.forget_missing(desc.uid)  # the retry asks the store: sealed meanwhile?

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from shared import logs
+from tests import procs
 from tests.cluster import StoreView
 from tests.test_durability import _req
 from tests.test_standby import LEASE, TEXT, _node
@@ -57,3 +58,21 @@ def test_a_standby_refusing_many_requests_logs_a_few_lines(tmp_path: Path) -> No
     finally:
         b.stop()
         a.stop()
+
+
+@pytest.mark.slow
+def test_a_reader_whose_ingester_is_down_logs_a_few_lines(tmp_path: Path) -> None:
+    (tmp_path / "objects").mkdir()
+    store = (tmp_path / "objects").as_uri()
+    ing = procs.ingester(tmp_path / "data", "--store", store).start()
+    rdr = procs.reader(tmp_path, ing.url, store, "--workers", "1").start()
+    try:
+        assert procs.request(rdr, "PUT", "/v1/stream/x", headers=TEXT)[0] == 201
+        ing.kill()
+        for _ in range(60):
+            assert procs.request(rdr, "POST", "/v1/stream/x", b"x", TEXT)[0] == 503
+        lines = [line for line in rdr.log_path.read_text().splitlines() if "WARNING" in line and "/v1/stream/x" in line]
+        assert 1 <= len(lines) <= 2, lines
+    finally:
+        rdr.stop()
+        ing.kill()
