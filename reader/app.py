@@ -5,7 +5,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import urllib.parse
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import aiohttp
 from aiohttp import web
@@ -43,6 +45,7 @@ def create_app(config: ReaderConfig) -> web.Application:
     limits.install(app, config.limits)
 
     async def clients_ctx(app: web.Application) -> AsyncIterator[None]:
+        _warn_if_no_local_store(config.store)
         objects = open_store(config.store, s3_endpoint=config.s3_endpoint)
         session = aiohttp.ClientSession(
             auto_decompress=False, connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30)
@@ -119,3 +122,14 @@ def create_app(config: ReaderConfig) -> web.Application:
     bucket_http.add_routes(app)
     console_http.add_routes(app)  # /console and the listings it uses
     return app
+
+
+def _warn_if_no_local_store(url: str) -> None:
+    """A local store that does not exist yet: said, since the reader creates it empty and a
+    typo in --store would otherwise serve no sealed history without a word (an ingester
+    creates its store; a reader only reads one)."""
+    if url.startswith("file://"):
+        root = Path(urllib.parse.unquote(urllib.parse.urlsplit(url).path))
+        if not root.exists():
+            log.warning("the local store %s does not exist: created it empty; no sealed history is served from "
+                        "it until an ingester writes there (check --store if one already does)", root)

@@ -63,5 +63,7 @@ def test_a_reader_without_an_ingester_or_an_owner_says_what_to_do(tmp_path: Path
         status, _, body = request(reader, "GET", "/readyz")
         ready = json.loads(body)
         assert status == 503 and "no ingester owns the store prefix yet" in ready["checks"]["ingester"], ready
+        # and its log says the local store it was given did not exist (a typo'd --store is not silent)
+        assert "does not exist: created it empty" in reader.log_path.read_text()
     finally:
         reader.stop()
