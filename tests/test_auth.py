@@ -419,6 +419,37 @@ async def test_forking_a_private_stream_needs_read_scope_on_it(auth: AuthCluster
                 assert r.status == 201, await r.text()
 
 
+async def test_a_prefix_grant_does_not_open_the_stream_named_by_the_prefix(auth: AuthCluster) -> None:
+    """A grant on `secret/x/` covers `secret/x/...`, not `secret/x` itself, and neither do
+    its extension URLs: `secret/x/snapshot/{offset}` and `secret/x/bootstrap` are `secret/x`'s
+    (a prefix grant once let a tenant PUT a snapshot over the stream's history and read a
+    private stream whole through its bootstrap; found by QA)."""
+    k = auth.keys
+    tenant = k.hs(_claims(None, ds3={"write": ["stream:secret/x/"], "read": ["stream:secret/x/"]}))
+    owner = k.hs(_claims(None, ds3={"write": ["stream:secret/"], "read": ["stream:secret/"]}))
+    async with aiohttp.ClientSession(timeout=TIMEOUT) as s:
+        await _setup(s, auth.cluster.reader.url, auth.admin)
+        for base in (auth.cluster.reader.url, auth.cluster.ingester.url):
+            stream = f"{base}/v1/stream/secret/x"
+            async with s.head(stream, headers={"Authorization": f"Bearer {owner}"}) as r:
+                tail = r.headers["Stream-Next-Offset"]
+            for method, url, body in [("PUT", f"{stream}/snapshot/{tail}", b"forged"),
+                                      ("GET", f"{stream}/snapshot/{tail}", None),
+                                      ("GET", f"{stream}/bootstrap", None),
+                                      ("GET", f"{stream}?offset=-1", None)]:
+                headers = {"Authorization": f"Bearer {tenant}", "Content-Type": "text/plain"}
+                async with s.request(method, url, headers=headers, data=body) as r:
+                    text = await r.text()
+                    assert r.status == 403, (base, method, url, r.status, text)
+                    assert "'secret/x'" in text, text  # the refusal names the stream, not its URL's tail
+            # the stream's own grant still opens its bootstrap
+            async with s.get(f"{stream}/bootstrap", headers={"Authorization": f"Bearer {owner}"}) as r:
+                assert r.status == 200, await r.text()
+            # a public stream's bootstrap needs no token, whatever private prefixes exist
+            async with s.get(f"{base}/v1/stream/pub/x/bootstrap") as r:
+                assert r.status == 200, await r.text()
+
+
 async def test_internal_endpoints_need_the_internal_token(auth: AuthCluster) -> None:
     url = auth.cluster.ingester.url + "/_ds3/touch?path=pub/x"
     async with aiohttp.ClientSession(timeout=TIMEOUT) as s:
@@ -627,7 +658,14 @@ def test_targets_decode_like_the_handlers() -> None:
     assert target_of("/v1/buckets/pubb/") == Target("pubb", None)
     assert target_of("/v1/buckets/pubb/streams") == Target("pubb", None)
     assert target_of("/v1/buckets/pubb/s%2F1") == Target("pubb", "s/1")
-    assert target_of("/v1/buckets/pubb/s1/snapshot/x") == Target("pubb", "s1/snapshot/x")
+    # an extension URL targets its stream (a grant on `chat/` does not cover `chat`'s snapshots)
+    assert target_of("/v1/buckets/pubb/s1/snapshot/x") == Target("pubb", "s1")
+    assert target_of("/v1/buckets/pubb/s1/bootstrap") == Target("pubb", "s1")
+    assert target_of(f"/v1/stream/chat/snapshot/{ZERO}") == Target(None, "chat")
+    assert target_of("/v1/stream/chat/snapshot/%FF") == Target(None, "chat")
+    assert target_of("/v1/stream/chat/bootstrap") == Target(None, "chat")
+    assert target_of("/v1/stream/chat/room/bootstrap") == Target(None, "chat/room")
+    assert target_of("/v1/stream/chat/snapshotx") == Target(None, "chat/snapshotx")
     assert target_of("/healthz") is None
     assert fork_source_target("/v1/stream/a%20b") == Target(None, "a%20b")  # plain sources: as is
     assert fork_source_target("/v1/buckets/pubb/a%20b?x") == Target("pubb", "a b")

@@ -32,9 +32,10 @@ from typing import Any, Final, Literal
 from urllib.parse import unquote
 
 from shared import buckets as B
+from shared import extensions
 from shared import protocol as P
 from shared.config import AuthConfig, ConfigError
-from shared.errors import Forbidden, Unauthorized
+from shared.errors import BadRequest, Forbidden, Unauthorized
 
 READ_METHODS: Final = frozenset({"GET", "HEAD"})
 INTERNAL_PREFIX: Final = "/_ds3/"
@@ -66,7 +67,14 @@ def _decode(text: str) -> str:
 
 
 def target_of(raw_path: str) -> Target | None:
-    """The target of a request's raw URL path (no query); None for other routes."""
+    """The target of a request's raw URL path (no query); None for other routes. An extension
+    URL ({stream}/snapshot/{offset}, {stream}/bootstrap) targets its stream: a grant on the
+    prefix `chat/` must not open `chat`'s snapshots, nor a private prefix hide a public
+    stream's bootstrap."""
+    try:
+        raw_path = extensions.split(raw_path)[0]
+    except BadRequest:  # a snapshot offset that is not UTF-8: still its stream's (the handler says 400)
+        raw_path = raw_path.rpartition("/")[0].rpartition("/")[0]
     if raw_path.startswith(P.STREAM_PREFIX):
         return Target(None, _decode(raw_path[len(P.STREAM_PREFIX) :]))
     if raw_path.startswith(B.BUCKETS_PREFIX):
