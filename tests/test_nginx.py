@@ -500,3 +500,40 @@ async def metric_or_zero(session: aiohttp.ClientSession, base: str, name: str) -
         text = await r.text()
     m = re.search(rf"^{re.escape(name)} ([0-9.e+]+)$", text, flags=re.M)
     return int(float(m.group(1))) if m else 0
+
+
+async def test_buckets_streams_are_cached_and_readyz_is_not_public(
+        stack: Stack, s3_server: MotoS3, s3_bucket: str) -> None:
+    """A bucket's stream (/v1/buckets/{b}/{s}) is cached like /v1/stream/... (infra/nginx.conf
+    routed only the latter to the cache); the readers' /readyz, which names the store and the
+    ingesters, is not served to the public (found by QA)."""
+    edge = stack.nginx.url
+    url = edge + "/v1/buckets/bkt1/s"
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30), auto_decompress=False) as session:
+        async with session.put(edge + "/v1/buckets/bkt1") as r:
+            assert r.status == 201, await r.text()
+        async with session.put(url, headers={"Content-Type": "application/octet-stream"}) as r:
+            assert r.status == 201, await r.text()
+        before = len(chunk_keys(s3_server, s3_bucket))
+        n = 2 * SEAL_BYTES // MESSAGE + 2  # two sealed chunks and a tail
+        for i in range(n):
+            async with session.post(url, data=bytes([i]) * MESSAGE,
+                                    headers={"Content-Type": "application/octet-stream"}) as r:
+                assert r.status == 204, await r.text()
+        deadline = time.monotonic() + 15
+        while len(chunk_keys(s3_server, s3_bucket)) < before + 2:
+            assert time.monotonic() < deadline, "no chunk sealed"
+            await asyncio.sleep(0.1)
+        await asyncio.sleep(1.5)  # (the reader's memory of chunks missing from the store: a second)
+        first = await catch_up(session, url)
+        again = await catch_up(session, url)
+        assert again.body == first.body and len(first.body) == n * MESSAGE
+        # the start URL (-1: the first chunk, max-age 60) and the second chunk (immutable) came
+        # from the cache the second time
+        sealed = [u for u, cc in first.cache_control.items() if "immutable" in cc]
+        assert len(sealed) == 1, first.cache_control
+        assert again.cache[sealed[0]] == "HIT" and again.cache[url + "?offset=-1"] == "HIT", again.cache
+        async with session.get(edge + "/readyz") as r:
+            assert r.status == 404
+        async with session.get(stack.reader.url + "/readyz") as r:
+            assert r.status == 200  # (the readers' own port still answers it)
