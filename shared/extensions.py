@@ -73,6 +73,9 @@ def snapshot_offset(text: str | None) -> offsets.Offset:
     """The {snapshot_offset} of a snapshot URL: a concrete offset (not -1 or now)."""
     if text is None:
         raise BadRequest("a snapshot URL needs an offset: {stream_url}/snapshot/{offset}")
+    if text in ("-1", "now"):  # (offsets.parse's own message would offer them)
+        raise BadRequest(f"invalid snapshot offset {text!r}: a snapshot names the concrete offset it covers up "
+                         "to (16 digits '_' 16 digits, a Stream-Next-Offset), not -1 or now")
     try:
         return offsets.parse(text)
     except offsets.OffsetSyntaxError as e:

@@ -54,6 +54,14 @@ def test_snapshot_offset_rejects(text: str | None) -> None:
         extensions.snapshot_offset(text)
 
 
+@pytest.mark.parametrize("text", ["-1", "now"])
+def test_snapshot_offset_refuses_minus_one_and_now_without_offering_them(text: str) -> None:
+    # (the offset parser's message offered "-1, now" as what it expected; found by QA)
+    with pytest.raises(BadRequest, match="not -1 or now") as e:
+        extensions.snapshot_offset(text)
+    assert "expected -1" not in str(e.value)
+
+
 def test_snapshot_offset_accepts_a_concrete_offset() -> None:
     assert str(extensions.snapshot_offset(OFF)) == OFF
 
