@@ -36,7 +36,7 @@ from typing import Final
 from aiohttp import web
 
 from reader.lane_long_poll import DROP_ANSWER_HEADERS, serve_long_poll
-from reader.proxy import DROP_REQUEST
+from reader.proxy import DROP_REQUEST, refused_internal_token
 from reader.routing import MISDIRECTED, Link, Router
 from reader.state import READER, ReaderState, servable
 from reader.upstream import Answer
@@ -262,6 +262,10 @@ class _Forward:
                 st.locator.forget_missing(desc.uid)  # the retry asks the store: sealed meanwhile?
             self.fail(answer)
             return
+        if answer.status == 401 and (refusal := refused_internal_token(
+                401, _header(answer, b"www-authenticate"), self.link.client.base)) is not None:
+            self.fail(refusal)
+            return
         if answer.status == MISDIRECTED and router.watcher is not None:
             # the ingester judged by another description: re-read it, retry once at the owner
             if self.retried:
@@ -307,9 +311,14 @@ _GENERATION: Final = GENERATION_HEADER.lower().encode("ascii")
 
 def _generation(answer: Answer) -> str | None:
     """A 421's DS3-Cluster-Generation."""
+    return _header(answer, _GENERATION)
+
+
+def _header(answer: Answer, lower_name: bytes) -> str | None:
+    """The first value of a header of the ingester's answer."""
     for line in answer.header_lines():
         name, _, value = line.partition(b":")
-        if name.strip().lower() == _GENERATION:
+        if name.strip().lower() == lower_name:
             return value.strip().decode("latin-1")
     return None
 

@@ -11,7 +11,7 @@ import aiohttp
 from aiohttp import web
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from reader.proxy import IngesterClient
+from reader.proxy import REFUSED_INTERNAL_TOKEN, IngesterClient
 from reader.state import READER
 from shared.http.health import READINESS, store_check
 from shared.http.lane import LANE
@@ -115,6 +115,9 @@ def install(app: web.Application, metrics: AppMetrics) -> None:
         try:
             async with client.session.get(url, headers=client.upstream_headers({}),
                                           timeout=INGESTER_PROBE_TIMEOUT) as r:
+                if r.status == 401 and REFUSED_INTERNAL_TOKEN in r.headers.get("WWW-Authenticate", ""):
+                    return (f"the ingester at {client.base} refused this reader's internal token "
+                            "(--internal-token / DS3_INTERNAL_TOKEN differs between them)")
                 if r.status != 200:
                     return f"the ingester at {client.base} answered {r.status} to /healthz"
         except (aiohttp.ClientError, TimeoutError) as e:

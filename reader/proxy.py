@@ -21,9 +21,29 @@ from reader.singleflight import SingleFlight
 from shared.errors import Unavailable
 from shared.http.auth import INTERNAL_HEADER
 from shared.http.handlers import PREPARED
-from shared.logs import REQUEST_ID_HEADER, request_id
+from shared.logs import REQUEST_ID_HEADER, RepeatedWarnings, request_id
 
 log = logging.getLogger("ds3.reader.proxy")
+_token_warnings: Final = RepeatedWarnings(log)
+# The ingester's challenge when the internal token a reader sent is not its own (shared/http/auth.py).
+REFUSED_INTERNAL_TOKEN: Final = "invalid internal token"
+
+
+def refused_internal_token(status: int, challenge: str | bytes | None, ingester: str) -> Unavailable | None:
+    """The ingester refused this reader's internal token: the operator's mistake (the two
+    processes' DS3_INTERNAL_TOKEN differ), not the client's, whose own token may be fine. Passed
+    on as it came, it told clients their token was invalid; now a 503 that says what is wrong,
+    and an error in the reader's log (once per 10 s)."""
+    if status != 401 or challenge is None:
+        return None
+    text = challenge if isinstance(challenge, str) else challenge.decode("latin-1")
+    if REFUSED_INTERNAL_TOKEN not in text:
+        return None
+    _token_warnings.warning("refused", "the ingester at %s refused this reader's internal token: "
+                            "--internal-token (DS3_INTERNAL_TOKEN) differs between them; requests it "
+                            "forwards answer 503", ingester)
+    return Unavailable("the reader cannot reach its ingester with its credentials (a configuration error "
+                       "on the server's side, not the client's); try again later", 5)
 
 # Hop-by-hop headers (RFC 9110 §7.6.1) and ones the reader sets itself.
 DROP_REQUEST: Final = frozenset(
@@ -103,6 +123,9 @@ class IngesterClient:
                 timeout=self._timeout, skip_auto_headers=SKIP_AUTO,
             ) as up:
                 data = await up.read()
+                if (refusal := refused_internal_token(up.status, up.headers.get("WWW-Authenticate"),
+                                                      self.base)) is not None:
+                    raise refusal
                 out = CIMultiDict((k, v) for k, v in up.headers.items() if k.lower() not in DROP_RESPONSE)
                 return Upstream(up.status, out, data)
         except (aiohttp.ClientConnectionError, TimeoutError) as e:
@@ -119,6 +142,9 @@ class IngesterClient:
             )
         except (aiohttp.ClientConnectionError, TimeoutError) as e:
             raise Unavailable(f"the ingester is unreachable ({type(e).__name__})", 2) from e
+        if (refusal := refused_internal_token(up.status, up.headers.get("WWW-Authenticate"), self.base)) is not None:
+            up.release()
+            raise refusal
         try:
             yield up
         finally:

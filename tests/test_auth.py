@@ -450,6 +450,37 @@ async def test_a_prefix_grant_does_not_open_the_stream_named_by_the_prefix(auth:
                 assert r.status == 200, await r.text()
 
 
+async def test_a_reader_with_the_wrong_internal_token_blames_itself_not_the_client(tmp_path: Path) -> None:
+    """The ingester refuses a reader's internal token that is not its own (401 invalid_token).
+    Passed on, that told a client with a valid token that its token was invalid, and the
+    reader said nothing; now the client gets 503 (the server's configuration), the reader's log
+    and /readyz name the internal token (found by QA)."""
+    (tmp_path / "tokens.json").write_text(json.dumps(STATIC))
+    access = ["--tokens-file", str(tmp_path / "tokens.json"), "--write-rate", "0", "--create-rate", "0"]
+    c = Cluster(tmp_path, StoreView.local(tmp_path / "objects"), ingester_args=access, reader_args=access)
+    c.ingester.env.update({"DS3_INTERNAL_TOKEN": INTERNAL})
+    c.reader.env.update({"DS3_INTERNAL_TOKEN": WRONG_INTERNAL + "-but-long-enough-0123456789"})
+    admin = {"Authorization": "Bearer static-admin-token-0123456789", "Content-Type": "text/plain"}
+    with c:
+        async with aiohttp.ClientSession(timeout=TIMEOUT) as s:
+            async with s.put(c.ingester.url + "/v1/stream/pub/w", headers=admin) as r:
+                assert r.status == 201, await r.text()  # (the client's token is fine)
+            for method, path, body in [("POST", "/v1/stream/pub/w", b"x"),  # the fast lane
+                                       ("HEAD", "/v1/stream/pub/w", None),
+                                       ("GET", "/v1/stream/pub/w?offset=now", None),  # aiohttp's path
+                                       ("PUT", "/v1/stream/pub/w2", None)]:
+                async with s.request(method, c.reader.url + path, headers=admin, data=body) as r:
+                    text = await r.text()
+                    assert r.status == 503 and "Retry-After" in r.headers, (method, path, r.status, text)
+                    assert "WWW-Authenticate" not in r.headers, (method, path, r.headers)
+                    assert method == "HEAD" or "configuration error" in text, text
+            async with s.get(c.reader.url + "/readyz") as r:
+                ready = await r.json()
+                assert r.status == 503 and "internal token" in ready["checks"]["ingester"], ready
+    log = c.reader.log_path.read_text()
+    assert "refused this reader's internal token" in log, log[-2000:]
+
+
 async def test_internal_endpoints_need_the_internal_token(auth: AuthCluster) -> None:
     url = auth.cluster.ingester.url + "/_ds3/touch?path=pub/x"
     async with aiohttp.ClientSession(timeout=TIMEOUT) as s:
