@@ -17,19 +17,9 @@ from pathlib import Path
 import pytest
 
 from tests.procs import ingester, request
+from tests.test_reader_drain import Outcome
 
 TEXT = {"Content-Type": "text/plain"}
-
-
-class Outcome:
-    def __init__(self) -> None:
-        self.status: int | None = None
-        self.headers: dict[str, str] = {}
-        self.body = b""
-        self.error: BaseException | None = None
-
-    def __repr__(self) -> str:
-        return f"Outcome({self.status}, {self.headers}, {self.body[:80]!r}, {self.error!r})"
 
 
 def _client(port: int, target: str, headers: dict[str, str], out: Outcome) -> None:

@@ -123,6 +123,16 @@ async def test_a_release_after_a_cancelled_renewal_still_releases(local: ObjectS
     assert (await b.acquire()).epoch == 2  # at once: the lease was released
 
 
+async def renewal_landed_unanswered(late: LateAnswers, own: Ownership) -> None:
+    """A renewal of `own` lands in the store, and is cancelled before its answer comes."""
+    late.late = True
+    renewing = asyncio.create_task(own.renew())
+    await late.in_store.wait()
+    renewing.cancel()
+    await asyncio.gather(renewing, return_exceptions=True)
+    late.late = False
+
+
 async def test_a_record_of_another_owner_still_fences_at_once(local: ObjectStore) -> None:
     """Unchanged by the above: a lost answer of ours does not excuse another owner's record."""
     t = FakeTime()
@@ -130,12 +140,7 @@ async def test_a_record_of_another_owner_still_fences_at_once(local: ObjectStore
     a, b = node(late, t, "a"), node(local, t, "b")
     await a.acquire()
     t.advance(1)
-    late.late = True
-    renewing = asyncio.create_task(a.renew())
-    await late.in_store.wait()
-    renewing.cancel()
-    await asyncio.gather(renewing, return_exceptions=True)
-    late.late = False
+    await renewal_landed_unanswered(late, a)
     t.advance(LEASE + SKEW + 0.1)
     await b.acquire()
     a._valid_until = a.clock.monotonic() + 1  # a believes it still has a moment
@@ -152,12 +157,7 @@ async def test_a_higher_epoch_of_our_own_id_still_fences(local: ObjectStore) -> 
     a, a2 = node(late, t, "a"), node(local, t, "a")
     await a.acquire()
     t.advance(1)
-    late.late = True
-    renewing = asyncio.create_task(a.renew())
-    await late.in_store.wait()
-    renewing.cancel()
-    await asyncio.gather(renewing, return_exceptions=True)
-    late.late = False
+    await renewal_landed_unanswered(late, a)
     await a2.acquire()
     with pytest.raises(Superseded):
         await a.renew()

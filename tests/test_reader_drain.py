@@ -22,18 +22,10 @@ import pytest
 
 from tests.cluster import Cluster, StoreView, scrape
 from tests.procs import request
+from tests.test_workers import _wait
 
 ENDED = b"the live subscription ended\n"
 PER_CALL_HEADERS = {"date", "x-request-id", "stream-cursor"}
-
-
-def _wait(cond: object, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if callable(cond) and cond():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def _gathered(port: int, name: str) -> float:
