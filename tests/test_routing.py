@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -288,3 +290,22 @@ def test_dev_runs_several_ingesters_behind_its_reader(tmp_path: Path) -> None:
         for n in range(12):
             assert request(front, "GET", f"/v1/stream/dev-{n}?offset=-1")[2] == b"x", n
             assert request(front, "POST", f"/v1/stream/dev-{n}", b"y", TEXT)[0] == 204
+
+
+def test_one_frozen_ingester_does_not_make_the_reader_unready(tier: Tier) -> None:
+    """The reader is ready while one ingester answers: a frozen one (SIGSTOP: its /healthz
+    probe hangs) made every reader's /readyz time out (found by QA), which a load balancer
+    would have taken as all of them down."""
+    frozen = tier.ingesters["b"]
+    assert frozen.popen is not None
+    on_a = tier.path_on("a", "frozen-b")
+    assert request(tier.reader, "PUT", f"/v1/stream/{on_a}", headers=TEXT)[0] == 201
+    os.kill(frozen.popen.pid, signal.SIGSTOP)
+    try:
+        for _ in range(4):
+            status, _, body = request(tier.reader, "GET", "/readyz")
+            assert status == 200, body
+            time.sleep(0.6)  # (the check is cached for 2 s: each second answer is a new probe)
+        assert request(tier.reader, "POST", f"/v1/stream/{on_a}", b"x", TEXT)[0] == 204
+    finally:
+        os.kill(frozen.popen.pid, signal.SIGCONT)
