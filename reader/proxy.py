@@ -129,7 +129,7 @@ class IngesterClient:
                 out = CIMultiDict((k, v) for k, v in up.headers.items() if k.lower() not in DROP_RESPONSE)
                 return Upstream(up.status, out, data)
         except (aiohttp.ClientConnectionError, TimeoutError) as e:
-            raise Unavailable(f"the ingester is unreachable ({type(e).__name__})", 2) from e
+            raise Unavailable(f"the ingester at {self.base} is unreachable ({type(e).__name__})", 2) from e
 
     @contextlib.asynccontextmanager
     async def open(self, method: str, path_qs: str, headers: Headers) -> AsyncIterator[aiohttp.ClientResponse]:
@@ -141,7 +141,7 @@ class IngesterClient:
                 allow_redirects=False, timeout=self._timeout, skip_auto_headers=SKIP_AUTO,
             )
         except (aiohttp.ClientConnectionError, TimeoutError) as e:
-            raise Unavailable(f"the ingester is unreachable ({type(e).__name__})", 2) from e
+            raise Unavailable(f"the ingester at {self.base} is unreachable ({type(e).__name__})", 2) from e
         if (refusal := refused_internal_token(up.status, up.headers.get("WWW-Authenticate"), self.base)) is not None:
             up.release()
             raise refusal

@@ -58,8 +58,8 @@ Deliver = Callable[[Answer | Unavailable], None]
 _Request = tuple[bytes, bool, Deliver]  # the request's bytes, whether its answer has no body, who gets it
 
 
-def unreachable(why: str) -> Unavailable:
-    return Unavailable(f"the ingester is unreachable ({why})", INGESTER_RETRY_AFTER)
+def unreachable(why: str, base_url: str) -> Unavailable:
+    return Unavailable(f"the ingester at {base_url} is unreachable ({why})", INGESTER_RETRY_AFTER)
 
 
 class _Connection(asyncio.Protocol):
@@ -123,7 +123,7 @@ class _Connection(asyncio.Protocol):
             try:
                 done = self._parse()
             except ValueError:
-                self._fail(unreachable("ClientResponseError"))
+                self._fail(unreachable("ClientResponseError", self._pool.base_url))
                 self._close()
                 return
             if done is None:
@@ -194,7 +194,7 @@ class _Connection(asyncio.Protocol):
             self._close()
             deliver(answer)
             for _, later in rest:
-                later(unreachable("ServerDisconnectedError"))
+                later(unreachable("ServerDisconnectedError", self._pool.base_url))
             return
         if self.waiting:
             self._timer = self._pool.loop.call_later(self._pool.read_timeout, self._timed_out)
@@ -216,7 +216,7 @@ class _Connection(asyncio.Protocol):
 
     def _timed_out(self) -> None:
         self._timer = None
-        self._fail(unreachable("ServerTimeoutError"))
+        self._fail(unreachable("ServerTimeoutError", self._pool.base_url))
         self._close()
 
     def _close(self) -> None:
@@ -230,7 +230,7 @@ class _Connection(asyncio.Protocol):
         if self.waiting and self._head is not None and self._body_left < 0 and not self._chunked:
             self._keep = False  # the front answer ends with the connection
             self._finish(Answer(self._status, self._head, bytes(self._buf)))
-        self._fail(unreachable("ServerDisconnectedError"))
+        self._fail(unreachable("ServerDisconnectedError", self._pool.base_url))
 
 
 def _dechunk(buf: bytearray) -> tuple[bytes, int] | None:
@@ -264,6 +264,7 @@ class UpstreamPool:
         self.host = parts.hostname
         self.port = parts.port or 80
         self.netloc = parts.netloc.encode("idna")
+        self.base_url = base_url.rstrip("/")  # (named in the 503 when it cannot be reached)
         self.connect_timeout, self.read_timeout, self.idle_timeout = connect_timeout, read_timeout, idle_timeout
         self.loop = asyncio.get_running_loop()
         self._idle: list[_Connection] = []
@@ -327,7 +328,7 @@ class UpstreamPool:
             if pipe:
                 self._pipe_pending = None
             for _, _, deliver in requests:
-                deliver(unreachable("ClientConnectionError"))
+                deliver(unreachable("ClientConnectionError", self.base_url))
             return
         task = self.loop.create_task(self._connect_and_send(requests, pipe))
         self._connecting.add(task)
@@ -338,7 +339,7 @@ class UpstreamPool:
             async with asyncio.timeout(self.connect_timeout):
                 _, conn = await self.loop.create_connection(lambda: _Connection(self), self.host, self.port)
         except (OSError, TimeoutError) as e:
-            error = unreachable("ClientConnectorError" if isinstance(e, OSError) else "ConnectionTimeoutError")
+            error = unreachable("ClientConnectorError" if isinstance(e, OSError) else "ConnectionTimeoutError", self.base_url)
             conn = None
         finally:
             if pipe:

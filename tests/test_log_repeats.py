@@ -70,7 +70,11 @@ def test_a_reader_whose_ingester_is_down_logs_a_few_lines(tmp_path: Path) -> Non
         assert procs.request(rdr, "PUT", "/v1/stream/x", headers=TEXT)[0] == 201
         ing.kill()
         for _ in range(60):
-            assert procs.request(rdr, "POST", "/v1/stream/x", b"x", TEXT)[0] == 503
+            status, _, body = procs.request(rdr, "POST", "/v1/stream/x", b"x", TEXT)
+            assert status == 503
+        assert f"the ingester at {ing.url} is unreachable".encode() in body, body  # (which one: a cluster has several)
+        status, _, body = procs.request(rdr, "GET", "/v1/stream/x?offset=now")  # aiohttp's path
+        assert status == 503 and f"the ingester at {ing.url} is unreachable".encode() in body, body
         lines = [line for line in rdr.log_path.read_text().splitlines() if "WARNING" in line and "/v1/stream/x" in line]
         assert 1 <= len(lines) <= 2, lines
         assert "does not exist" not in rdr.log_path.read_text()  # (the ingester had made the store)
