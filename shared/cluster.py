@@ -117,9 +117,15 @@ async def set_cluster(store: ObjectStore, ingesters: Iterable[tuple[str, str]] |
     gen = now.cluster.generation if now is not None else 0
     if expected_generation is not None and expected_generation != gen:
         raise ClusterChanged(f"the cluster description is at generation {gen}, not {expected_generation}", gen)
+    wanted = Cluster.of(ingesters, gen + 1)
+    if now is not None and set(wanted.ingesters) == set(now.cluster.ingesters):
+        # The same list again (a retry, a config tool run twice): nothing to write. A new
+        # generation would name this list as its previous one, and streams still moving under
+        # the current one would not find their old owner for a while (404s; found by QA).
+        return now.cluster
     # The new description carries the one it replaces: a stream's new owner asks the previous
     # owner for it (ingester/moves.py), even if it never saw that description itself.
-    new = Cluster.of(ingesters, gen + 1, previous=now.cluster.alone() if now is not None else None)
+    new = Cluster(gen + 1, wanted.ingesters, previous=now.cluster.alone() if now is not None else None)
     await write_cluster(store, new, if_match=now.etag if now is not None else None, key=key)
     return new
 

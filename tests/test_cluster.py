@@ -50,6 +50,22 @@ async def test_set_and_read(store: LocalStore) -> None:
     assert (await read_cluster(store)).cluster == second  # type: ignore[union-attr]
 
 
+async def test_the_same_list_again_writes_nothing(store: LocalStore) -> None:
+    """A retry, or a config tool run twice: no new generation (it would name the same list as
+    its previous one, and streams still moving would 404 until they found their old owner)."""
+    await set_cluster(store, AB)
+    second = await set_cluster(store, {**AB, "c": "http://127.0.0.1:1003"})
+    before = await read_cluster(store)
+    assert before is not None
+    again = await set_cluster(store, {"c": "http://127.0.0.1:1003", **AB})  # (any order)
+    assert again == second and again.generation == 2 and again.previous is not None
+    after = await read_cluster(store)
+    assert after is not None and after.etag == before.etag
+    # a changed URL is a change
+    moved = await set_cluster(store, {**AB, "c": "http://127.0.0.1:2003"})
+    assert moved.generation == 3
+
+
 async def test_two_admins_cannot_clobber_each_other(store: LocalStore) -> None:
     await set_cluster(store, AB)
     seen = await read_cluster(store)
