@@ -99,10 +99,10 @@ class SegmentUploads:
             body = await asyncio.to_thread(encode, commits, epoch)
         else:
             body = encode(commits, epoch)
-        await self._put_segment(segment_key(commits[0].seq, commits[-1].seq), body)
+        await self._put_segment(segment_key(commits[0].seq, commits[-1].seq), body, commits, epoch)
         return len(body)
 
-    async def _put_segment(self, key: str, body: bytes) -> None:
+    async def _put_segment(self, key: str, body: bytes, commits: list[Commit], epoch: int) -> None:
         objects = self.shipper.objects
         try:
             await objects.put(key, body, content_type="application/octet-stream", if_absent=True)
@@ -111,7 +111,14 @@ class SegmentUploads:
                 there = await objects.get(key)
             except ObjectNotFound:
                 raise PreconditionFailed(f"{key}: refused, then not found") from None
-            if there != body:
+            if there != body and not self._ours_of_an_earlier_epoch(there, commits, epoch):
                 # Only another owner writes different bytes under our key: we are superseded.
                 raise Superseded(f"log segment {key} in the store is not ours (another owner wrote it)",
                                  self.shipper.epoch()) from None
+
+    def _ours_of_an_earlier_epoch(self, there: bytes, commits: list[Commit], epoch: int) -> bool:
+        """Whether `there` is these very commits as this process cut them under an epoch it held
+        before `epoch`: an upload in flight when the lease lapsed landed after the fence (its
+        thread went on), and the lease taken back cut the same commits again under the next
+        epoch. The log holds them already; nobody else can have written that epoch."""
+        return any(there == encode(commits, held) for held in self.shipper.epochs_held if held < epoch)

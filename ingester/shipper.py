@@ -98,6 +98,10 @@ class Shipper:
         self.failures_in_a_row = 0  # failed uploads since the last one that landed
         self._failing_since: float | None = None
         self.fence_reason: str | None = None  # fenced: why
+        # Epochs this process uploaded under: a segment found under our key stamped with one
+        # of them is ours (an epoch has one owner), e.g. an upload that landed after the fence
+        # that a lease taken back then cuts again (ingester/segment_uploads.py).
+        self.epochs_held: set[int] = set()
         self.checkpoints = Checkpoints(self, checkpoint_interval)
         self._segments = SegmentUploads(self)
         self.shipped_seq = shipped_seq  # the highest commit seq known to be in the store
@@ -168,7 +172,9 @@ class Shipper:
         """Before an upload: our epoch; Superseded if fenced or the ownership is lost."""
         if self.fence_reason is not None:
             raise Superseded(self.fence_reason, self.epoch())
-        return self.ownership.check() if self.ownership is not None else 0
+        epoch = self.ownership.check() if self.ownership is not None else 0
+        self.epochs_held.add(epoch)
+        return epoch
 
     async def resume(self, local_seq: int) -> None:
         """After fence(): ownership was taken back (a new epoch, nobody else owned the prefix

@@ -137,6 +137,52 @@ async def test_reupload_is_harmless_and_a_foreign_segment_fences(wal: WalEnv, ob
     assert later is not None and isinstance(later.exception(), Superseded)
 
 
+class HeldEpoch:
+    """The ownership as the shipper asks it: our epoch now (a lease taken back: the next)."""
+
+    def __init__(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def check(self) -> int:
+        return self.epoch
+
+    def valid(self) -> bool:
+        return True
+
+
+async def test_our_own_segment_of_an_earlier_epoch_is_not_another_owners(wal: WalEnv, objects: FlakyStore) -> None:
+    """An upload in flight when the lease lapsed lands after the fence (the local store's
+    thread goes on); the lease taken back (epoch + 1) cuts the same commits again. The segment
+    there is ours, under an epoch this process held: shipping goes on. It stopped for good
+    ("not ours (another owner wrote it)"), and with it every later write (found by QA: one
+    SIGSTOP of 11 s, one time in three)."""
+    own = HeldEpoch(1)
+    s = Shipper(wal, objects, asyncio.get_running_loop(), durability="store", ownership=own)  # type: ignore[arg-type]
+    s.on_logged(commit(1))
+    assert await s.ship_once() == 1  # under epoch 1
+    await objects.put(segment_key(2, 2), encode([commit(2)], epoch=1))  # the late landing
+    own.epoch = 2
+    gate = s.on_logged(commit(2))
+    assert await s.ship_once() == 1 and gate is not None and gate.exception() is None
+    # the same commits under an epoch we never held: another owner's
+    await objects.put(segment_key(3, 3), encode([commit(3)], epoch=5))
+    s.on_logged(commit(3))
+    with pytest.raises(Superseded):
+        await s.ship_once()
+
+
+async def test_other_commits_under_our_earlier_epoch_fence(wal: WalEnv, objects: FlakyStore) -> None:
+    own = HeldEpoch(1)
+    s = Shipper(wal, objects, asyncio.get_running_loop(), durability="store", ownership=own)  # type: ignore[arg-type]
+    s.on_logged(commit(1))
+    assert await s.ship_once() == 1
+    await objects.put(segment_key(2, 2), encode([commit(2, b"other")], epoch=1))
+    own.epoch = 2
+    s.on_logged(commit(2))
+    with pytest.raises(Superseded):
+        await s.ship_once()
+
+
 async def test_a_fenced_owner_uploads_nothing(wal: WalEnv, objects: FlakyStore) -> None:
     own = Ownership(objects, "me", lease_seconds=5)
     await own.acquire()
