@@ -5,9 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import urllib.parse
 from collections.abc import AsyncIterator
-from pathlib import Path
 
 import aiohttp
 from aiohttp import web
@@ -30,6 +28,7 @@ from shared.config import ConfigError, ReaderConfig
 from shared.http import access, auth, limits
 from shared.http.handlers import common_headers, errors_middleware
 from shared.objectstore import open_store
+from shared.objectstore.url import FileStoreURL, parse_store_url
 
 log = logging.getLogger("ds3.reader")
 STARTUP_READ_TIMEOUT = 3.0  # seconds the reader waits for its first read of the cluster description
@@ -128,8 +127,9 @@ def _warn_if_no_local_store(url: str) -> None:
     """A local store that does not exist yet: said, since the reader creates it empty and a
     typo in --store would otherwise serve no sealed history without a word (an ingester
     creates its store; a reader only reads one)."""
-    if url.startswith("file://"):
-        root = Path(urllib.parse.unquote(urllib.parse.urlsplit(url).path))
+    parsed = parse_store_url(url)  # (valid: the config checked it)
+    if isinstance(parsed, FileStoreURL):
+        root = parsed.root
         if not root.exists():
             log.warning("the local store %s does not exist: created it empty; no sealed history is served from "
                         "it until an ingester writes there (check --store if one already does)", root)

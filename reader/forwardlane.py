@@ -273,7 +273,7 @@ class _Forward:
                 self.fail(router.still_misdirected(self.link))
                 return
             self.retried = True
-            task = asyncio.ensure_future(self._reroute(_generation(answer)))
+            task = asyncio.ensure_future(self._reroute(_header(answer, _GENERATION)))
             _pending.add(task)
             task.add_done_callback(_pending.discard)
             return
@@ -307,11 +307,6 @@ class _Forward:
 
 _pending: set[asyncio.Future[None]] = set()  # re-routes in progress (kept from the garbage collector)
 _GENERATION: Final = GENERATION_HEADER.lower().encode("ascii")
-
-
-def _generation(answer: Answer) -> str | None:
-    """A 421's DS3-Cluster-Generation."""
-    return _header(answer, _GENERATION)
 
 
 def _header(answer: Answer, lower_name: bytes) -> str | None:
