@@ -6,7 +6,9 @@ port, all sealing into the one local store DATA_DIR/objects; dev writes the clus
 naming them to DATA_DIR/cluster.json (a generation above the last one written there, so a
 restart never goes back), and the ingesters (--ingester-id iK --cluster FILE) and the reader
 (--cluster FILE: it routes each request to its stream's owner) read it. Ids are kept across
-restarts, so every stream finds the same ingester again as long as N is the same."""
+restarts, so every stream finds the same ingester again as long as N is the same. With a larger
+N, streams move to the new ingesters; with a smaller one, the ingesters left out run until they
+have handed theirs to the others, and then stop (ds3/retiring.py)."""
 
 from __future__ import annotations
 
@@ -19,10 +21,11 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Final
 
+from ds3.retiring import Retiring, left_out
 from shared.cluster import load_cluster_file
 from shared.localfile import write_durably
 from shared.placement import Cluster, PlacementError
@@ -116,8 +119,13 @@ def child_environment(environ: dict[str, str]) -> dict[str, str]:
 AUTH_SETTINGS: Final = ("DS3_TOKENS_FILE", "DS3_TOKENS", "DS3_JWT_SECRET", "DS3_JWKS_FILE", "DS3_JWKS_URL")
 
 
-def _supervise(children: list[subprocess.Popen[bytes]], stopping: Callable[[], bool]) -> int:
+def _supervise(children: list[subprocess.Popen[bytes]], stopping: Callable[[], bool], retiring: list[Retiring],
+               generation: int, retired_root: Path) -> int:
     while not stopping():
+        for r in list(retiring):
+            if r.proc.poll() is None and r.check(generation, retired_root):
+                retiring.remove(r)
+                children.remove(r.proc)
         for child in children:
             if child.poll() is not None:
                 log.error("a ds3 process exited (code %s); stopping the others", child.returncode)
@@ -126,23 +134,28 @@ def _supervise(children: list[subprocess.Popen[bytes]], stopping: Callable[[], b
     return 0
 
 
-def write_cluster_file(path: Path, ingesters: list[tuple[str, str]]) -> Cluster:
+def write_cluster_file(path: Path, ingesters: list[tuple[str, str]],
+                       leaving: Sequence[tuple[str, str]] = ()) -> Cluster:
     """The description naming `ingesters`, at a generation above the one in `path` (if any).
 
     It carries the last run's as its `previous`, with this run's URLs (the ids are stable, the
     ports are not): with another `--ingesters N`, a stream's new owner then asks the ingester
-    that held it (ingester/moves.py) instead of answering 404 until the sweeps have moved it."""
+    that held it (ingester/moves.py) instead of answering 404 until the sweeps have moved it.
+    `leaving`: ingesters started outside the description to hand their streams over (ds3/
+    retiring.py); they count as members of the previous one even if the last run had already
+    left them out (it was stopped before they were done)."""
     generation, previous = 1, None
+    urls = dict([*ingesters, *leaving])
     if path.exists():
         try:
             old = load_cluster_file(path)
             generation = old.generation + 1
-            urls = dict(ingesters)
             gone = [i.id for i in old.ingesters if i.id not in urls]
             if gone:
-                log.warning("ingesters %s of the last run are not started now: the streams they hold stay in "
-                            "their data dirs, unreachable, until they run again", ", ".join(gone))
+                log.warning("ingesters %s of the last run have no data dir here any more: streams they held are "
+                            "gone", ", ".join(gone))
             kept = [(i.id, urls[i.id]) for i in old.ingesters if i.id in urls]
+            kept += [(i, url) for i, url in leaving if old.get(i) is None]
             if kept:
                 previous = Cluster.of(kept, old.generation)
         except PlacementError as e:
@@ -180,21 +193,30 @@ def run_dev(
     ingester_urls = [f"http://127.0.0.1:{_free_port('127.0.0.1')}" for _ in range(ingesters)]
     commands: list[list[str]] = []
     routing: list[str]
+    leaving: list[tuple[str, str]] = []  # ingesters of an earlier run, left out now (ds3/retiring.py)
+    generation = 0
     if ingesters == 1:
         commands.append([*ds3, "ingester", "--host", "127.0.0.1", "--port", ingester_urls[0].rsplit(":", 1)[1],
                          "--data-dir", str(data_dir), *store, *common])
         routing = ["--ingester", ingester_urls[0]]
     else:
         cluster_file = data_dir / "cluster.json"
-        cluster = write_cluster_file(cluster_file, [(f"i{n + 1}", url) for n, url in enumerate(ingester_urls)])
+        leaving = [(i, f"http://127.0.0.1:{_free_port('127.0.0.1')}") for i in left_out(data_dir, ingesters)]
+        cluster = write_cluster_file(cluster_file, [(f"i{n + 1}", url) for n, url in enumerate(ingester_urls)],
+                                     leaving)
+        generation = cluster.generation
         log.info("cluster description generation %d in %s: %s", cluster.generation, cluster_file,
                  ", ".join(i.describe() for i in cluster.ingesters))
-        for n, url in enumerate(ingester_urls):
-            own = data_dir / f"i{n + 1}"
+        if leaving:
+            log.info("ingesters %s of an earlier run are left out: each runs until it has handed its streams to "
+                     "the others, then stops", ", ".join(i for i, _ in leaving))
+        for ingester_id, url in [*((f"i{n + 1}", url) for n, url in enumerate(ingester_urls)), *leaving]:
+            own = data_dir / ingester_id
             own.mkdir(parents=True, exist_ok=True)
             commands.append([*ds3, "ingester", "--host", "127.0.0.1", "--port", url.rsplit(":", 1)[1],
-                             "--data-dir", str(own), *store, "--ingester-id", f"i{n + 1}",
+                             "--data-dir", str(own), *store, "--ingester-id", ingester_id,
                              "--cluster", str(cluster_file), *common])
+        ingester_urls += [url for _, url in leaving]
         routing = ["--cluster", str(cluster_file)]
     children: list[subprocess.Popen[bytes]] = []
     stopping = False
@@ -212,6 +234,9 @@ def run_dev(
             if not _wait_ready(url, child):
                 log.error("the ingester at %s did not start", url)
                 return 1
+        members = len(children) - len(leaving)
+        retiring = [Retiring(i, url, data_dir / i, proc)
+                    for (i, url), proc in zip(leaving, children[members:], strict=True)]
         reader = subprocess.Popen(
             [*ds3, "reader", "--host", host, "--port", str(port), *routing,
              "--store", objects.as_uri(), *(["--workers", str(workers)] if workers else []), *common],
@@ -224,13 +249,13 @@ def run_dev(
             return 1
         if any(env.get(k) for k in AUTH_SETTINGS):
             log.info("ds3 dev ready on http://%s:%d (auth on; data in %s)", host, port, data_dir)
-            return _supervise(children, lambda: stopping)
+            return _supervise(children, lambda: stopping, retiring, generation, data_dir / "retired")
         log.info("ds3 dev ready on http://%s:%d (no auth: local development only; data in %s)",
                  host, port, data_dir)
         log.info("auth is off: anyone who can reach the port may write and delete. To require tokens, set "
                  "DS3_TOKENS_FILE, DS3_JWT_SECRET, DS3_JWKS_FILE or DS3_JWKS_URL (for `ds3 dev` too; "
                  "README: Deploying with auth)")
-        return _supervise(children, lambda: stopping)
+        return _supervise(children, lambda: stopping, retiring, generation, data_dir / "retired")
     finally:
         for child in reversed(children):
             if child.poll() is None:

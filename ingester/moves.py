@@ -106,6 +106,8 @@ class Mover:
         self.moved_in = 0  # keys imported
         self.moved_out = 0  # keys whose frozen copies were dropped (the new owner holds them)
         self.pending_out = 0  # keys held here that another ingester owns, as of the last sweep
+        self.retired_at: int | None = None  # left out of this generation, and holding nothing: may stop
+        self._retired: set[str] = set()  # previous owners that said they hold nothing (generation _gen)
         self.pulling = 0
         self.failures = 0
         self.last_error: str | None = None
@@ -156,7 +158,7 @@ class Mover:
     def _cluster(self) -> Cluster | None:
         cluster = self.membership.cluster
         if cluster is not None and cluster.generation != self._gen:
-            self._gen, self._settled, self._prev_owners = cluster.generation, set(), {}
+            self._gen, self._settled, self._prev_owners, self._retired = cluster.generation, set(), {}, set()
         return cluster
 
     def _holds(self, key: str) -> bool:
@@ -250,12 +252,18 @@ class Mover:
         source = source or self._previous_owner(cluster, key)
         if source is None:
             return
+        if source.id in self._retired:  # it said it holds nothing: nothing to move
+            self._settle(key)
+            return
         started = time.perf_counter()
         self.pulling += 1
         try:
             status, body = await self._post(f"{source.url}/_ds3/move-out",
                                             {"key": key, "generation": cluster.generation, "to": self.me})
         except (aiohttp.ClientError, TimeoutError, OSError) as e:
+            if await self._has_retired(source, cluster):
+                self._settle(key)
+                return
             self._failed(f"ingester {source.id} at {source.url} does not answer: {e!r}")
             raise Unavailable(f"this stream is moving here from ingester {source.id} at {source.url}, which does "
                               f"not answer ({type(e).__name__}); retry shortly", retry_after=1) from None
@@ -301,6 +309,22 @@ class Mover:
                 log.warning("move-done of %r to %s: %d %s", key, source.id, status, _message(body))
             except (aiohttp.ClientError, TimeoutError, OSError) as e:
                 log.warning("move-done of %r to %s failed: %r", key, source.id, e)
+
+    async def _has_retired(self, source: Ingester, cluster: Cluster) -> bool:
+        """Whether `source`, out of the current description, recorded that it holds nothing under
+        it (so it may have been stopped: shared/cluster.py)."""
+        if cluster.get(source.id) is not None:
+            return False
+        try:
+            at = await self.membership.watcher.source.retired_at(source.id)
+        except Exception as e:  # an unreadable record: as if there were none (503, retried)
+            log.warning("cannot read whether ingester %s retired: %r", source.id, e)
+            return False
+        if at != cluster.generation:
+            return False
+        if self._gen == cluster.generation:
+            self._retired.add(source.id)
+        return True
 
     def _failed(self, why: str) -> None:
         self.failures += 1
@@ -382,6 +406,7 @@ class Mover:
         keys = await self.svc.reads.run(self._held_elsewhere, cluster)
         self.pending_out = len(keys)
         if not keys:
+            await self._retire_if_left_out(cluster)
             return 0
         log.info("moving %d keys out to their new owners (generation %d)", len(keys), cluster.generation)
         limit = asyncio.Semaphore(SWEEP_CONCURRENCY)
@@ -406,11 +431,27 @@ class Mover:
                 self.pending_out -= 1
 
         await asyncio.gather(*(one(k) for k in keys))
+        if self.pending_out == 0:
+            await self._retire_if_left_out(cluster)
         return self.pending_out
+
+    async def _retire_if_left_out(self, cluster: Cluster) -> None:
+        """Left out of `cluster` and holding nothing: say so where the description lives, so the
+        new owners stop asking for keys this ingester never held, and it can be stopped."""
+        if cluster.get(self.me) is not None:
+            self.retired_at = None  # (taken back into the cluster)
+            return
+        if self.retired_at == cluster.generation:
+            return
+        await self.membership.watcher.source.retire(self.me, cluster.generation)
+        self.retired_at = cluster.generation
+        log.info("ingester %s is not in cluster description generation %d and has handed over everything it "
+                 "held: it may be stopped", self.me, cluster.generation)
 
     def status(self) -> dict[str, object]:
         return {"pending_out": self.pending_out, "moved_in": self.moved_in, "moved_out": self.moved_out,
-                "pulling": self.pulling, "failures": self.failures, "last_error": self.last_error}
+                "pulling": self.pulling, "failures": self.failures, "last_error": self.last_error,
+                "retired_at": self.retired_at}
 
 
 def _message(body: bytes) -> str:

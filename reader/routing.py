@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Final
 
@@ -45,6 +46,7 @@ log = logging.getLogger("ds3.reader.routing")
 
 MISDIRECTED: Final = 421
 _CACHE_MAX: Final = 65_536  # owners remembered per description
+REREAD_EVERY: Final = 0.25  # seconds: description re-reads after an ingester did not answer, at most
 
 
 class Link:
@@ -78,6 +80,8 @@ class Router:
         self.misdirected = 0  # 421s received from ingesters
         self.rerouted = 0  # requests retried at another owner after a 421
         self.collapsed = 0  # answers shared on a live channel (reader.fanout), besides the clients' own
+        self._reread_at = 0.0
+        self._reread: asyncio.Future[bool] | None = None
 
     def link(self, url: str) -> Link:
         url = url.rstrip("/")
@@ -130,9 +134,19 @@ class Router:
         return f"no cluster description read yet: {why or 'starting'}"
 
     def failed(self, link: Link) -> None:
-        """A forward to `link` found no ingester there: the owner may have moved (a takeover)."""
+        """A forward to `link` found no ingester there: the owner may have moved (a takeover),
+        or the description may have changed (a removed ingester that handed its streams over
+        and was stopped before this reader's next --cluster-refresh): look again now, so the
+        client's retry goes to the new owner (re-reads at most every 0.25 s)."""
         if self.owner is not None and self.cluster is None:
             self.owner.poke()
+        watcher = self.watcher
+        if watcher is None or watcher.current is None or watcher.refreshing:
+            return
+        now = time.monotonic()
+        if now - self._reread_at >= REREAD_EVERY:
+            self._reread_at = now
+            self._reread = asyncio.ensure_future(watcher.refresh())  # (kept: a task needs a reference)
 
     def for_path(self, path: str) -> Link:
         """The owner of the stream with internal path `path` (plain or bucketed)."""

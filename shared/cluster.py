@@ -17,6 +17,10 @@ Time is injectable (`sleep`), and `refresh()` is one step, so tests drive it; co
 refreshes share one read, and `refresh_if_older(generation)` re-reads at once when someone
 (a 421's DS3-Cluster-Generation) shows a newer generation exists.
 
+An ingester left out of the description hands its keys over (ingester/moves.py) and then
+records that it holds nothing (`ClusterSource.retire`: `_ds3/cluster-retired/<id>.json`, or a
+file beside the `--cluster` file), so the new owners stop asking it once it is stopped.
+
 Membership is an ingester's view: its own id and the watcher; `check(path)` raises Misdirected
 (421, naming the owner) for a stream another ingester owns, or Unavailable (503) while no
 description has been read yet.
@@ -32,6 +36,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final, Protocol
 
+import orjson
+
 from shared import keys
 from shared.errors import (
     ClusterChanged,
@@ -41,6 +47,7 @@ from shared.errors import (
     PreconditionFailed,
     Unavailable,
 )
+from shared.localfile import write_durably
 from shared.objectstore.base import ObjectStore
 from shared.placement import Cluster, Ingester, PlacementError, placement_key
 
@@ -141,6 +148,37 @@ class ClusterSource(Protocol):
         or is invalid (the message says which)."""
 
 
+    async def retire(self, ingester_id: str, generation: int) -> None:
+        """Record that `ingester_id`, left out of description `generation`, holds nothing any
+        more (its sweep handed every key over)."""
+
+    async def retired_at(self, ingester_id: str) -> int | None:
+        """The generation `ingester_id` last retired at (None: never, or unreadable)."""
+
+
+# A removed ingester keeps running until its sweep has handed every key over; then it says so
+# here and may be stopped. The new owners need to know: a key placed on it by the previous
+# description and not held by its new owner (a stream that never existed, or was deleted) is
+# asked of the old owner first, and a stopped one cannot answer "not held". Without this
+# record, such requests answered 503 until the next description change (found this session:
+# 1 in 3 new streams could not be created after removing the third ingester).
+
+
+def _marker(ingester_id: str, generation: int) -> bytes:
+    return orjson.dumps({"ingester": ingester_id, "generation": generation})
+
+
+def _marker_generation(data: bytes, ingester_id: str) -> int | None:
+    try:
+        doc = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return None
+    if not isinstance(doc, dict) or doc.get("ingester") != ingester_id:
+        return None
+    gen = doc.get("generation")
+    return gen if isinstance(gen, int) and not isinstance(gen, bool) else None
+
+
 class StoreSource:
     def __init__(self, store: ObjectStore, key: str = keys.CLUSTER_KEY) -> None:
         self.store = store
@@ -151,6 +189,17 @@ class StoreSource:
         found = await read_cluster(self.store, self.key)
         return None if found is None else found.cluster
 
+    async def retire(self, ingester_id: str, generation: int) -> None:
+        await self.store.put(f"{keys.CLUSTER_RETIRED_PREFIX}{ingester_id}.json", _marker(ingester_id, generation),
+                             content_type="application/json")
+
+    async def retired_at(self, ingester_id: str) -> int | None:
+        try:
+            data = await self.store.get(f"{keys.CLUSTER_RETIRED_PREFIX}{ingester_id}.json")
+        except ObjectStoreError:  # NotFound included: not retired, as far as anyone can tell
+            return None
+        return _marker_generation(data, ingester_id)
+
 
 class FileSource:
     def __init__(self, path: Path) -> None:
@@ -159,6 +208,19 @@ class FileSource:
 
     async def load(self) -> Cluster | None:
         return load_cluster_file(self.path)
+
+    def _marker_path(self, ingester_id: str) -> Path:
+        return self.path.with_name(f"{self.path.name}.retired-{ingester_id}")
+
+    async def retire(self, ingester_id: str, generation: int) -> None:
+        await asyncio.to_thread(write_durably, self._marker_path(ingester_id), _marker(ingester_id, generation))
+
+    async def retired_at(self, ingester_id: str) -> int | None:
+        try:
+            data = await asyncio.to_thread(self._marker_path(ingester_id).read_bytes)
+        except OSError:
+            return None
+        return _marker_generation(data, ingester_id)
 
 
 def load_cluster_file(path: Path) -> Cluster:

@@ -250,7 +250,10 @@ class IngesterConfig:
             cluster = load_cluster_file(self.cluster)
         except PlacementError as e:
             raise ConfigError(f"cluster (DS3_CLUSTER): {e}") from None
-        _need(cluster.get(self.ingester_id) is not None, "ingester-id (DS3_INGESTER_ID)",
+        # A member of the previous description may run too: a removed ingester handing its
+        # streams over (it retires once it holds nothing: ingester/moves.py, ds3/retiring.py).
+        leaving = cluster.previous is not None and cluster.previous.get(self.ingester_id) is not None
+        _need(cluster.get(self.ingester_id) is not None or leaving, "ingester-id (DS3_INGESTER_ID)",
              f"{self.ingester_id!r} is not in the cluster file {self.cluster} (its ingesters: "
              f"{', '.join(cluster.ids)})")
 

@@ -9,6 +9,8 @@
     _ds3/cluster.json                              the cluster description: which ingesters share
                                                    the store (shared.placement, shared.cluster);
                                                    written conditionally only (`ds3 cluster set`)
+    _ds3/cluster-retired/<id>.json                 an ingester left out of the description: the
+                                                   generation at which it held nothing any more
 
 Streams are keyed by `uid` (random, 128 bits) rather than by path, so a path deleted and
 created again never reaches old objects, and several ingesters can share one bucket. The
@@ -24,6 +26,7 @@ from typing import Final
 # "_ds3/" holds the store's own bookkeeping, apart from the streams' objects.
 OWNER_KEY: Final = "_ds3/owner.json"
 CLUSTER_KEY: Final = "_ds3/cluster.json"
+CLUSTER_RETIRED_PREFIX: Final = "_ds3/cluster-retired/"
 
 
 def chunk_prefix(uid: str) -> str:

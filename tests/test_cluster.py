@@ -111,6 +111,27 @@ def test_cluster_file(tmp_path: Path) -> None:
         load_cluster_file(tmp_path / "missing.json")
 
 
+@pytest.mark.parametrize("kind", ["store", "file"])
+async def test_a_retired_ingester_is_recorded_where_the_description_lives(
+        store: LocalStore, tmp_path: Path, kind: str) -> None:
+    """An ingester out of the description, holding nothing, records the generation; the new
+    owners read it (ingester/moves.py) instead of waiting on a stopped ingester."""
+    source = StoreSource(store) if kind == "store" else FileSource(tmp_path / "cluster.json")
+    assert await source.retired_at("c") is None
+    await source.retire("c", 4)
+    assert await source.retired_at("c") == 4 and await source.retired_at("b") is None
+    await source.retire("c", 5)  # removed again later
+    assert await source.retired_at("c") == 5
+    # a record that is not c's, or not a record, says nothing
+    garbage = [b"{not json", b'{"ingester": "b", "generation": 5}', b'{"ingester": "c", "generation": true}']
+    for data in garbage:
+        if isinstance(source, StoreSource):
+            await store.put(f"{keys.CLUSTER_RETIRED_PREFIX}c.json", data)
+        else:
+            (tmp_path / "cluster.json.retired-c").write_bytes(data)
+        assert await source.retired_at("c") is None, data
+
+
 async def test_watcher_steps(store: LocalStore) -> None:
     w = ClusterWatcher(StoreSource(store), interval=5)
     changes: list[tuple[int | None, int]] = []

@@ -62,9 +62,9 @@ class Deployment:
             self.ingesters[i] = p
         return p.start()
 
-    def start_reader(self, first: str) -> procs.Proc:
+    def start_reader(self, first: str, refresh: str | None = None) -> procs.Proc:
         self.reader = procs.reader(self.root / "reader", self.url(first), self.store_root.as_uri(),
-                                   "--cluster-refresh", self.refresh, "--write-rate", "0").start()
+                                   "--cluster-refresh", refresh or self.refresh, "--write-rate", "0").start()
         return self.reader
 
     def stop(self) -> None:
@@ -320,7 +320,8 @@ def test_removing_an_ingester_hands_its_streams_to_the_rest(tmp_path: Path, dura
         three = d.describe("abc")
         for i in "abc":
             d.start(i)
-        reader = d.start_reader("a")
+        # The reader re-reads the description only when an ingester does not answer (below).
+        reader = d.start_reader("a", refresh="600")
         on_c = [f"/v1/stream/{s}" for s in names("rm", lambda s: three.owner(s).id == "c", 4)]
         for k, s in enumerate(on_c):
             assert request(reader, "PUT", s, headers=TEXT)[0] == 201
@@ -328,10 +329,27 @@ def test_removing_an_ingester_hands_its_streams_to_the_rest(tmp_path: Path, dura
                 assert request(reader, "POST", s, b"%d" % k * 100, TEXT)[0] == 204
         seen = {s: read_all(reader, s) for s in on_c}
         two = d.describe("ab")  # c leaves; it keeps running until its streams are out
-        wait_for("c's sweep", lambda: moves(d.ingesters["c"])["moved_out"] == len(on_c))
+        wait_for("c's sweep", lambda: moves(d.ingesters["c"])["retired_at"] == two.generation)
         assert moves(d.ingesters["c"])["pending_out"] == 0
+        assert moves(d.ingesters["c"])["moved_out"] == len(on_c)
         assert sum(moves(d.ingesters[i])["moved_in"] for i in "ab") == len(on_c)
         d.ingesters["c"].stop()
+        fresh = [f"/v1/stream/{s}" for s in names("new", lambda s: three.owner(s).id == "c", 3)]
+        # A reader that has not read the new description yet still sends c's keys to c: the
+        # first request finds c stopped (503, retry), and the reader looks again at once.
+        first = request(reader, "GET", fresh[0])
+        assert first[0] == 503 and b"unreachable" in first[2], first
+        # Streams c never held, placed on it by the previous description: their new owners do not
+        # wait for c (stopped) once it said it holds nothing. They answered 503 until the next
+        # description change.
+        wait_for("the reader's re-read", lambda: request(reader, "GET", fresh[0])[0] != 503, timeout=5)
+        absent = request(reader, "GET", fresh[0])
+        assert absent[0] == 404, absent
+        for s in fresh:
+            created = request(reader, "PUT", s, headers=TEXT)
+            assert created[0] == 201, created
+            assert request(reader, "POST", s, b"new", TEXT)[0] == 204
+            assert read_all(reader, s) == b"new"
         for s in on_c:
             assert read_all(reader, s) == seen[s]
             assert request(d.ingesters[two.owner(s[11:]).id], "HEAD", s)[0] == 200

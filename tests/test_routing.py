@@ -290,6 +290,29 @@ def test_dev_runs_several_ingesters_behind_its_reader(tmp_path: Path) -> None:
         for n in range(12):
             assert request(front, "GET", f"/v1/stream/dev-{n}?offset=-1")[2] == b"x", n
             assert request(front, "POST", f"/v1/stream/dev-{n}", b"y", TEXT)[0] == 204
+    # Back to 2: i3 runs outside the description until it has handed its streams over, then
+    # stops, its data dir moved aside. Its streams used to answer 404 (i3 was not started).
+    on_i3 = [n for n in range(12) if three.owner(f"dev-{n}").id == "i3"]
+    with dev(2) as front:
+        for n in range(12):
+            got = request(front, "GET", f"/v1/stream/dev-{n}?offset=-1")
+            assert got[0] == 200 and got[2] == b"xy", (n, got)
+        new = [s for s in (f"new-{k}" for k in range(200)) if three.owner(s).id == "i3"][:3]
+        for s in new:  # placed on i3 last time, never held by it
+            assert request(front, "PUT", f"/v1/stream/{s}", headers=TEXT)[0] == 201
+        wait_for(lambda: (data / "retired" / "i3-g3").is_dir(), 30, "i3 to hand its streams over")
+        assert not (data / "i3").exists()
+        assert "ingester i3 has handed every stream it held to the others" in front.log_path.read_text()
+        for n in on_i3:  # after i3 stopped
+            assert request(front, "POST", f"/v1/stream/dev-{n}", b"z", TEXT)[0] == 204
+            assert request(front, "GET", f"/v1/stream/dev-{n}?offset=-1")[2] == b"xyz"
+        for s in [*new, *(f"new2-{k}" for k in range(6))]:
+            status = request(front, "PUT", f"/v1/stream/{s}", headers=TEXT)[0]
+            assert status in (200, 201) and request(front, "HEAD", f"/v1/stream/{s}")[0] == 200, s
+    with dev(2) as front:  # i3 is not started again
+        assert "left out" not in front.log_path.read_text()
+        for n in range(12):
+            assert request(front, "HEAD", f"/v1/stream/dev-{n}")[0] == 200, n
 
 
 def test_one_frozen_ingester_does_not_make_the_reader_unready(tier: Tier) -> None:
