@@ -486,6 +486,34 @@ def cluster_set(store: str, s3_endpoint: str | None, ingesters: tuple[str, ...],
     new = _cluster_run(store, s3_endpoint,
                        lambda objects: set_cluster(objects, pairs, expected_generation=if_generation))
     click.echo(json.dumps(new.to_json(), indent=2))
+    for line in _cluster_set_advice(new):
+        click.echo(line, err=True)
+
+
+def _cluster_set_advice(new: Any) -> list[str]:
+    """What an admin should know after `cluster set`: members that do not answer (a typo in a
+    URL, or one not started yet: its streams answer 503 until it runs), and removed ingesters
+    (keep each running until it has handed its streams over and retired)."""
+    import urllib.error
+    import urllib.request
+
+    out = []
+    for ing in new.ingesters:
+        try:
+            with urllib.request.urlopen(f"{ing.url}/healthz", timeout=2):
+                pass
+        except urllib.error.HTTPError:
+            pass  # it answers
+        except (OSError, ValueError) as e:
+            out.append(f"warning: ingester {ing.id} at {ing.url} does not answer ({getattr(e, 'reason', e)}): "
+                       "the streams placed on it answer 503 until it runs there")
+    previous = new.previous
+    for ing in previous.ingesters if previous is not None else ():
+        if new.get(ing.id) is None:
+            out.append(f"ingester {ing.id} ({ing.url}) is removed: keep it running until it has handed its streams "
+                       f"over; its /readyz then shows cluster.moves.retired_at {new.generation} and its log says "
+                       "it may be stopped")
+    return out
 
 
 @cluster.command("owner")

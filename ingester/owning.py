@@ -55,6 +55,11 @@ async def own_and_restore(config: IngesterConfig, ownership: Ownership, own_obje
     try:
         await ownership.acquire()
     except OwnedElsewhere as e:
+        if config.ingester_id is not None:  # the prefix is this id's: most likely the same id twice
+            raise StartRefused(
+                f"not starting: ingester id {config.ingester_id!r} is already running at {e.advertise_url or '?'} "
+                f"({e}): each ingester of a cluster needs an --ingester-id of its own. To replace that "
+                "process, stop it first (or give this one its --owner-id to take over, or --standby)") from None
         raise StartRefused(f"not starting: {e} (its lease is renewed while it runs; start this one once "
                            "it stopped, give it the same --owner-id to take it over, or run it with "
                            "--standby to take over when the lease lapses)") from None

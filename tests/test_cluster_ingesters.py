@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -190,6 +191,18 @@ def test_each_member_keeps_its_log_and_ownership_record_in_its_own_namespace(pai
     assert not (root / "log").exists() and not (root / "_ds3/owner.json").exists()
 
 
+def test_the_same_ingester_id_twice_is_refused_by_its_name(pair: Pair, tmp_path: Path) -> None:
+    """A second process with a running member's --ingester-id finds that id's lease live: it says
+    which id and where it runs (it used to speak of the store prefix's owner record only)."""
+    out = subprocess.run([procs.DS3, "ingester", "--host", "127.0.0.1", "--port", str(procs.free_port()),
+                          "--data-dir", str(tmp_path / "again"), "--store", pair.store_root.as_uri(),
+                          "--ingester-id", "a"], capture_output=True, timeout=60, text=True)
+    assert out.returncode != 0
+    assert f"ingester id 'a' is already running at {pair.a.url}" in out.stderr, out.stderr
+    assert "needs an --ingester-id of its own" in out.stderr
+    assert request(pair.a, "HEAD", "/v1/stream/x")[0] in (404, 421)  # a goes on
+
+
 def test_readyz_and_metrics_say_who_holds_what(pair: Pair) -> None:
     a, b = pair.a, pair.b
     for n in range(3):
@@ -323,7 +336,10 @@ def test_cluster_command(tmp_path: Path) -> None:
     r = run(main, ["cluster", "set", "--store", store, "--ingester", "a=http://127.0.0.1:1",
                    "--ingester", "b=http://127.0.0.1:2/"])
     assert r.exit_code == 0, r.output
-    assert json.loads(r.output)["generation"] == 1
+    assert json.loads(r.stdout)["generation"] == 1
+    # nothing listens there: said on stderr (the description is written all the same)
+    for i, port in (("a", 1), ("b", 2)):
+        assert f"warning: ingester {i} at http://127.0.0.1:{port} does not answer" in r.stderr, r.stderr
     r = run(main, ["cluster", "show", "--store", store])
     shown = json.loads(r.output)
     assert shown["ingesters"] == [{"id": "a", "url": "http://127.0.0.1:1"}, {"id": "b", "url": "http://127.0.0.1:2"}]
@@ -331,7 +347,9 @@ def test_cluster_command(tmp_path: Path) -> None:
     r = run(main, ["cluster", "set", "--store", store, "--ingester", "a=http://127.0.0.1:1", "--if-generation", "0"])
     assert r.exit_code == 1 and "at generation 1, not 0" in r.output
     r = run(main, ["cluster", "set", "--store", store, "--ingester", "a=http://127.0.0.1:1", "--if-generation", "1"])
-    assert r.exit_code == 0 and json.loads(r.output)["generation"] == 2
+    assert r.exit_code == 0 and json.loads(r.stdout)["generation"] == 2
+    assert "ingester b (http://127.0.0.1:2) is removed: keep it running until it has handed its streams over" in r.stderr
+    assert "retired_at 2" in r.stderr
     r = run(main, ["cluster", "owner", "--store", store, "/v1/stream/x", "/v1/buckets/tenant-1",
                    "/v1/buckets/tenant-1/s%20s"])
     assert r.exit_code == 0, r.output
