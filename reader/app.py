@@ -15,7 +15,7 @@ from reader import metrics as reader_metrics
 from reader.descriptors import DescriptorCache
 from reader.fanout import LiveHub, Page
 from reader.http import add_routes, read_page
-from reader.owner import OwnerWatcher
+from reader.owner import MemberOwners, OwnerWatcher
 from reader.proxy import IngesterClient
 from reader.routing import Router
 from reader.sealed import SealedLocator
@@ -80,7 +80,7 @@ def create_app(config: ReaderConfig) -> web.Application:
             owner.start()
         router = Router(config.ingester, make_client, make_pool, watcher,
                         internal_headers=make_client(config.ingester or "http://127.0.0.1").internal_headers,
-                        owner=owner)
+                        owner=owner, members=MemberOwners(objects))
         watcher.start()
         state: ReaderState | None = None
 

@@ -7,6 +7,13 @@ used as given (a proxy or load balancer in between, a test's gate), never second
 
 A released or lapsed record still names the last owner: it is where the data is, and the
 ingester itself answers 503 while it does not own the prefix (or a standby names the owner).
+
+In a cluster (MemberOwners) each member owns its own namespace (`_ds3/ingesters/<id>/`), and a
+member's standby takes it over like the single owner's does, but the description still names
+the machine it replaced. The description's URL stays the first choice (the admin's, known to
+be reachable from readers); once a forward to it fails, the reader reads that member's record,
+and while a live lease there names another URL, that member's requests go there, until the
+description names it too (`ds3 cluster set`) or the lease ends.
 """
 
 from __future__ import annotations
@@ -19,12 +26,14 @@ from typing import Final
 
 from shared.errors import DS3Error
 from shared.objectstore.base import ObjectStore
+from shared.objectstore.scoped import ScopedStore, ingester_scope
 from shared.ownership import OwnerRecord, read_owner
 
 log = logging.getLogger("ds3.reader.owner")
 
 REFRESH_SECONDS: Final = 2.0
 MIN_EARLY_SECONDS: Final = 0.25  # a failed forward asks again at most this often
+MAX_SKEW_SECONDS: Final = 1.0  # a member's lease counts as live this long past its end (our clock may be ahead)
 
 
 class OwnerWatcher:
@@ -39,6 +48,7 @@ class OwnerWatcher:
         self._task: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
         self._last_read = 0.0
+        self.label = "the store prefix's owner"  # whose record, for the log
 
     @property
     def url(self) -> str | None:
@@ -57,7 +67,7 @@ class OwnerWatcher:
         self.record = record
         if self.url != before and self.url is not None:
             self.changes += before is not None
-            log.info("the store prefix's owner is %s (epoch %d)%s", self.url, record.epoch if record else 0,
+            log.info("%s is %s (epoch %d)%s", self.label, self.url, record.epoch if record else 0,
                      f"; was {before}" if before else "")
 
     def poke(self) -> None:
@@ -83,3 +93,36 @@ class OwnerWatcher:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
+
+
+class MemberOwners:
+    """Where each cluster member runs now, when its ownership record says otherwise than the
+    description (see the module's docstring). A member's record is read only after a forward
+    to it failed, then every REFRESH_SECONDS."""
+
+    def __init__(self, objects: ObjectStore) -> None:
+        self.objects = objects
+        self._watchers: dict[str, OwnerWatcher] = {}
+
+    def url(self, ingester_id: str, described: str) -> str:
+        """The URL to forward member `ingester_id`'s requests to (`described`: the description's)."""
+        w = self._watchers.get(ingester_id)
+        if w is None:
+            return described
+        record, url = w.record, w.url
+        if record is None or url is None or url == described or record.lapsed(time.time(), MAX_SKEW_SECONDS):
+            return described
+        return url
+
+    def failed(self, ingester_id: str) -> None:
+        """A forward to this member failed: read its record (soon, rate-limited)."""
+        w = self._watchers.get(ingester_id)
+        if w is None:
+            w = self._watchers[ingester_id] = OwnerWatcher(ScopedStore(self.objects, ingester_scope(ingester_id)))
+            w.label = f"cluster member {ingester_id}, by its ownership record,"
+            w.start()
+        w.poke()
+
+    async def stop(self) -> None:
+        for w in self._watchers.values():
+            await w.stop()

@@ -34,7 +34,7 @@ from typing import Any, Final
 import aiohttp
 from multidict import CIMultiDict
 
-from reader.owner import OwnerWatcher
+from reader.owner import MemberOwners, OwnerWatcher
 from reader.proxy import DROP_RESPONSE, Headers, IngesterClient, Upstream
 from reader.upstream import Answer, UpstreamPool
 from shared.cluster import ClusterWatcher
@@ -64,7 +64,8 @@ class Link:
 class Router:
     def __init__(self, default_url: str | None, make_client: Callable[[str], IngesterClient],
                  make_pool: Callable[[str], UpstreamPool | None], watcher: ClusterWatcher | None = None,
-                 internal_headers: dict[str, str] | None = None, owner: OwnerWatcher | None = None) -> None:
+                 internal_headers: dict[str, str] | None = None, owner: OwnerWatcher | None = None,
+                 members: MemberOwners | None = None) -> None:
         # sent with every request (reader.proxy.IngesterClient.internal_headers)
         self.internal_headers = internal_headers or {}
         # the same as raw header lines, for requests on the pooled connections (fast lane, polls)
@@ -73,6 +74,7 @@ class Router:
         self._make_pool = make_pool
         self.watcher = watcher
         self.owner = owner  # the ownership record's advertised URL, when there is no description
+        self.members = members  # in a cluster: a member's standby that took over (reader/owner.py)
         self.links: dict[str, Link] = {}
         self.default = self.link(default_url) if default_url is not None else None
         self._cached_for: Cluster | None = None
@@ -113,7 +115,18 @@ class Router:
             owner = cluster.owner_of_key(key)
             found = self._owners[key] = self.link(owner.url)
             found.ingester_id = owner.id
+        if self.members is not None and found.ingester_id is not None:
+            return self.member_link(found.ingester_id, found.url)
         return found
+
+    def member_link(self, ingester_id: str, described: str) -> Link:
+        """The link to member `ingester_id`: where its ownership record says it runs, if a
+        forward to `described` failed and a standby took it over there."""
+        assert self.members is not None
+        url = self.members.url(ingester_id, described.rstrip("/"))
+        link = self.link(url)
+        link.ingester_id = ingester_id
+        return link
 
     def single(self) -> Link:
         """Without a description: the prefix's owner as the ownership record names it, else
@@ -140,6 +153,8 @@ class Router:
         client's retry goes to the new owner (re-reads at most every 0.25 s)."""
         if self.owner is not None and self.cluster is None:
             self.owner.poke()
+        if self.members is not None and link.ingester_id is not None and self.cluster is not None:
+            self.members.failed(link.ingester_id)  # a member's standby may have taken over
         watcher = self.watcher
         if watcher is None or watcher.current is None or watcher.refreshing:
             return
@@ -165,6 +180,9 @@ class Router:
                 return []
         out = []
         for ing in cluster.ingesters:
+            if self.members is not None:
+                out.append(self.member_link(ing.id, ing.url))
+                continue
             link = self.link(ing.url)
             link.ingester_id = ing.id
             out.append(link)
@@ -313,6 +331,8 @@ class Router:
             await self.watcher.stop()
         if self.owner is not None:
             await self.owner.stop()
+        if self.members is not None:
+            await self.members.stop()
         for link in self.links.values():
             if link.pool is not None:
                 await link.pool.close()
