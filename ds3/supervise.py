@@ -55,16 +55,8 @@ def port_in_use(host: str, port: int) -> OSError | None:
 def layout_mismatch(data_dir: Path, ingesters: int) -> str | None:
     """Why `data_dir` cannot be run with `ingesters` ingesters (its streams would not be seen),
     or None. One ingester keeps its WAL in DATA_DIR/wal; several, theirs in DATA_DIR/iK, placed
-    by DATA_DIR/cluster.json."""
+    by DATA_DIR/cluster.json (a data dir once run that way stays a cluster, of one if asked)."""
     cluster_file = data_dir / "cluster.json"
-    if ingesters == 1 and cluster_file.exists():
-        try:
-            n = len(load_cluster_file(cluster_file).ingesters)
-        except (OSError, ValueError, PlacementError):
-            n = 0
-        runs = f"--ingesters {n}" if n > 1 else "--ingesters N"
-        return (f"{data_dir} was run with {runs} ({cluster_file} places its streams on those ingesters): "
-                f"start it with {runs}, or give another --data-dir")
     if ingesters > 1 and not cluster_file.exists() and any((data_dir / "wal").glob("*.mdb")):
         return (f"{data_dir} holds one ingester's write-ahead log ({data_dir / 'wal'}): its streams would not be "
                 f"seen by {ingesters} ingesters; start it without --ingesters, or give another --data-dir")
@@ -195,12 +187,12 @@ def run_dev(
     routing: list[str]
     leaving: list[tuple[str, str]] = []  # ingesters of an earlier run, left out now (ds3/retiring.py)
     generation = 0
-    if ingesters == 1:
+    cluster_file = data_dir / "cluster.json"
+    if ingesters == 1 and not cluster_file.exists():
         commands.append([*ds3, "ingester", "--host", "127.0.0.1", "--port", ingester_urls[0].rsplit(":", 1)[1],
                          "--data-dir", str(data_dir), *store, *common])
         routing = ["--ingester", ingester_urls[0]]
-    else:
-        cluster_file = data_dir / "cluster.json"
+    else:  # (a data dir run with several ingesters stays a cluster, of one ingester if asked)
         leaving = [(i, f"http://127.0.0.1:{_free_port('127.0.0.1')}") for i in left_out(data_dir, ingesters)]
         cluster = write_cluster_file(cluster_file, [(f"i{n + 1}", url) for n, url in enumerate(ingester_urls)],
                                      leaving)

@@ -147,7 +147,6 @@ class ClusterSource(Protocol):
         """The description now; None when there is none (yet). Raises when it cannot be read
         or is invalid (the message says which)."""
 
-
     async def retire(self, ingester_id: str, generation: int) -> None:
         """Record that `ingester_id`, left out of description `generation`, holds nothing any
         more (its sweep handed every key over)."""
@@ -160,8 +159,8 @@ class ClusterSource(Protocol):
 # here and may be stopped. The new owners need to know: a key placed on it by the previous
 # description and not held by its new owner (a stream that never existed, or was deleted) is
 # asked of the old owner first, and a stopped one cannot answer "not held". Without this
-# record, such requests answered 503 until the next description change (found this session:
-# 1 in 3 new streams could not be created after removing the third ingester).
+# record, such requests answered 503 until the next description change (after removing the
+# third of three ingesters, 1 in 3 new streams could not be created).
 
 
 def _marker(ingester_id: str, generation: int) -> bytes:

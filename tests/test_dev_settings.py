@@ -103,21 +103,31 @@ def test_a_port_in_use_is_refused_before_anything_says_ready(tmp_path: Path) -> 
     assert not (tmp_path / "d" / "objects").exists()  # nothing was started
 
 
-def test_a_data_dir_run_with_another_number_of_ingesters_is_refused(tmp_path: Path) -> None:
-    """A data dir of `--ingesters 2` started without it (or the other way round) used to start
-    empty, its streams out of sight; the message says how to start it."""
+def test_a_data_dir_keeps_its_layout_whatever_the_number_of_ingesters(tmp_path: Path) -> None:
+    """A data dir of one ingester started with `--ingesters 2` used to start empty, its streams
+    out of sight: it is refused, saying how to start it. One of `--ingesters 2` started without
+    it (it was refused too) stays a cluster, of one: i2 hands its streams to i1 and retires."""
     with dev(tmp_path, {}) as url:
         assert _call(f"{url}/v1/stream/kept", "PUT") == 201
     r = _dev_run(tmp_path, "--ingesters", "2")
     assert r.returncode == 1 and "holds one ingester's write-ahead log" in r.stderr, r.stderr
     two = tmp_path / "two"
     two.mkdir()
+    names = [f"kept-{n}" for n in range(8)]
     with dev(two, {}, "--ingesters", "2") as url:
-        assert _call(f"{url}/v1/stream/kept", "PUT") == 201
-    r = subprocess.run([DS3, "dev", "--port", str(free_port()), "--data-dir", str(two / "d")],
-                       env={k: v for k, v in os.environ.items() if not k.startswith("DS3_")},
-                       capture_output=True, text=True, timeout=60)
-    assert r.returncode == 1 and "was run with --ingesters 2" in r.stderr, r.stderr
+        for name in names:
+            assert _call(f"{url}/v1/stream/{name}", "PUT") == 201
+            assert _call(f"{url}/v1/stream/{name}", "POST", name.encode()) == 204
+    with dev(two, {}) as url:
+        for name in names:
+            with urllib.request.urlopen(f"{url}/v1/stream/{name}?offset=-1", timeout=10) as r2:
+                assert r2.read() == name.encode()
+        deadline = time.monotonic() + 30
+        while not (two / "d" / "retired").is_dir():
+            assert time.monotonic() < deadline, (two / "dev.log").read_text()
+            time.sleep(0.2)
+        assert [p.name for p in (two / "d" / "retired").iterdir()] == ["i2-g2"]
+        assert _call(f"{url}/v1/stream/kept-0", "POST", b"!") == 204
 
 
 @pytest.mark.parametrize("name, value", [("DS3_SEAL_BYTES", "0"), ("DS3_SEAL_AGE", "0"),
