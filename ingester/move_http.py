@@ -3,8 +3,9 @@
     POST /_ds3/move-out   {"key", "generation", "to"}  the old owner freezes the key and answers
                           200 with its export (shared/moveformat.py), 204 when it holds nothing
     POST /_ds3/move-done  {"key", "generation", "to"}  the new owner holds it: drop the frozen copy
-    POST /_ds3/move-in    {"key", "generation", "from"}  the old owner's sweep: pull the key now
-                          (from the previous owner, else from "from"); 204 once this ingester
+    POST /_ds3/move-in    {"key", "generation", "from", "from_url"}  the old owner's sweep: pull the
+                          key now (from the previous owner, else from "from", at "from_url" when the
+                          description does not know it); 204 once this ingester
                           holds it or nobody had it
 
 Like every /_ds3/ endpoint they take the internal token when one is configured.
@@ -20,7 +21,8 @@ from aiohttp import web
 from ingester.moves import Mover
 from ingester.service import SERVICE
 from shared import moveformat
-from shared.errors import BadRequest, Unavailable
+from shared.errors import BadRequest, Conflict, Unavailable
+from shared.placement import Ingester, PlacementError, validate_id, validate_url
 
 
 async def _args(request: web.Request, *names: str) -> tuple[Mover, dict[str, Any]]:
@@ -67,10 +69,16 @@ async def move_in(request: web.Request) -> web.Response:
     assert cluster is not None
     holder = cluster.get(str(body["from"])) or (cluster.previous.get(str(body["from"]))
                                                 if cluster.previous is not None else None)
-    if holder is None:  # an ingester this description does not know: the usual pull only
-        await mover.ensure_key(key)
-    else:
-        await mover.take_from(key, holder)
+    if holder is None:
+        # An ingester this description does not know (removed two changes ago, e.g. while it
+        # was down): pull from where it says it is. Answering 204 after the usual pull only
+        # made it drop streams nobody had taken (they answered 404; found by QA).
+        try:
+            holder = Ingester(validate_id(str(body["from"])), validate_url(str(body.get("from_url", ""))))
+        except PlacementError as e:
+            raise Conflict(f"move: ingester {str(body['from'])[:64]!r} is not in the cluster description and "
+                           f"gave no usable from_url ({e}): cannot pull {key!r} from it") from None
+    await mover.take_from(key, holder)
     return web.Response(status=204)
 
 

@@ -415,8 +415,10 @@ class Mover:
             async with limit:
                 owner = cluster.owner_of_key(key)
                 try:
-                    status, body = await self._post(f"{owner.url}/_ds3/move-in",
-                                                    {"key": key, "generation": cluster.generation, "from": self.me})
+                    status, body = await self._post(f"{owner.url}/_ds3/move-in", {
+                        "key": key, "generation": cluster.generation, "from": self.me,
+                        # where to pull from when the owner's description no longer knows us
+                        "from_url": self._my_url(cluster)})
                 except (aiohttp.ClientError, TimeoutError, OSError) as e:
                     self._failed(f"asking {owner.id} to take {key!r}: {e!r}")
                     return
@@ -434,6 +436,10 @@ class Mover:
         if self.pending_out == 0:
             await self._retire_if_left_out(cluster)
         return self.pending_out
+
+    def _my_url(self, cluster: Cluster) -> str:
+        me = cluster.get(self.me) or (cluster.previous.get(self.me) if cluster.previous is not None else None)
+        return me.url if me is not None else self.svc.config.advertised
 
     async def _retire_if_left_out(self, cluster: Cluster) -> None:
         """Left out of `cluster` and holding nothing: say so where the description lives, so the

@@ -367,6 +367,38 @@ def test_removing_an_ingester_hands_its_streams_to_the_rest(tmp_path: Path, dura
                 assert request(reader, "POST", s, b"!", TEXT)[0] == 204
 
 
+def test_an_ingester_removed_while_down_hands_its_streams_over_when_it_is_back(tmp_path: Path) -> None:
+    """c is down; the operator removes it, then adds d (two changes: c is in neither the current
+    description nor the previous one). Started again, c's sweep offers its streams to their new
+    owners, which did not know c and answered 204 after the usual pull: c dropped nothing but
+    retired, and its streams answered 404 (found by QA). Now the owner pulls from where c says
+    it is."""
+    with deployment(tmp_path, "abcd") as d:
+        three = d.describe("abc")
+        for i in "abc":
+            d.start(i)
+        reader = d.start_reader("a")
+        on_c = [f"/v1/stream/{s}" for s in names("down", lambda s: three.owner(s).id == "c", 3)]
+        for k, s in enumerate(on_c):
+            assert request(reader, "PUT", s, headers=TEXT)[0] == 201
+            for _n in range(k * 6 + 1):  # some sealed, some not
+                assert request(reader, "POST", s, b"%d" % k * 100, TEXT)[0] == 204
+        seen = {s: read_all(reader, s) for s in on_c}
+        d.ingesters["c"].stop()
+        d.describe("ab")
+        final = d.describe("abd")
+        d.start("d")
+        for s in on_c:  # not held by its owner, and c unknown to the description: 404 meanwhile
+            assert request(reader, "HEAD", s)[0] in (404, 503), s
+        d.ingesters["c"].start()
+        wait_for("c to hand over and retire", lambda: moves(d.ingesters["c"])["retired_at"] == final.generation)
+        assert moves(d.ingesters["c"])["moved_out"] == len(on_c)
+        for s in on_c:
+            assert read_all(reader, s) == seen[s], s
+            assert request(reader, "POST", s, b"more", TEXT)[0] == 204
+            assert read_all(reader, s) == seen[s] + b"more", s
+
+
 def test_old_owner_killed_then_back_and_lost_answers_retried(tmp_path: Path) -> None:
     """a is SIGKILLed before its stream moves to c: c answers 503 naming a until a restarts, then
     the move completes with nothing lost. b's stream moving to c: its export asked twice (the
