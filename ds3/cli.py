@@ -304,7 +304,17 @@ def ingester(**kw: Any) -> None:
     from ingester.app import create_app
     from ingester.fastlane import FastLaneRunner
     from ingester.logstore import StartRefused
+    from shared.localfile import Locked, hold_lock
 
+    try:
+        # One process per data dir: a second one with the same --data-dir (and so the same
+        # owner id) would take the ownership over from the running one and open its WAL too.
+        hold_lock(config.data_dir / "lock")
+    except Locked as e:
+        message = (f"not starting: another ds3 ingester (process {e.holder}) is running with --data-dir "
+                   f"{config.data_dir.resolve()}; each ingester needs a data dir of its own")
+        log.error("%s", message)
+        raise click.ClickException(message) from None
     try:
         _run(_build(create_app, config), config.host, config.port,
              f"ds3 ingester (data in {config.data_dir.resolve()})", config, FastLaneRunner)

@@ -32,7 +32,7 @@ async def ownership_middleware(request: web.Request, handler: Handler) -> web.St
         if svc.standing_by:
             raise svc.standby_refusal()
         if (refusal := svc.fenced_refusal()) is not None:
-            raise refusal
+            raise refusal.with_traceback(None)  # (the same object every time: its traceback would grow)
     return await handler(request)
 
 

@@ -214,7 +214,7 @@ class GroupCommitter:
         if self._stopping:
             raise Unavailable("the ingester is shutting down")
         if (refusal := self.broken or self.refusal) is not None:
-            raise refusal
+            raise refusal.with_traceback(None)  # one object raised again and again: its traceback would grow
         fut: asyncio.Future[T] = self.loop.create_future()
         self._queue.put(_Pending(op, fut))
         return fut
@@ -225,7 +225,7 @@ class GroupCommitter:
         if self._stopping:
             raise Unavailable("the ingester is shutting down")
         if (refusal := self.broken or self.refusal) is not None:
-            raise refusal
+            raise refusal.with_traceback(None)  # one object raised again and again: its traceback would grow
         self._queue.put(_Pending(op, deliver))
 
     def run_sync(self, op: Callable[[lmdb.Transaction], T]) -> T:

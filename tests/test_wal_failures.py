@@ -130,3 +130,24 @@ async def test_outcomes_of_a_batch_that_ran_again_arrive_in_submission_order(tmp
         assert h.contents("s") == b"xxxxx"
     finally:
         h.close()
+
+
+def test_a_refusal_raised_again_and_again_does_not_grow(tmp_path: Path) -> None:
+    """A fenced writer refuses every operation with one exception object: each raise added
+    its frames to that object's traceback, so the retry loops' logged tracebacks (a fork-pin
+    release every 5 s) grew without bound (found by QA: 22 to 107 lines in 30 s)."""
+    h = Harness(tmp_path / "wal", Clock())
+    try:
+        h.committer.refusal = Unavailable("this ingester does not own its store prefix now", 1)
+        depths = []
+        for _ in range(5):
+            try:
+                h.committer.submit(lambda txn: None)
+            except Unavailable as e:
+                tb, depth = e.__traceback__, 0
+                while tb is not None:
+                    depth, tb = depth + 1, tb.tb_next
+                depths.append(depth)
+        assert len(set(depths)) == 1, depths
+    finally:
+        h.close()
