@@ -36,7 +36,8 @@ def _setup_logging(kw: dict[str, Any], service: str) -> None:
     access = kw["access_log"]
     if access is None:  # the ingester's callers are readers, which log the same request ids
         access = service != "ingester"
-    logs.setup(kw["log_level"], kw["log_format"], access_log=access, service=service)
+    logs.setup(kw["log_level"], kw["log_format"], access_log=access, service=service,
+               ingester_id=kw.get("ingester_id"))
 
 
 FC = TypeVar("FC", bound=Callable[..., Any])

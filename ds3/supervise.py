@@ -63,10 +63,11 @@ def layout_mismatch(data_dir: Path, ingesters: int) -> str | None:
     return None
 
 
-def _wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float = 30.0) -> bool:
+def _wait_ready(url: str, proc: subprocess.Popen[bytes], stopping: Callable[[], bool] = lambda: False,
+                timeout: float = 30.0) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if proc.poll() is not None:
+        if proc.poll() is not None or stopping():
             return False
         try:
             with urllib.request.urlopen(url + "/healthz", timeout=1) as r:
@@ -223,7 +224,10 @@ def run_dev(
         for command in commands:
             children.append(subprocess.Popen(command, env=env))
         for url, child in zip(ingester_urls, children, strict=True):
-            if not _wait_ready(url, child):
+            if not _wait_ready(url, child, lambda: stopping):
+                if stopping:  # a Ctrl-C while starting: not a failure
+                    log.info("ds3 dev: stopped while starting")
+                    return 0
                 log.error("the ingester at %s did not start", url)
                 return 1
         members = len(children) - len(leaving)
@@ -236,7 +240,10 @@ def run_dev(
         )
         children.append(reader)
         local = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)  # (asyncio binds "::" IPv6-only)
-        if not _wait_ready(f"http://{f'[{local}]' if ':' in local else local}:{port}", reader):
+        if not _wait_ready(f"http://{f'[{local}]' if ':' in local else local}:{port}", reader, lambda: stopping):
+            if stopping:
+                log.info("ds3 dev: stopped while starting")
+                return 0
             log.error("the reader did not start")
             return 1
         if any(env.get(k) for k in AUTH_SETTINGS):

@@ -103,6 +103,7 @@ class Mover:
         self._guard_owners: tuple[Cluster | None, dict[str, Ingester]] = (None, {})  # the writer thread's
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self._telling: set[asyncio.Task[None]] = set()  # move-dones being sent
         self.moved_in = 0  # keys imported
         self.moved_out = 0  # keys whose frozen copies were dropped (the new owner holds them)
         self.pending_out = 0  # keys held here that another ingester owns, as of the last sweep
@@ -124,6 +125,8 @@ class Mover:
     async def stop(self) -> None:
         task, self._task = self._task, None
         await cancel_and_wait(task)
+        for telling in list(self._telling):  # the holder's sweep asks again
+            await cancel_and_wait(telling)
 
     def changed(self, _old: Cluster | None, _new: Cluster) -> None:
         """A description was adopted: sweep now."""
@@ -295,7 +298,9 @@ class Mover:
         log.info("moved in %r from %s (%d streams, %d bytes of unsealed records) in %.3f s", key, source.id, n,
                  export.record_bytes, took)
         if not _LOSE_MOVE_DONE:
-            asyncio.get_running_loop().create_task(self._done(source, key, cluster.generation))
+            task = asyncio.get_running_loop().create_task(self._done(source, key, cluster.generation))
+            self._telling.add(task)  # (cancelled at stop: the peers' session closes then)
+            task.add_done_callback(self._telling.discard)
 
     async def _done(self, source: Ingester, key: str, generation: int) -> None:
         """Tell the old owner to drop its frozen copy (best effort: its sweep asks again)."""
@@ -410,17 +415,22 @@ class Mover:
             return 0
         log.info("moving %d keys out to their new owners (generation %d)", len(keys), cluster.generation)
         limit = asyncio.Semaphore(SWEEP_CONCURRENCY)
+        unreachable: dict[str, tuple[int, str]] = {}  # owner id -> (keys, why): one line each
 
         async def one(key: str) -> None:
             async with limit:
                 owner = cluster.owner_of_key(key)
+                if owner.id in unreachable:  # (it did not answer this sweep: the next one asks again)
+                    unreachable[owner.id] = (unreachable[owner.id][0] + 1, unreachable[owner.id][1])
+                    return
                 try:
                     status, body = await self._post(f"{owner.url}/_ds3/move-in", {
                         "key": key, "generation": cluster.generation, "from": self.me,
                         # where to pull from when the owner's description no longer knows us
                         "from_url": self._my_url(cluster)})
                 except (aiohttp.ClientError, TimeoutError, OSError) as e:
-                    self._failed(f"asking {owner.id} to take {key!r}: {e!r}")
+                    n, _ = unreachable.get(owner.id, (0, ""))
+                    unreachable[owner.id] = (n + 1, f"{type(e).__name__}: {e}" if str(e) else type(e).__name__)
                     return
                 if status != 204:
                     self._failed(f"asking {owner.id} to take {key!r}: {status} {_message(body)}")
@@ -433,7 +443,12 @@ class Mover:
                 self.pending_out -= 1
 
         await asyncio.gather(*(one(k) for k in keys))
+        for owner_id, (n, why) in sorted(unreachable.items()):
+            owner = cluster.get(owner_id)
+            self._failed(f"ingester {owner_id} at {owner.url if owner else '?'} does not answer ({why[:200]}): "
+                         f"{n} keys wait for the next sweep")
         if self.pending_out == 0:
+            self.last_error = None  # everything handed over: what failed before is done
             await self._retire_if_left_out(cluster)
         return self.pending_out
 

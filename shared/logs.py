@@ -62,12 +62,13 @@ def printable(text: str, limit: int = 512) -> str:
 
 class JsonFormatter(logging.Formatter):
     """One JSON object per record: ts, level, service (which process: `ds3 dev` writes both
-    to one stream), logger, msg, request_id (when handling one), the fields passed as
+    to one stream), ingester_id (a cluster member's), logger, msg, request_id (when handling one), the fields passed as
     `extra={"fields": {...}}` (the access log's), and exc (the traceback) when there is one."""
 
-    def __init__(self, service: str | None = None) -> None:
+    def __init__(self, service: str | None = None, ingester_id: str | None = None) -> None:
         super().__init__()
         self.service = service
+        self._ids = {"ingester_id": ingester_id} if ingester_id else {}  # a cluster member's
         self._second = -1
         self._stamp = ""
 
@@ -82,6 +83,7 @@ class JsonFormatter(logging.Formatter):
             "ts": self._ts(record.created),
             "level": record.levelname.lower(),
             **({"service": self.service} if self.service else {}),
+            **self._ids,
             "logger": record.name,
             "msg": record.getMessage(),
         }
@@ -103,6 +105,7 @@ class JsonFormatter(logging.Formatter):
         out: dict[str, Any] = {"ts": self._ts(created), "level": "info"}
         if self.service:
             out["service"] = self.service
+        out.update(self._ids)
         out["logger"] = ACCESS_LOGGER
         out["msg"] = msg
         rid = _request_id.get()
@@ -115,8 +118,10 @@ class JsonFormatter(logging.Formatter):
 class TextFormatter(logging.Formatter):
     """The classic line, with the request id appended when there is one."""
 
-    def __init__(self) -> None:
-        super().__init__("%(asctime)s %(levelname)s %(name)s %(message)s")
+    def __init__(self, tag: str | None = None) -> None:
+        # tag: which of several like processes wrote the line (a cluster member's id: ds3 dev
+        # runs several ingesters into one terminal)
+        super().__init__(f"%(asctime)s %(levelname)s {'[' + tag + '] ' if tag else ''}%(name)s %(message)s")
         self._second = -1
         self._stamp = ""
 
@@ -205,7 +210,8 @@ class BatchingStreamHandler(logging.StreamHandler):  # type: ignore[type-arg]
                 self.flush()
 
 
-def setup(level: str, fmt: str = "text", *, access_log: bool = True, service: str | None = None) -> None:
+def setup(level: str, fmt: str = "text", *, access_log: bool = True, service: str | None = None,
+          ingester_id: str | None = None) -> None:
     """Configure the root logger for a ds3 process (stderr, in batches: BatchingStreamHandler).
     `access_log=False` silences ds3.access (one line per request) whatever the level."""
     # Neither format names the caller, thread or process: skip looking them up for every record
@@ -216,7 +222,7 @@ def setup(level: str, fmt: str = "text", *, access_log: bool = True, service: st
     logging.logMultiprocessing = False
     global _installed
     handler = BatchingStreamHandler(sys.stderr)
-    handler.setFormatter(JsonFormatter(service) if fmt == "json" else TextFormatter())
+    handler.setFormatter(JsonFormatter(service, ingester_id) if fmt == "json" else TextFormatter(ingester_id))
     _installed = handler
     root = logging.getLogger()
     for old in list(root.handlers):

@@ -140,3 +140,30 @@ def test_dev_checks_its_own_settings_before_starting_anything(tmp_path: Path, na
     r = subprocess.run(args, env=env, capture_output=True, text=True, timeout=30)
     assert r.returncode == 2 and name in r.stderr and "Usage: ds3 dev" in r.stderr, r.stderr
     assert "python -m ds3.cli" not in r.stderr and not (tmp_path / "d").exists()
+
+
+@pytest.mark.parametrize("after", ["cluster description generation", "moving"])
+def test_ctrl_c_while_starting_stops_cleanly(tmp_path: Path, after: str) -> None:
+    """A Ctrl-C while dev starts (here: 3 ingesters, then 2 with i3 handing its streams over)
+    used to wait for everything to be ready, then log "the ingester ... did not start" and
+    "Task exception was never retrieved ... Session is closed" (found by QA)."""
+    with dev(tmp_path, {}, "--ingesters", "3") as url:
+        for n in range(20):
+            assert _call(f"{url}/v1/stream/c-{n}", "PUT") == 201
+    log = tmp_path / "interrupted.log"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DS3_")}
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([DS3, "dev", "--port", str(free_port()), "--data-dir", str(tmp_path / "d"),
+                                 "--ingesters", "2"], stdout=out, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)
+    deadline = time.monotonic() + 30
+    while after not in log.read_text() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    os.killpg(proc.pid, signal.SIGINT)  # a terminal's Ctrl-C reaches the whole group
+    assert proc.wait(20) == 0, log.read_text()
+    text = log.read_text()
+    for bad in ("did not start", "never retrieved", "Traceback", "Session is closed"):
+        assert bad not in text, text
+    with dev(tmp_path, {}, "--ingesters", "2") as url:  # nothing lost
+        for n in range(20):
+            assert _call(f"{url}/v1/stream/c-{n}", "HEAD") == 200, n

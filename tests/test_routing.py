@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import time
 import urllib.request
@@ -303,6 +304,8 @@ def test_dev_runs_several_ingesters_behind_its_reader(tmp_path: Path) -> None:
         wait_for(lambda: (data / "retired" / "i3-g3").is_dir(), 30, "i3 to hand its streams over")
         assert not (data / "i3").exists()
         assert "ingester i3 has handed every stream it held to the others" in front.log_path.read_text()
+        # the ingesters share dev's terminal: each line says which one wrote it
+        assert re.search(r"INFO \[i[12]\] ds3\.moves moved in '", front.log_path.read_text())
         for n in on_i3:  # after i3 stopped
             assert request(front, "POST", f"/v1/stream/dev-{n}", b"z", TEXT)[0] == 204
             assert request(front, "GET", f"/v1/stream/dev-{n}?offset=-1")[2] == b"xyz"
