@@ -505,19 +505,28 @@ def _cluster_set_advice(new: Any) -> list[str]:
     """What an admin should know after `cluster set`: members that do not answer (a typo in a
     URL, or one not started yet: its streams answer 503 until it runs), and removed ingesters
     (keep each running until it has handed its streams over and retired)."""
+    import json
     import urllib.error
     import urllib.request
 
     out = []
     for ing in new.ingesters:
         try:
-            with urllib.request.urlopen(f"{ing.url}/healthz", timeout=2):
-                pass
-        except urllib.error.HTTPError:
-            pass  # it answers
+            with urllib.request.urlopen(f"{ing.url}/readyz", timeout=2) as r:
+                body = r.read()
+        except urllib.error.HTTPError as e:  # it answers (not ready, or not a ds3 ingester)
+            body = e.read()
         except (OSError, ValueError) as e:
             out.append(f"warning: ingester {ing.id} at {ing.url} does not answer ({getattr(e, 'reason', e)}): "
                        "the streams placed on it answer 503 until it runs there")
+            continue
+        try:
+            there = json.loads(body)["cluster"]["ingester_id"]
+        except (ValueError, KeyError, TypeError):
+            continue
+        if isinstance(there, str) and there != ing.id:
+            out.append(f"warning: {ing.url} answers as ingester {there}, not {ing.id}: the URLs are swapped or "
+                       f"mistyped, and {ing.id}'s streams will answer 503 until they are right")
     previous = new.previous
     for ing in previous.ingesters if previous is not None else ():
         if new.get(ing.id) is None:

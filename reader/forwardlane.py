@@ -46,7 +46,7 @@ from shared.http.handlers import stream_path_of
 from shared.http.lane import Lane, Message, catch_up_offset, forks_or_has_a_delete_body
 from shared.http.lane_connection import LaneHandler, LaneRunner
 from shared.http.lane_live import long_poll_query
-from shared.placement import GENERATION_HEADER, placement_key
+from shared.placement import GENERATION_HEADER, OWNER_ID_HEADER, placement_key
 
 log = logging.getLogger("ds3.reader.lane")
 # an ingester down fails every forwarded request alike: said once per 10 s per cause
@@ -273,7 +273,7 @@ class _Forward:
                 self.fail(router.still_misdirected(self.link))
                 return
             self.retried = True
-            task = asyncio.ensure_future(self._reroute(_header(answer, _GENERATION)))
+            task = asyncio.ensure_future(self._reroute(_header(answer, _GENERATION), _header(answer, _OWNER_ID)))
             _pending.add(task)
             task.add_done_callback(_pending.discard)
             return
@@ -291,11 +291,11 @@ class _Forward:
             return [self]
         return self.lane._reads.pop(self.msg.url, None) or [self]
 
-    async def _reroute(self, generation: str | None) -> None:
+    async def _reroute(self, generation: str | None, owner_id: str | None) -> None:
         router = self.lane.router
         assert router is not None
         try:
-            again = await router.after_misdirected(placement_key(self.path), self.link, generation)
+            again = await router.after_misdirected(placement_key(self.path), self.link, generation, owner_id)
         except Exception as e:  # (answer exactly once, whatever happens)
             self.fail(e)
             return
@@ -307,6 +307,7 @@ class _Forward:
 
 _pending: set[asyncio.Future[None]] = set()  # re-routes in progress (kept from the garbage collector)
 _GENERATION: Final = GENERATION_HEADER.lower().encode("ascii")
+_OWNER_ID: Final = OWNER_ID_HEADER.lower().encode("ascii")
 
 
 def _header(answer: Answer, lower_name: bytes) -> str | None:

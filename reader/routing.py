@@ -40,7 +40,7 @@ from reader.upstream import Answer, UpstreamPool
 from shared.cluster import ClusterWatcher
 from shared.errors import Unavailable
 from shared.logs import request_id
-from shared.placement import GENERATION_HEADER, Cluster, bucket_placement_key, placement_key
+from shared.placement import GENERATION_HEADER, OWNER_ID_HEADER, Cluster, bucket_placement_key, placement_key
 
 log = logging.getLogger("ds3.reader.routing")
 
@@ -188,23 +188,36 @@ class Router:
             out.append(link)
         return out
 
-    async def after_misdirected(self, key: str, was: Link, generation: str | None) -> Link | None:
+    async def after_misdirected(self, key: str, was: Link, generation: str | None,
+                                owner_id: str | None = None) -> Link | None:
         """After a 421 from `was` for placement key `key` (whose DS3-Cluster-Generation was
-        `generation`): the new owner to retry at once, or None (no description to re-read, or
-        the owner did not change)."""
+        `generation`, and DS3-Owner-Id `owner_id`): the new owner to retry at once, or None (no
+        description to re-read, or the owner did not change). Raises Unavailable when the 421
+        names as the owner the very member the description says answers at `was`: the ingester
+        there is another one (URLs swapped or mistyped in `ds3 cluster set`)."""
         self.misdirected += 1
         if self.watcher is None:
             return None
+        # the member said to be at `was` is not there: maybe URLs changed since our last read
+        wrong_member = owner_id is not None and owner_id == was.ingester_id
         try:
             gen = int(generation) if generation is not None else self.generation + 1
         except ValueError:
             gen = self.generation + 1
-        await self.watcher.refresh_if_older(gen)
+        if wrong_member:
+            await self.watcher.refresh()
+        else:
+            await self.watcher.refresh_if_older(gen)
         try:
             now = self.for_key(key)
         except Unavailable:
             return None
         if now is was:
+            if wrong_member:
+                raise Unavailable(
+                    f"the cluster description names ingester {owner_id} at {was.url}, but the ingester answering "
+                    f"there is another member (it says ingester {owner_id} owns this stream): the description's "
+                    "URLs are wrong; check them with `ds3 cluster show`", 5)
             return None
         self.rerouted += 1
         return now
@@ -289,7 +302,8 @@ class Router:
                      send: Callable[[IngesterClient], Any]) -> Upstream:
         if self.watcher is None:
             return up  # one ingester and no description: its answer as it is (as before routing)
-        again = await self.after_misdirected(key, link, up.headers.get(GENERATION_HEADER))
+        again = await self.after_misdirected(key, link, up.headers.get(GENERATION_HEADER),
+                                             up.headers.get(OWNER_ID_HEADER))
         if again is None:
             raise self.still_misdirected(link)
         retried: Upstream = await send(again.client)
@@ -306,8 +320,8 @@ class Router:
             if up.status != MISDIRECTED or self.watcher is None:
                 yield up
                 return
-            generation = up.headers.get(GENERATION_HEADER)
-        again = await self.after_misdirected(key, link, generation)
+            generation, owner_id = up.headers.get(GENERATION_HEADER), up.headers.get(OWNER_ID_HEADER)
+        again = await self.after_misdirected(key, link, generation, owner_id)
         if again is None:
             raise self.still_misdirected(link)
         async with again.client.open(method, path_qs, headers) as up:

@@ -383,3 +383,35 @@ def test_cluster_command(tmp_path: Path) -> None:
     # generation 2 carries generation 1 (where moved streams' previous owners are found)
     first = Cluster.of({"a": "http://127.0.0.1:1", "b": "http://127.0.0.1:2"}, 1)
     assert asyncio.run(stored()) == Cluster.of({"a": "http://127.0.0.1:1"}, 2, previous=first)
+
+
+def test_swapped_urls_are_named_as_such(pair: Pair, tmp_path: Path) -> None:
+    """Two members' URLs swapped in the description: `cluster set` said nothing, both ingesters
+    were ready, and through a reader every request answered 503 "the description is changing;
+    retry" (found by QA). `cluster set` now says which URL answers as which member, and the
+    reader says the description's URLs are wrong."""
+    swapped = ["--ingester", f"a={pair.b.url}", "--ingester", f"b={pair.a.url}"]
+    r = CliRunner().invoke(main, ["cluster", "set", "--store", (tmp_path / "other").as_uri(), *swapped])
+    assert r.exit_code == 0, r.output
+    assert f"warning: {pair.b.url} answers as ingester b, not a: the URLs are swapped" in r.stderr, r.stderr
+    assert f"warning: {pair.a.url} answers as ingester a, not b" in r.stderr
+    right = CliRunner().invoke(main, ["cluster", "set", "--store", (tmp_path / "right").as_uri(),
+                                      "--ingester", f"a={pair.a.url}", "--ingester", f"b={pair.b.url}"])
+    assert right.exit_code == 0 and "warning" not in right.stderr, right.stderr
+    # a reader routing by the swapped description, in front of the same two ingesters (their own
+    # description is right): b is asked for a's streams and names its own URL as their owner
+    store = tmp_path / "reader-store"
+    procs.write_cluster(store, {"a": pair.b.url, "b": pair.a.url})
+    reader = procs.reader(tmp_path / "reader", None, store.as_uri()).start()
+    try:
+        on_a = next(f"/v1/stream/sw-{n}" for n in range(1000) if pair.cluster.owner(f"sw-{n}").id == "a")
+        for method in ("HEAD", "PUT", "POST"):
+            status, _, body = request(reader, method, on_a, b"x" if method == "POST" else None,
+                                      headers={"Content-Type": "text/plain"})
+            assert status == 503, (method, status, body)
+            if method != "HEAD":
+                assert f"names ingester a at {pair.b.url}, but the ingester answering there is another member".encode() \
+                    in body, body
+                assert b"check them with `ds3 cluster show`" in body
+    finally:
+        reader.stop()
