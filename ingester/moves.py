@@ -464,6 +464,9 @@ class Mover:
             return
         if self.retired_at == cluster.generation:
             return
+        was_member = cluster.previous is not None and cluster.previous.get(self.me) is not None
+        if not was_member and self.moved_out == 0:
+            return  # never held anything here (started before being added): nothing to retire from
         await self.membership.watcher.source.retire(self.me, cluster.generation)
         self.retired_at = cluster.generation
         log.info("ingester %s is not in cluster description generation %d and has handed over everything it "

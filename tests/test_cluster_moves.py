@@ -298,6 +298,8 @@ def test_adding_an_ingester_under_load_loses_and_duplicates_nothing(tmp_path: Pa
             for t in threads:
                 t.join(60)
         assert not other, other[:5]
+        # c, started before it was added, never said it "may be stopped" (it held nothing yet)
+        assert "may be stopped" not in d.ingesters["c"].log_path.read_text()
         moved = [s for s in streams if cluster.owner(s[11:]).id == "c"]
         assert moved, "no stream moved to c"
         wait_for("the sweeps", lambda: all(moves(d.ingesters[i])["pending_out"] == 0 for i in "ab"))
