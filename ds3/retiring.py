@@ -4,28 +4,27 @@ Their data dirs (DATA_DIR/iK, K > N) hold streams that the new description place
 others. Not starting them made those streams answer 404, as if they had never existed (a
 client could then create them again beside the old copy). So dev starts them too, outside the
 description (it names them as the previous one's members, so the new owners pull from them at
-once) and waits until each says, on its /readyz, that it has handed everything over and retired
-(ingester/moves.py). Then it stops it and moves its data dir aside, to DATA_DIR/retired/iK-gG:
+once) and waits until each records, beside the cluster file, that it has handed everything over
+and retired (ingester/moves.py, shared/cluster.py). Then it stops it and moves its data dir aside, to DATA_DIR/retired/iK-gG:
 nothing is deleted, and the next run does not start it again.
 
 The supervisor calls `check()` on its tick; tests drive it the same way."""
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 import subprocess
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
+from shared.cluster import file_retired_at
+
 log = logging.getLogger("ds3.dev")
 
-CHECK_EVERY: Final = 0.5  # seconds between /readyz looks at each retiring ingester
+CHECK_EVERY: Final = 0.5  # seconds between looks at each retiring ingester's record
 _ID: Final = re.compile(r"i([1-9][0-9]*)")
 
 
@@ -40,38 +39,21 @@ def left_out(data_dir: Path, ingesters: int) -> list[str]:
     return [f"i{k}" for k in sorted(found)]
 
 
-def retired_at(url: str) -> int | None:
-    """The generation an ingester says it retired at (its /readyz; None: not yet, or no answer)."""
-    try:
-        with urllib.request.urlopen(f"{url}/readyz", timeout=2) as r:
-            body = r.read()
-    except urllib.error.HTTPError as e:  # a retiring ingester is not ready: 503, same body
-        body = e.read()
-    except OSError:
-        return None
-    try:
-        at = json.loads(body)["cluster"]["moves"]["retired_at"]
-    except (ValueError, KeyError, TypeError):
-        return None
-    return at if isinstance(at, int) else None
-
-
 @dataclass
 class Retiring:
     id: str
-    url: str
     data_dir: Path
     proc: subprocess.Popen[bytes]
     _checked_at: float = 0.0
 
-    def check(self, generation: int, retired_root: Path) -> bool:
+    def check(self, cluster_file: Path, generation: int, retired_root: Path) -> bool:
         """True once this ingester has retired at `generation`, been stopped and its data dir
         moved aside."""
         now = time.monotonic()
         if now - self._checked_at < CHECK_EVERY:
             return False
         self._checked_at = now
-        if retired_at(self.url) != generation:
+        if file_retired_at(cluster_file, self.id) != generation:
             return False
         self.proc.terminate()
         try:

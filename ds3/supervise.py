@@ -113,10 +113,10 @@ AUTH_SETTINGS: Final = ("DS3_TOKENS_FILE", "DS3_TOKENS", "DS3_JWT_SECRET", "DS3_
 
 
 def _supervise(children: list[subprocess.Popen[bytes]], stopping: Callable[[], bool], retiring: list[Retiring],
-               generation: int, retired_root: Path) -> int:
+               cluster_file: Path, generation: int, retired_root: Path) -> int:
     while not stopping():
         for r in list(retiring):
-            if r.proc.poll() is None and r.check(generation, retired_root):
+            if r.proc.poll() is None and r.check(cluster_file, generation, retired_root):
                 retiring.remove(r)
                 children.remove(r.proc)
         for child in children:
@@ -220,19 +220,22 @@ def run_dev(
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
+
+    def not_started(what: str) -> int:
+        if stopping:  # a Ctrl-C while starting: not a failure
+            log.info("ds3 dev: stopped while starting")
+            return 0
+        log.error("%s did not start", what)
+        return 1
+
     try:
         for command in commands:
             children.append(subprocess.Popen(command, env=env))
         for url, child in zip(ingester_urls, children, strict=True):
             if not _wait_ready(url, child, lambda: stopping):
-                if stopping:  # a Ctrl-C while starting: not a failure
-                    log.info("ds3 dev: stopped while starting")
-                    return 0
-                log.error("the ingester at %s did not start", url)
-                return 1
+                return not_started(f"the ingester at {url}")
         members = len(children) - len(leaving)
-        retiring = [Retiring(i, url, data_dir / i, proc)
-                    for (i, url), proc in zip(leaving, children[members:], strict=True)]
+        retiring = [Retiring(i, data_dir / i, proc) for (i, _), proc in zip(leaving, children[members:], strict=True)]
         reader = subprocess.Popen(
             [*ds3, "reader", "--host", host, "--port", str(port), *routing,
              "--store", objects.as_uri(), *(["--workers", str(workers)] if workers else []), *common],
@@ -241,20 +244,16 @@ def run_dev(
         children.append(reader)
         local = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)  # (asyncio binds "::" IPv6-only)
         if not _wait_ready(f"http://{f'[{local}]' if ':' in local else local}:{port}", reader, lambda: stopping):
-            if stopping:
-                log.info("ds3 dev: stopped while starting")
-                return 0
-            log.error("the reader did not start")
-            return 1
+            return not_started("the reader")
         if any(env.get(k) for k in AUTH_SETTINGS):
             log.info("ds3 dev ready on http://%s:%d (auth on; data in %s)", host, port, data_dir)
-            return _supervise(children, lambda: stopping, retiring, generation, data_dir / "retired")
-        log.info("ds3 dev ready on http://%s:%d (no auth: local development only; data in %s)",
-                 host, port, data_dir)
-        log.info("auth is off: anyone who can reach the port may write and delete. To require tokens, set "
-                 "DS3_TOKENS_FILE, DS3_JWT_SECRET, DS3_JWKS_FILE or DS3_JWKS_URL (for `ds3 dev` too; "
-                 "README: Deploying with auth)")
-        return _supervise(children, lambda: stopping, retiring, generation, data_dir / "retired")
+        else:
+            log.info("ds3 dev ready on http://%s:%d (no auth: local development only; data in %s)",
+                     host, port, data_dir)
+            log.info("auth is off: anyone who can reach the port may write and delete. To require tokens, set "
+                     "DS3_TOKENS_FILE, DS3_JWT_SECRET, DS3_JWKS_FILE or DS3_JWKS_URL (for `ds3 dev` too; "
+                     "README: Deploying with auth)")
+        return _supervise(children, lambda: stopping, retiring, cluster_file, generation, data_dir / "retired")
     finally:
         for child in reversed(children):
             if child.poll() is None:

@@ -48,6 +48,7 @@ import functools
 import logging
 import os
 import time
+from collections import Counter
 from typing import TYPE_CHECKING, Any, Final
 
 import aiohttp
@@ -415,13 +416,14 @@ class Mover:
             return 0
         log.info("moving %d keys out to their new owners (generation %d)", len(keys), cluster.generation)
         limit = asyncio.Semaphore(SWEEP_CONCURRENCY)
-        unreachable: dict[str, tuple[int, str]] = {}  # owner id -> (keys, why): one line each
+        unreachable: dict[str, str] = {}  # owner id -> why it did not answer: one line each
+        waiting: Counter[str] = Counter()  # of those, keys left for the next sweep
 
         async def one(key: str) -> None:
             async with limit:
                 owner = cluster.owner_of_key(key)
                 if owner.id in unreachable:  # (it did not answer this sweep: the next one asks again)
-                    unreachable[owner.id] = (unreachable[owner.id][0] + 1, unreachable[owner.id][1])
+                    waiting[owner.id] += 1
                     return
                 try:
                     status, body = await self._post(f"{owner.url}/_ds3/move-in", {
@@ -429,8 +431,8 @@ class Mover:
                         # where to pull from when the owner's description no longer knows us
                         "from_url": self._my_url(cluster)})
                 except (aiohttp.ClientError, TimeoutError, OSError) as e:
-                    n, _ = unreachable.get(owner.id, (0, ""))
-                    unreachable[owner.id] = (n + 1, f"{type(e).__name__}: {e}" if str(e) else type(e).__name__)
+                    unreachable[owner.id] = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+                    waiting[owner.id] += 1
                     return
                 if status != 204:
                     self._failed(f"asking {owner.id} to take {key!r}: {status} {_message(body)}")
@@ -443,10 +445,10 @@ class Mover:
                 self.pending_out -= 1
 
         await asyncio.gather(*(one(k) for k in keys))
-        for owner_id, (n, why) in sorted(unreachable.items()):
+        for owner_id, why in sorted(unreachable.items()):
             owner = cluster.get(owner_id)
             self._failed(f"ingester {owner_id} at {owner.url if owner else '?'} does not answer ({why[:200]}): "
-                         f"{n} keys wait for the next sweep")
+                         f"{waiting[owner_id]} keys wait for the next sweep")
         if self.pending_out == 0:
             self.last_error = None  # everything handed over: what failed before is done
             await self._retire_if_left_out(cluster)

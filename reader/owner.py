@@ -39,7 +39,8 @@ MAX_SKEW_SECONDS: Final = 1.0  # a member's lease counts as live this long past 
 class OwnerWatcher:
     """The ownership record as last read; `url` is the owner's advertised URL, or None."""
 
-    def __init__(self, objects: ObjectStore, interval: float = REFRESH_SECONDS) -> None:
+    def __init__(self, objects: ObjectStore, interval: float = REFRESH_SECONDS,
+                 label: str = "the store prefix's owner") -> None:
         self.objects = objects
         self.interval = interval
         self.record: OwnerRecord | None = None
@@ -48,7 +49,7 @@ class OwnerWatcher:
         self._task: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
         self._last_read = 0.0
-        self.label = "the store prefix's owner"  # whose record, for the log
+        self.label = label  # whose record, for the log
 
     @property
     def url(self) -> str | None:
@@ -104,6 +105,11 @@ class MemberOwners:
         self.objects = objects
         self._watchers: dict[str, OwnerWatcher] = {}
 
+    @property
+    def active(self) -> bool:
+        """Whether any member's record is followed (no forward has failed yet: none is)."""
+        return bool(self._watchers)
+
     def url(self, ingester_id: str, described: str) -> str:
         """The URL to forward member `ingester_id`'s requests to (`described`: the description's)."""
         w = self._watchers.get(ingester_id)
@@ -118,8 +124,9 @@ class MemberOwners:
         """A forward to this member failed: read its record (soon, rate-limited)."""
         w = self._watchers.get(ingester_id)
         if w is None:
-            w = self._watchers[ingester_id] = OwnerWatcher(ScopedStore(self.objects, ingester_scope(ingester_id)))
-            w.label = f"cluster member {ingester_id}, by its ownership record,"
+            w = self._watchers[ingester_id] = OwnerWatcher(
+                ScopedStore(self.objects, ingester_scope(ingester_id)),
+                label=f"cluster member {ingester_id}, by its ownership record,")
             w.start()
         w.poke()
 

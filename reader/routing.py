@@ -115,15 +115,15 @@ class Router:
             owner = cluster.owner_of_key(key)
             found = self._owners[key] = self.link(owner.url)
             found.ingester_id = owner.id
-        if self.members is not None and found.ingester_id is not None:
-            return self.member_link(found.ingester_id, found.url)
+        if self.members is not None and self.members.active and found.ingester_id is not None:
+            return self.member_link(found.ingester_id, found.url)  # (only once a member failed)
         return found
 
     def member_link(self, ingester_id: str, described: str) -> Link:
         """The link to member `ingester_id`: where its ownership record says it runs, if a
         forward to `described` failed and a standby took it over there."""
         assert self.members is not None
-        url = self.members.url(ingester_id, described.rstrip("/"))
+        url = self.members.url(ingester_id, described)
         link = self.link(url)
         link.ingester_id = ingester_id
         return link

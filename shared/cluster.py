@@ -208,18 +208,24 @@ class FileSource:
     async def load(self) -> Cluster | None:
         return load_cluster_file(self.path)
 
-    def _marker_path(self, ingester_id: str) -> Path:
-        return self.path.with_name(f"{self.path.name}.retired-{ingester_id}")
-
     async def retire(self, ingester_id: str, generation: int) -> None:
-        await asyncio.to_thread(write_durably, self._marker_path(ingester_id), _marker(ingester_id, generation))
+        await asyncio.to_thread(write_durably, _marker_path(self.path, ingester_id), _marker(ingester_id, generation))
 
     async def retired_at(self, ingester_id: str) -> int | None:
-        try:
-            data = await asyncio.to_thread(self._marker_path(ingester_id).read_bytes)
-        except OSError:
-            return None
-        return _marker_generation(data, ingester_id)
+        return await asyncio.to_thread(file_retired_at, self.path, ingester_id)
+
+
+def _marker_path(cluster_file: Path, ingester_id: str) -> Path:
+    return cluster_file.with_name(f"{cluster_file.name}.retired-{ingester_id}")
+
+
+def file_retired_at(cluster_file: Path, ingester_id: str) -> int | None:
+    """FileSource.retired_at without an event loop (`ds3 dev` waits on it)."""
+    try:
+        data = _marker_path(cluster_file, ingester_id).read_bytes()
+    except OSError:
+        return None
+    return _marker_generation(data, ingester_id)
 
 
 def load_cluster_file(path: Path) -> Cluster:

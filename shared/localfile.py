@@ -4,6 +4,7 @@ the rename itself may not survive a power cut)."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 import tempfile
 from pathlib import Path
@@ -49,8 +50,6 @@ def hold_lock(path: Path) -> int:
     (the descriptor is returned and never closed; the kernel drops the lock when the process
     ends, SIGKILL included). Locked if another process holds it. The pid is written into the
     file, for the message."""
-    import fcntl
-
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
