@@ -14,6 +14,7 @@ from ingester.forks_across import CrossForks
 from ingester.moves import Mover
 from shared.cluster import ClusterWatcher, FileSource, Membership, StoreSource
 from shared.errors import Misdirected
+from shared.owner_watch import MemberOwners
 
 if TYPE_CHECKING:
     from ingester.service import IngesterService
@@ -32,6 +33,7 @@ async def join_cluster(svc: IngesterService, ingester_id: str) -> None:
     watcher.start()
     svc.membership = Membership(ingester_id, watcher)
     svc.peers = aiohttp.ClientSession()  # calls to the other ingesters (moves, forks): one per process
+    svc.members = MemberOwners(svc.objects)  # where a member's standby runs (with a store: its record)
     svc.cross_forks = CrossForks(svc)
     svc.cross_forks.start()
     svc.moves = Mover(svc)

@@ -46,7 +46,7 @@ from shared.errors import (
     Unavailable,
 )
 from shared.http.auth import INTERNAL_HEADER
-from shared.placement import placement_key
+from shared.placement import Ingester, placement_key
 
 if TYPE_CHECKING:
     from ingester.service import IngesterService
@@ -86,10 +86,10 @@ class CrossForks:
         assert self.svc.peers is not None  # (a cluster member has one)
         return self.svc.peers
 
-    def _owner_url(self, source_path: str) -> str:
+    def _owner(self, source_path: str) -> Ingester:
         m = self.svc.membership
         assert m is not None
-        return m.owner_of_key(placement_key(source_path)).url.rstrip("/")
+        return m.owner_of_key(placement_key(source_path))
 
     # --- B: the fork's owner ---------------------------------------------------------------
 
@@ -126,13 +126,17 @@ class CrossForks:
             self._wake.set()
 
     async def _call(self, source_path: str, endpoint: str, body: dict[str, Any]) -> bytes:
-        url = self._owner_url(source_path) + endpoint
+        owner, members = self._owner(source_path), self.svc.members
+        assert members is not None  # (a cluster member has them)
+        url = members.url(owner.id, owner.url).rstrip("/") + endpoint  # (a standby of it, once it failed)
         try:
             async with self._http().post(url, data=orjson.dumps(body), timeout=CALL_TIMEOUT, headers={
                     **self._headers(), "Content-Type": "application/json"}) as resp:
                 raw = await resp.read()
                 status = resp.status
         except (aiohttp.ClientError, TimeoutError) as e:
+            if isinstance(e, aiohttp.ClientConnectionError | TimeoutError):
+                members.failed(owner.id)
             raise Unavailable(f"the fork source's ingester ({url}) did not answer: {e or type(e).__name__}", 2) from e
         if status in (200, 204):
             return raw

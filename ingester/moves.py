@@ -94,6 +94,8 @@ class Mover:
         assert svc.membership is not None
         self.svc = svc
         self.membership = svc.membership
+        assert svc.members is not None  # (join_cluster sets both)
+        self.members = svc.members
         self.me = svc.membership.ingester_id
         token = svc.config.auth.internal_token
         self._headers = {INTERNAL_HEADER: token} if token else {}
@@ -232,11 +234,20 @@ class Mover:
         if not fut.cancelled() and fut.exception() is not None:
             fut.exception()  # retrieved: each waiter re-raises it
 
-    async def _post(self, url: str, body: dict[str, Any]) -> tuple[int, bytes]:
+    async def _post(self, peer: Ingester, endpoint: str, body: dict[str, Any]) -> tuple[int, bytes]:
+        """POST to cluster member `peer`: at the description's URL or, once that failed, where a
+        standby of it runs (shared/owner_watch.py). A connection error is raised as it is."""
         assert self.svc.peers is not None
-        async with self.svc.peers.post(url, data=orjson.dumps(body), timeout=_TIMEOUT, headers={
-                **self._headers, "Content-Type": "application/json"}) as r:
-            return r.status, await r.read()
+        try:
+            async with self.svc.peers.post(self.url_of(peer) + endpoint, data=orjson.dumps(body), timeout=_TIMEOUT,
+                                           headers={**self._headers, "Content-Type": "application/json"}) as r:
+                return r.status, await r.read()
+        except (aiohttp.ClientConnectionError, TimeoutError, OSError):
+            self.members.failed(peer.id)
+            raise
+
+    def url_of(self, peer: Ingester) -> str:
+        return self.members.url(peer.id, peer.url).rstrip("/")
 
     async def take_from(self, key: str, holder: Ingester) -> None:
         """The sweep of `holder` offers `key`, which this ingester owns: once it holds it (the
@@ -262,14 +273,14 @@ class Mover:
         started = time.perf_counter()
         self.pulling += 1
         try:
-            status, body = await self._post(f"{source.url}/_ds3/move-out",
+            status, body = await self._post(source, "/_ds3/move-out",
                                             {"key": key, "generation": cluster.generation, "to": self.me})
         except (aiohttp.ClientError, TimeoutError, OSError) as e:
             if await self._has_retired(source, cluster):
                 self._settle(key)
                 return
-            self._failed(f"ingester {source.id} at {source.url} does not answer: {e!r}")
-            raise Unavailable(f"this stream is moving here from ingester {source.id} at {source.url}, which does "
+            self._failed(f"ingester {source.id} at {self.url_of(source)} does not answer: {e!r}")
+            raise Unavailable(f"this stream is moving here from ingester {source.id} at {self.url_of(source)}, which does "
                               f"not answer ({type(e).__name__}); retry shortly", retry_after=1) from None
         finally:
             self.pulling -= 1
@@ -308,7 +319,7 @@ class Mover:
         for delay in (0.0, 0.5, 2.0):
             await asyncio.sleep(delay)
             try:
-                status, body = await self._post(f"{source.url}/_ds3/move-done",
+                status, body = await self._post(source, "/_ds3/move-done",
                                                 {"key": key, "generation": generation, "to": self.me})
                 if status == 204:
                     return
@@ -426,7 +437,7 @@ class Mover:
                     waiting[owner.id] += 1
                     return
                 try:
-                    status, body = await self._post(f"{owner.url}/_ds3/move-in", {
+                    status, body = await self._post(owner, "/_ds3/move-in", {
                         "key": key, "generation": cluster.generation, "from": self.me,
                         # where to pull from when the owner's description no longer knows us
                         "from_url": self._my_url(cluster)})
@@ -447,7 +458,7 @@ class Mover:
         await asyncio.gather(*(one(k) for k in keys))
         for owner_id, why in sorted(unreachable.items()):
             owner = cluster.get(owner_id)
-            self._failed(f"ingester {owner_id} at {owner.url if owner else '?'} does not answer ({why[:200]}): "
+            self._failed(f"ingester {owner_id} at {self.url_of(owner) if owner else '?'} does not answer ({why[:200]}): "
                          f"{waiting[owner_id]} keys wait for the next sweep")
         if self.pending_out == 0:
             self.last_error = None  # everything handed over: what failed before is done

@@ -54,6 +54,7 @@ from shared.config import IngesterConfig
 from shared.errors import Superseded, Unavailable
 from shared.http.metrics import LoopHistogram
 from shared.objectstore import LocalStore, ObjectStore, open_store
+from shared.owner_watch import MemberOwners
 from shared.ownership import OwnerRecord, Ownership
 from shared.placement import placement_key
 
@@ -88,6 +89,8 @@ class IngesterService:
         # (handlers and the fast lane check every stream request against it). None: no cluster.
         self.membership: Membership | None = None
         self.peers: aiohttp.ClientSession | None = None
+        # Where the other members run when a standby took one over (with a store: their records)
+        self.members: MemberOwners | None = None
         self.cross_forks: CrossForks | None = None  # forks of other ingesters' streams (a cluster)
         self.moves: Mover | None = None  # moving streams in and out as the description changes
         self._owned_check = OwnedCheck(self)  # owned_key
@@ -259,6 +262,8 @@ class IngesterService:
             await self.moves.stop()
         if self.peers is not None:
             await self.peers.close()
+        if self.members is not None:
+            await self.members.stop()
         if self.membership is not None:
             await self.membership.watcher.stop()
         if self._lease_task is not None:

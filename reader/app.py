@@ -15,7 +15,6 @@ from reader import metrics as reader_metrics
 from reader.descriptors import DescriptorCache
 from reader.fanout import LiveHub, Page
 from reader.http import add_routes, read_page
-from reader.owner import MemberOwners, OwnerWatcher
 from reader.proxy import IngesterClient
 from reader.routing import Router
 from reader.sealed import SealedLocator
@@ -29,6 +28,7 @@ from shared.http import access, auth, limits
 from shared.http.handlers import common_headers, errors_middleware
 from shared.objectstore import open_store
 from shared.objectstore.url import FileStoreURL, parse_store_url
+from shared.owner_watch import MemberOwners, OwnerWatcher
 
 log = logging.getLogger("ds3.reader")
 STARTUP_READ_TIMEOUT = 3.0  # seconds the reader waits for its first read of the cluster description
@@ -71,7 +71,7 @@ def create_app(config: ReaderConfig) -> web.Application:
                 await watcher.refresh()
         if config.cluster is not None and watcher.current is None:
             raise ConfigError(f"cluster (DS3_CLUSTER): {watcher.error}")
-        # no --ingester (and no --cluster): the prefix owner's advertised URL (reader/owner.py)
+        # no --ingester (and no --cluster): the prefix owner's advertised URL (shared/owner_watch.py)
         owner = OwnerWatcher(objects) if config.cluster is None and config.ingester is None else None
         if owner is not None:
             with contextlib.suppress(TimeoutError):

@@ -5,7 +5,7 @@ A reader holds the current cluster description (shared.cluster.ClusterWatcher ov
 (shared.placement: plain streams by their path, bucketed streams and bucket routes by their
 bucket). With no description (none in the store and no file), every request goes to the one
 `--ingester`, exactly as before clusters existed; a reader started without `--ingester` follows
-the ingester that owns the store prefix, as the ownership record names it (reader/owner.py: a
+the ingester that owns the store prefix, as the ownership record names it (shared/owner_watch.py: a
 standby that took over is followed without a restart).
 
 Per ingester URL the router keeps a `Link`: an IngesterClient (reader/proxy.py, sharing the
@@ -34,12 +34,12 @@ from typing import Any, Final
 import aiohttp
 from multidict import CIMultiDict
 
-from reader.owner import MemberOwners, OwnerWatcher
 from reader.proxy import DROP_RESPONSE, Headers, IngesterClient, Upstream
 from reader.upstream import Answer, UpstreamPool
 from shared.cluster import ClusterWatcher
 from shared.errors import Unavailable
 from shared.logs import request_id
+from shared.owner_watch import MemberOwners, OwnerWatcher
 from shared.placement import GENERATION_HEADER, OWNER_ID_HEADER, Cluster, bucket_placement_key, placement_key
 
 log = logging.getLogger("ds3.reader.routing")
@@ -74,7 +74,7 @@ class Router:
         self._make_pool = make_pool
         self.watcher = watcher
         self.owner = owner  # the ownership record's advertised URL, when there is no description
-        self.members = members  # in a cluster: a member's standby that took over (reader/owner.py)
+        self.members = members  # in a cluster: a member's standby that took over (shared/owner_watch.py)
         self.links: dict[str, Link] = {}
         self.default = self.link(default_url) if default_url is not None else None
         self._cached_for: Cluster | None = None

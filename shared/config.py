@@ -292,7 +292,7 @@ class ReaderConfig:
     workers: int = 1  # processes sharing the port (reader/workers.py)
     # Routing (issue 15; reader/routing.py): the cluster description from this file instead of
     # the store's _ds3/cluster.json; with neither, every request goes to `ingester`, or without
-    # one, to the ingester the store's ownership record names (reader/owner.py).
+    # one, to the ingester the store's ownership record names (shared/owner_watch.py).
     cluster: Path | None = None
     cluster_refresh: float = 5.0  # seconds between reads of the description
     auth: AuthConfig = field(default_factory=AuthConfig)

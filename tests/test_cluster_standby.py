@@ -10,6 +10,7 @@ import signal
 import time
 from pathlib import Path
 
+from shared.placement import Cluster, Ingester
 from tests import procs
 from tests.procs import request
 
@@ -68,3 +69,66 @@ def test_readers_follow_a_members_standby_by_its_ownership_record(tmp_path: Path
         standby.stop()
         b.stop()
         a.stop()
+
+
+def test_ingesters_reach_a_members_standby_for_forks_and_moves(tmp_path: Path) -> None:
+    """The other members call a member's standby too, by its ownership record: a fork whose
+    source the standby now holds, and streams moving from it to an ingester added after the
+    takeover, while the description still names the dead machine. Before, both answered 503
+    until `ds3 cluster set` named the standby."""
+    store_root = tmp_path / "objects"
+    pa, pb, pc, pa2 = procs.free_port(), procs.free_port(), procs.free_port(), procs.free_port()
+    urls = {"a": f"http://127.0.0.1:{pa}", "b": f"http://127.0.0.1:{pb}"}
+    procs.write_cluster(store_root, urls)
+    grown = Cluster(2, tuple(Ingester(i, u) for i, u in {**urls, "c": f"http://127.0.0.1:{pc}"}.items()))
+    names = [f"s-{n}" for n in range(300)]
+    on_b = "/v1/stream/" + next(s for s in names if grown.owner(s).id == "b")
+    moving = "/v1/stream/" + next(s for s in names if grown.owner(s).id == "c" and _first_owner(urls, s) == "a")
+    source = "/v1/stream/" + next(s for s in names if grown.owner(s).id == "a")
+    fork = "/v1/stream/" + next(s for s in names if grown.owner(s).id == "b" and f"/v1/stream/{s}" != on_b)
+    common = ["--store", store_root.as_uri(), "--durability", "store", "--lease-seconds", "2", "--cluster-refresh", "0.5",
+              "--write-rate", "0"]
+    a = procs.ingester(tmp_path / "a", *common, "--ingester-id", "a", port=pa).start()
+    b = procs.ingester(tmp_path / "b", *common, "--ingester-id", "b", port=pb).start()
+    standby = procs.ingester(tmp_path / "a2", *common, "--ingester-id", "a", "--standby", port=pa2).start()
+    reader = procs.reader(tmp_path / "reader", None, store_root.as_uri(), "--cluster-refresh", "0.5").start()
+    c = procs.ingester(tmp_path / "c", *common, "--ingester-id", "c", port=pc)
+    try:
+        for path in (moving, source):
+            assert request(reader, "PUT", path, headers=TEXT)[0] == 201
+            assert request(reader, "POST", path, b"1\n", TEXT)[0] == 204
+        assert a.popen is not None
+        os.kill(a.popen.pid, signal.SIGKILL)
+        a.popen.wait()
+        _until_accepted(reader, "POST", source, b"2\n", TEXT)  # the standby serves a's streams
+        # b pins the fork's source at a's owner: the standby, by a's record
+        _until_accepted(reader, "PUT", fork, b"", {**TEXT, "Stream-Forked-From": source})
+        assert request(reader, "POST", fork, b"fork\n", TEXT)[0] == 204
+        assert _read(reader, fork) == b"1\n2\nfork\n"
+        # c joins with a still described at the dead machine's URL: c pulls a's streams from the standby
+        c.start()
+        procs.write_cluster(store_root, {**urls, "c": f"http://127.0.0.1:{pc}"})
+        _until_accepted(c, "HEAD", moving, b"", {})  # c pulled it from the standby
+        _until_accepted(reader, "POST", moving, b"2\n", TEXT)
+        assert _read(reader, moving) == b"1\n2\n"
+        assert _read(reader, source) == b"1\n2\n"
+        assert "cluster member a, by its ownership record, is" in c.log_path.read_text()
+    finally:
+        for p in (reader, c, standby, b, a):
+            p.stop()
+
+
+def _first_owner(urls: dict[str, str], stream: str) -> str:
+    return Cluster(1, tuple(Ingester(i, u) for i, u in urls.items())).owner(stream).id
+
+
+def _until_accepted(to: procs.Proc, method: str, path: str, body: bytes, headers: dict[str, str]) -> None:
+    """Send until the request is accepted; only 503 + Retry-After is expected meanwhile."""
+    deadline = time.monotonic() + 20
+    while True:
+        status, h, answer = request(to, method, path, body, headers)
+        if status in (200, 201, 204):
+            return
+        assert status == 503 and h.get("retry-after"), (method, path, status, answer)
+        assert time.monotonic() < deadline, f"{method} {path} still refused: {answer!r}"
+        time.sleep(0.2)

@@ -1,9 +1,11 @@
-"""Readers follow the store prefix's owner (issue 14 item 5): a reader started without
+"""Following an ownership record (shared/ownership.py) to where an ingester runs now.
+
+Readers follow the store prefix's owner (issue 14 item 5): a reader started without
 `--ingester` (and without a cluster description) forwards to the ingester the ownership record
-names (`_ds3/owner.json`, shared/ownership.py: its advertised URL). A standby that takes the
-prefix over writes its own URL there; readers read the record every REFRESH_SECONDS (and at
-once after a failed forward) and move to it without a restart. An explicit `--ingester` is
-used as given (a proxy or load balancer in between, a test's gate), never second-guessed.
+names (`_ds3/owner.json`: its advertised URL). A standby that takes the prefix over writes its
+own URL there; readers read the record every REFRESH_SECONDS (and at once after a failed
+forward) and move to it without a restart. An explicit `--ingester` is used as given (a proxy or
+load balancer in between, a test's gate), never second-guessed.
 
 A released or lapsed record still names the last owner: it is where the data is, and the
 ingester itself answers 503 while it does not own the prefix (or a standby names the owner).
@@ -11,9 +13,10 @@ ingester itself answers 503 while it does not own the prefix (or a standby names
 In a cluster (MemberOwners) each member owns its own namespace (`_ds3/ingesters/<id>/`), and a
 member's standby takes it over like the single owner's does, but the description still names
 the machine it replaced. The description's URL stays the first choice (the admin's, known to
-be reachable from readers); once a forward to it fails, the reader reads that member's record,
-and while a live lease there names another URL, that member's requests go there, until the
-description names it too (`ds3 cluster set`) or the lease ends.
+be reachable); once a call to it fails, the caller reads that member's record, and while a live
+lease there names another URL, that member's calls go there, until the description names it
+too (`ds3 cluster set`) or the lease ends. Readers do this for forwarded requests, ingesters for
+their calls to each other (moves, forks across ingesters).
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from shared.objectstore.base import ObjectStore
 from shared.objectstore.scoped import ScopedStore, ingester_scope
 from shared.ownership import OwnerRecord, read_owner
 
-log = logging.getLogger("ds3.reader.owner")
+log = logging.getLogger("ds3.owner")
 
 REFRESH_SECONDS: Final = 2.0
 MIN_EARLY_SECONDS: Final = 0.25  # a failed forward asks again at most this often
@@ -98,20 +101,21 @@ class OwnerWatcher:
 
 class MemberOwners:
     """Where each cluster member runs now, when its ownership record says otherwise than the
-    description (see the module's docstring). A member's record is read only after a forward
-    to it failed, then every REFRESH_SECONDS."""
+    description (see the module's docstring). A member's record is read only after a call to
+    it failed, then every REFRESH_SECONDS. Without a store (a `--cluster` file and no
+    `--store`) there are no records: the description's URLs are used as they are."""
 
-    def __init__(self, objects: ObjectStore) -> None:
+    def __init__(self, objects: ObjectStore | None) -> None:
         self.objects = objects
         self._watchers: dict[str, OwnerWatcher] = {}
 
     @property
     def active(self) -> bool:
-        """Whether any member's record is followed (no forward has failed yet: none is)."""
+        """Whether any member's record is followed (no call has failed yet: none is)."""
         return bool(self._watchers)
 
     def url(self, ingester_id: str, described: str) -> str:
-        """The URL to forward member `ingester_id`'s requests to (`described`: the description's)."""
+        """The URL for member `ingester_id`'s requests (`described`: the description's)."""
         w = self._watchers.get(ingester_id)
         if w is None:
             return described
@@ -121,7 +125,9 @@ class MemberOwners:
         return url
 
     def failed(self, ingester_id: str) -> None:
-        """A forward to this member failed: read its record (soon, rate-limited)."""
+        """A call to this member failed: read its record (soon, rate-limited)."""
+        if self.objects is None:
+            return
         w = self._watchers.get(ingester_id)
         if w is None:
             w = self._watchers[ingester_id] = OwnerWatcher(
