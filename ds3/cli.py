@@ -119,7 +119,11 @@ def _ingester_options(f: FC) -> FC:
                   "store: only once its log segment is in the object store (nothing acknowledged is "
                   "lost with the machine)."),
         _opt("--ship-interval", env="DS3_SHIP_INTERVAL", type=float, default=1.0,
-             help="local durability: seconds the log in the store may lag behind the WAL."),
+             help="local durability: the log in the store follows the WAL within about this many seconds."),
+        _opt("--max-ship-lag", env="DS3_MAX_SHIP_LAG", type=float, default=None,
+             help="local durability: once the log in the store is this many seconds behind (the store "
+                  "failing), appends answer 503 until it catches up, so a lost disk loses at most this "
+                  "much; 0: no bound (keep acknowledging). Default: 5, or 3 x --ship-interval if larger."),
         _opt("--log-uploads", env="DS3_LOG_UPLOADS", type=int, default=4,
              help="store durability: log segment uploads in flight at once (1-4); appends are still "
                   "acknowledged in commit order."),

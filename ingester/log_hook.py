@@ -6,8 +6,9 @@ Which gate a commit gets (see ingester/shipper.py for the two durability modes):
 - store mode: one shared by every commit gathered until the shipper next takes the queue,
   completed once a segment holding them is in the store; a commit queued before its LMDB
   commit (before_commit) gets one of its own, none at all if its segment already landed.
-- local mode: none, while our lease holds.
-- fenced, the store failing (store mode), or the lease over (local mode): a failed one (503).
+- local mode: none, while our lease holds and the log is less than --max-ship-lag behind.
+- fenced, the store failing (store mode), the lease over or the log too far behind (local
+  mode): a failed one (503).
 """
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ if TYPE_CHECKING:
     from ingester.shipper import Shipper
 
 GATE_ATTEMPTS: Final = 3  # store mode: failed uploads in a row before waiting writes get 503
+LAGGING: Final = ("the write is in the write-ahead log but the object store's copy of the log is {lag:.1f} s behind "
+                  "(--max-ship-lag {bound:g} s), so it is not acknowledged; retry (an idempotent producer's retry "
+                  "is deduplicated)")
 NOT_SHIPPED: Final = ("the write is in the write-ahead log but its log segment did not reach the object store; "
                       "retry (an idempotent producer's retry is deduplicated)")
 
@@ -93,6 +97,11 @@ class LogHook:
                 # ingester may own the prefix by now. 503 (the commit is in this WAL only).
                 gate = ConcurrentFuture()
                 gate.set_exception(Superseded("the lease on the store prefix ran out", shipper.epoch()))
+            elif shipper.durability == "local" and shipper.max_lag and queue.lag_seconds() > shipper.max_lag:
+                # The store is failing (or cut off): past the bound, what a lost disk would take
+                # with it stops growing. The commit stays queued and is shipped once it answers.
+                gate = ConcurrentFuture()
+                gate.set_exception(Unavailable(LAGGING.format(lag=queue.lag_seconds(), bound=shipper.max_lag), 2))
             elif shipper.durability == "store" and early:
                 # A gate of its own: its segment may be cut already (the next commit's may not).
                 gate = queue.own_gate(commit.seq)

@@ -191,7 +191,7 @@ class IngesterService:
             self._open_wal()
             assert self.own_objects is not None
             self.shipper = Shipper(self.wal, self.own_objects, loop, durability=cast(Durability, self.config.durability),
-                                   interval=self.config.ship_interval,
+                                   interval=self.config.ship_interval, max_lag=self.config.ship_lag_bound,
                                    checkpoint_interval=self.config.checkpoint_interval, ownership=self.ownership,
                                    uploads=self.config.log_uploads)
         self._committer = GroupCommitter(

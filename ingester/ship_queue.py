@@ -37,8 +37,13 @@ class ShipQueue:
         # Guarded by the lock (the writer thread appends, the loop takes):
         self.commits: deque[Commit] = deque()
         self.sizes: deque[int] = deque()  # commit_size of each queued commit (counted once)
+        self.times: deque[float] = deque()  # monotonic time each queued commit arrived
         self.bytes = 0
-        self.oldest_at: float | None = None  # monotonic time the oldest queued commit arrived
+        # Since when (monotonic) a logged commit has not been in the store: the oldest queued
+        # one's arrival, or, once the queue was dropped for a checkpoint, the oldest dropped
+        # one's until that checkpoint lands. None: the store holds everything logged.
+        self.unshipped_since: float | None = None
+        self.dropped_upto = 0  # the last commit dropped for a checkpoint
         self.gates: deque[list[object]] = deque()  # [last seq, gate], in seq order
         self.open_gate: list[object] | None = None  # the entry commits join until the next take
         self.taken_upto = 0  # queued commits up to this seq are in an upload in flight
@@ -48,10 +53,16 @@ class ShipQueue:
     def __len__(self) -> int:
         return len(self.commits)
 
-    def lag_seconds(self) -> float:
+    @property
+    def oldest_at(self) -> float | None:
+        """When the oldest queued commit arrived (monotonic), None if none is queued."""
+        times = self.times
+        return times[0] if times else None
+
+    def lag_seconds(self, now: float | None = None) -> float:
         """How long the oldest commit not yet in the store has waited (0: nothing waits)."""
-        oldest = self.oldest_at
-        return 0.0 if oldest is None else max(0.0, time.monotonic() - oldest)
+        since = self.unshipped_since
+        return 0.0 if since is None else max(0.0, (time.monotonic() if now is None else now) - since)
 
     # --- the writer thread, under the lock ---------------------------------------------------
 
@@ -59,11 +70,13 @@ class ShipQueue:
         """Under the lock: append to the queue; whether it was empty."""
         first = not self.commits
         size = commit_size(commit)
+        now = time.monotonic()
         self.commits.append(commit)
         self.sizes.append(size)
+        self.times.append(now)
         self.bytes += size
-        if first:
-            self.oldest_at = time.monotonic()
+        if self.unshipped_since is None:
+            self.unshipped_since = now
         return first
 
     def own_gate(self, seq: int) -> Gate:
@@ -113,11 +126,11 @@ class ShipQueue:
             while self.commits and self.commits[0].seq <= seq:
                 self.commits.popleft()
                 self.bytes -= self.sizes.popleft()
+                self.times.popleft()
             if not self.commits:
                 self.bytes = 0
-                self.oldest_at = None
-            else:
-                self.oldest_at = time.monotonic()  # approximate: when the rest started waiting
+            if seq >= self.dropped_upto:  # (else dropped commits still wait for their checkpoint)
+                self.unshipped_since = self.times[0] if self.times else None
             self.landed_seq = max(self.landed_seq, seq)
             while self.gates and self.gates[0][0] <= seq:  # type: ignore[operator]
                 entry = self.gates.popleft()
@@ -148,13 +161,15 @@ class ShipQueue:
     def drop(self, error: Callable[[], BaseException]) -> None:
         """A checkpoint covers the queue: drop it; every waiting gate fails."""
         with self.lock:
+            if self.commits:
+                self.dropped_upto = max(self.dropped_upto, self.commits[-1].seq)
             self.commits.clear()
             self.sizes.clear()
+            self.times.clear()  # (unshipped_since stays: they are not in the store yet)
             # ... but not a commit handed over before LMDB commits it, if that happens after
             # the checkpoint's copy: its on_logged must queue it again.
             self.early_seq = 0
             self.bytes = 0
-            self.oldest_at = None
             gates = [entry[1] for entry in self.gates]
             self.gates.clear()
             self.open_gate = None

@@ -32,7 +32,10 @@ Two modes (--durability):
 - local: no gate (acknowledged after the local fsync) while our lease holds (a failed gate,
   503, once it does not: ownership.valid() is checked after every commit, before its
   outcomes go out); the queue is shipped at most about --ship-interval after its oldest
-  commit.
+  commit. While the store fails, the log falls behind: once the oldest commit it lacks is
+  --max-ship-lag old, a commit gets a failed gate too (503: in the WAL, promised nothing),
+  so what a lost disk loses stays bounded by that, and so does what a standby taking over
+  from an owner cut off from the store does not find (it waits the lease out first).
 
 Fencing: before every upload the shipper checks the ownership (shared/ownership.py); fenced,
 it uploads nothing more and fails every gate.
@@ -76,6 +79,7 @@ class Shipper:
         *,
         durability: Durability = "local",
         interval: float = 1.0,
+        max_lag: float = 0.0,
         checkpoint_interval: float = 300.0,
         ownership: Ownership | None = None,
         shipped_seq: int = 0,
@@ -87,6 +91,7 @@ class Shipper:
         self.loop = loop
         self.durability = durability
         self.interval = interval
+        self.max_lag = max_lag  # local mode: past this lag, writes answer 503 (0: never)
         self.ownership = ownership
         self.uploads = min(max(1, uploads), UPLOADS_IN_FLIGHT)  # store mode: segment uploads in flight
         self.early = early  # store mode: upload a commit's segment while LMDB syncs it (before_commit)

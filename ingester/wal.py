@@ -407,7 +407,12 @@ class GroupCommitter:
             try:
                 out = results
                 if gate is not None and (gate.cancelled() or gate.exception() is not None):
-                    out = [(p, Unavailable(NOT_SHIPPED_MESSAGE, 5), False) if ok else (p, value, ok)
+                    why = None if gate.cancelled() else gate.exception()
+                    # the shipper's reason when it gave one (a lapsed lease, a log too far
+                    # behind); one exception per outcome (each is raised on its own)
+                    message, retry = ((why.message, why.retry_after) if isinstance(why, Unavailable)
+                                      else (NOT_SHIPPED_MESSAGE, 5))
+                    out = [(p, Unavailable(message, retry), False) if ok else (p, value, ok)
                            for p, value, ok in results]
                 self._deliver_threadsafe(out, changed)
             finally:

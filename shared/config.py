@@ -175,6 +175,10 @@ class IngesterConfig:
     # may lag in `local` mode, how often the whole WAL is checkpointed into the store.
     durability: str = "local"
     ship_interval: float = 1.0
+    # local durability: past this many seconds of log not in the store (a store outage, a
+    # partition), appends answer 503 instead of being acknowledged: what a lost disk, or a
+    # standby's takeover, can lose stays bounded (0: no bound; None: 5 s, or three intervals).
+    max_ship_lag: float | None = None
     checkpoint_interval: float = 300.0
     log_uploads: int = 4  # store durability: log segment PUTs in flight at once (1-4)
     # Ownership of the store prefix (shared/ownership.py; only with a store).
@@ -187,6 +191,13 @@ class IngesterConfig:
     auth: AuthConfig = field(default_factory=AuthConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
 
+    @property
+    def ship_lag_bound(self) -> float:
+        """--max-ship-lag as it applies (0: no bound)."""
+        if self.max_ship_lag is not None:
+            return self.max_ship_lag
+        return max(5.0, 3 * self.ship_interval)
+
     def __post_init__(self) -> None:
         _need(bool(self.host), "host (DS3_HOST)", "must not be empty")
         self._check_cluster()
@@ -196,6 +207,10 @@ class IngesterConfig:
              "store needs an object store (--store / DS3_STORE)")
         _need(0.01 <= self.ship_interval <= 3600, "ship-interval (DS3_SHIP_INTERVAL)",
              "must be between 0.01 and 3600 seconds")
+        _need(self.max_ship_lag is None or self.max_ship_lag == 0
+              or self.ship_interval <= self.max_ship_lag <= 86400,
+              "max-ship-lag (DS3_MAX_SHIP_LAG)",
+              f"must be 0 (no bound) or between --ship-interval ({self.ship_interval:g} s) and 86400 seconds")
         _need(1 <= self.log_uploads <= 4, "log-uploads (DS3_LOG_UPLOADS)", "must be between 1 and 4")
         _need(1 <= self.checkpoint_interval <= 7 * 86400, "checkpoint-interval (DS3_CHECKPOINT_INTERVAL)",
              "must be between 1 second and a week")

@@ -13,8 +13,10 @@ from typing import Any
 import lmdb
 import pytest
 
+from ingester import ship_queue
 from ingester import shipper as shipper_mod
 from ingester.logstore import ORPHANS_MAX, RestoreError, drop_wal_behind_log, list_log, restore
+from ingester.ship_queue import ShipQueue
 from ingester.shipper import GATE_ATTEMPTS, Shipper, StoreAhead
 from ingester.wal import GroupCommitter, WalEnv
 from shared.errors import ObjectStoreUnavailable, Superseded, Unavailable
@@ -571,3 +573,64 @@ async def test_a_commit_whose_segment_landed_while_lmdb_synced_needs_our_lease_s
     late = s.on_logged(commit(2))
     assert late is not None and isinstance(late.exception(), Superseded)
     assert s.queued == 0 and objects.put_keys.count(segment_key(1, 2)) == 1  # queued once, not again
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    """The ship queue's monotonic clock, moved by hand."""
+    now = [1000.0]
+    monkeypatch.setattr(ship_queue.time, "monotonic", lambda: now[0])
+    return now
+
+
+async def test_local_mode_stops_acknowledging_once_the_log_is_max_lag_behind(
+        wal: WalEnv, objects: FlakyStore, clock: list[float]) -> None:
+    """A store failing in local mode: commits are acknowledged (no gate) while the oldest one
+    the store lacks is younger than max_lag, then answer 503 (queued all the same); once the
+    store has them all, acknowledged again. What a lost disk takes stays within the bound."""
+    s = Shipper(wal, objects, asyncio.get_running_loop(), durability="local", interval=0.5, max_lag=3.0)
+    objects.fail_puts = 2
+    assert s.on_logged(commit(1)) is None
+    clock[0] += 2.9
+    assert s.on_logged(commit(2)) is None  # 2.9 s behind: within the bound
+    with pytest.raises(ObjectStoreUnavailable):
+        await s.ship_once()
+    clock[0] += 0.2
+    gate = s.on_logged(commit(3))
+    assert gate is not None and isinstance(gate.exception(), Unavailable)
+    assert "3.1 s behind (--max-ship-lag 3 s)" in str(gate.exception())
+    assert s.queued == 3 and s.lag_seconds() == pytest.approx(3.1)
+    with pytest.raises(ObjectStoreUnavailable):
+        await s.ship_once()
+    assert await s.ship_once() == 3  # the store is back: everything in one segment
+    assert s.lag_seconds() == 0 and s.on_logged(commit(4)) is None
+    # no bound (0): acknowledged however far behind
+    unbounded = Shipper(wal, objects, asyncio.get_running_loop(), durability="local", max_lag=0.0)
+    assert unbounded.on_logged(commit(5)) is None
+    clock[0] += 3600
+    assert unbounded.on_logged(commit(6)) is None and unbounded.lag_seconds() == pytest.approx(3600)
+
+
+@pytest.mark.parametrize(("steps", "lag"), [
+    # (what happens to the queue, in order), the lag after it (commit n arrives at second n)
+    (["append 1", "append 2", "append 3"], 9.0),  # now is second 10: the oldest arrived at 1
+    (["append 1", "append 2", "advance 1"], 8.0),  # the oldest left arrived at 2 (not "now")
+    (["append 1", "append 2", "advance 2"], 0.0),
+    (["append 1", "drop", "append 3"], 9.0),  # dropped for a checkpoint: not in the store yet
+    (["append 1", "drop", "append 3", "advance 3"], 0.0),  # the checkpoint covers them
+    (["append 1", "append 2", "drop", "advance 1"], 9.0),  # a segment of 1 landed; 2 waits for the checkpoint
+    (["append 1", "drop", "advance 1", "append 4"], 6.0),
+])
+def test_the_lag_counts_from_the_oldest_commit_the_store_lacks(
+        steps: list[str], lag: float, clock: list[float]) -> None:
+    q = ShipQueue()
+    for step in steps:
+        op, _, arg = step.partition(" ")
+        if op == "append":
+            clock[0] = float(arg)
+            q.append(commit(int(arg)))
+        elif op == "advance":
+            q.advance(int(arg))
+        else:
+            q.drop(lambda: Unavailable("dropped"))
+    assert q.lag_seconds(now=10.0) == lag
