@@ -82,6 +82,7 @@ def create_app(config: ReaderConfig) -> web.Application:
                         internal_headers=make_client(config.ingester or "http://127.0.0.1").internal_headers,
                         owner=owner, members=MemberOwners(objects))
         watcher.start()
+        router.start()
         state: ReaderState | None = None
 
         async def page(path: str, offset: str) -> Page:

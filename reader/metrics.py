@@ -72,6 +72,8 @@ def collect(app: web.Application) -> Iterator[Metric]:
     yield counter("ds3_reader_misdirected", "421 Misdirected Request answers from ingesters (a description "
                   "changed under this reader).", router.misdirected)
     yield counter("ds3_reader_rerouted", "Requests sent again to another ingester after a 421.", router.rerouted)
+    yield counter("ds3_reader_abandoned", "Requests waiting at an ingester answered 503 at once when a standby took "
+                  "its place (it was frozen or cut off).", router.abandoned)
     if router.watcher is not None:
         yield counter("ds3_reader_cluster_description_read_failures", "Reads of the cluster description that "
                       "failed or were refused.", router.watcher.failures)

@@ -6,6 +6,7 @@ request, so ingester connections grow with readers × active streams, not with c
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Mapping
@@ -91,6 +92,9 @@ class IngesterClient:
         self._inflight: SingleFlight[str, Upstream] = SingleFlight("upstream")
         self.requests = 0
         self.collapsed = 0
+        # Completed by abandon() (the ingester here was replaced): calls waiting on it fail.
+        self._abandoned: asyncio.Future[Unavailable] | None = None
+        self._calling = 0
 
     @staticmethod
     def _request_headers(request: web.Request) -> Headers:
@@ -114,7 +118,35 @@ class IngesterClient:
             out[REQUEST_ID_HEADER] = rid
         return out
 
+    def abandon(self, error: Unavailable) -> int:
+        """Calls waiting here fail with (a copy of) `error` now; how many."""
+        waiting, abandoned = self._calling, self._abandoned
+        self._abandoned = None
+        if abandoned is not None and not abandoned.done():
+            abandoned.set_result(error)
+        return waiting
+
     async def call(self, method: str, path_qs: str, headers: Headers, body: bytes | None) -> Upstream:
+        """The ingester's answer; Unavailable if it cannot be reached, or is replaced meanwhile."""
+        if self._abandoned is None:
+            self._abandoned = asyncio.get_running_loop().create_future()
+        abandoned = self._abandoned
+        calling = asyncio.ensure_future(self._call(method, path_qs, headers, body))
+        self._calling += 1
+        try:
+            await asyncio.wait((calling, abandoned), return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            calling.cancel()
+            raise
+        finally:
+            self._calling -= 1
+        if calling.done():
+            return calling.result()
+        calling.cancel()
+        error = abandoned.result()
+        raise Unavailable(error.message, error.retry_after)
+
+    async def _call(self, method: str, path_qs: str, headers: Headers, body: bytes | None) -> Upstream:
         self.requests += 1
         try:
             async with self.session.request(

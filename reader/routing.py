@@ -47,6 +47,8 @@ log = logging.getLogger("ds3.reader.routing")
 MISDIRECTED: Final = 421
 _CACHE_MAX: Final = 65_536  # owners remembered per description
 REREAD_EVERY: Final = 0.25  # seconds: description re-reads after an ingester did not answer, at most
+STALL_SECONDS: Final = 1.0  # a request (long-polls aside) unanswered this long: is its ingester still the owner?
+STALL_CHECK_EVERY: Final = 0.5
 
 
 class Link:
@@ -84,6 +86,17 @@ class Router:
         self.collapsed = 0  # answers shared on a live channel (reader.fanout), besides the clients' own
         self._reread_at = 0.0
         self._reread: asyncio.Future[bool] | None = None
+        self.abandoned = 0  # requests failed at once because a standby took their ingester's place
+        if owner is not None:
+            owner.on_change = self._owner_moved
+        if members is not None:
+            members.on_change = self._member_moved
+        self._stall_task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        """Watch for stalled requests (see watch_stalls)."""
+        if self._stall_task is None:
+            self._stall_task = asyncio.create_task(self.watch_stalls(), name="ds3-reader-stalls")
 
     def link(self, url: str) -> Link:
         url = url.rstrip("/")
@@ -162,6 +175,49 @@ class Router:
         if now - self._reread_at >= REREAD_EVERY:
             self._reread_at = now
             self._reread = asyncio.ensure_future(watcher.refresh())  # (kept: a task needs a reference)
+
+    # --- a frozen or cut-off owner, and its standby --------------------------------------------
+
+    async def watch_stalls(self) -> None:
+        """A frozen or cut-off ingester fails nothing: requests to it wait for read_timeout (a
+        minute). So a request (long-polls aside) unanswered for STALL_SECONDS counts as a failed
+        forward for looking up the owner: the ownership record is read again (a member's, in a
+        cluster), and if a standby has taken over, what waits at the old URL is failed at once
+        (_abandon) and the clients' retries go to the standby."""
+        while True:
+            await asyncio.sleep(STALL_CHECK_EVERY)
+            for link in list(self.links.values()):
+                if link.pool is not None and link.pool.stalled_for() > STALL_SECONDS:
+                    self.failed(link)
+
+    def _owner_moved(self) -> None:
+        """The store prefix's ownership record names another URL."""
+        assert self.owner is not None
+        new = self.owner.url
+        for link in list(self.links.values()):
+            if link.url != new and link is not self.default:
+                self._abandon(link, new)
+
+    def _member_moved(self, ingester_id: str) -> None:
+        """Member `ingester_id`'s record names another URL (its standby's, or its own again)."""
+        cluster, members = self.cluster, self.members
+        described = cluster.get(ingester_id) if cluster is not None else None
+        if described is None or members is None:
+            return
+        now_at = members.url(ingester_id, described.url).rstrip("/")
+        for link in list(self.links.values()):
+            if link.ingester_id == ingester_id and link.url != now_at:
+                self._abandon(link, now_at)
+
+    def _abandon(self, link: Link, new: str | None) -> None:
+        """The ingester at `link` lost its place to `new`: it acknowledges nothing more (it is
+        fenced, frozen or gone), so requests waiting there answer 503 now, not after a minute."""
+        error = Unavailable(f"the ingester at {link.url} was replaced by the one at {new or '?'} (a standby took "
+                            "over); retry", 1)
+        n = link.client.abandon(error) + (link.pool.abandon(error) if link.pool is not None else 0)
+        if n:
+            self.abandoned += n
+            log.warning("%d requests waiting at %s answered 503: a standby at %s took its place", n, link.url, new)
 
     def for_path(self, path: str) -> Link:
         """The owner of the stream with internal path `path` (plain or bucketed)."""
@@ -261,7 +317,7 @@ class Router:
             if not answered.done():  # (the channel may have been cancelled meanwhile)
                 answered.set_result(answer)
 
-        pool.request(b"".join(lines), False, deliver)
+        pool.request(b"".join(lines), False, deliver, patient=True)
         answer = await answered
         if isinstance(answer, Unavailable):
             self.failed(link)
@@ -341,6 +397,10 @@ class Router:
         return self.collapsed + sum(link.client.collapsed for link in self.links.values())
 
     async def close(self) -> None:
+        if self._stall_task is not None:
+            self._stall_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._stall_task
         if self.watcher is not None:
             await self.watcher.stop()
         if self.owner is not None:

@@ -64,7 +64,7 @@ def unreachable(why: str, base_url: str) -> Unavailable:
 
 class _Connection(asyncio.Protocol):
     __slots__ = ("_body_left", "_buf", "_chunked", "_head", "_keep", "_out", "_pool", "_status", "_timer",
-                 "idle_since", "transport", "waiting")
+                 "idle_since", "patient", "progress_at", "transport", "waiting")
 
     def __init__(self, pool: UpstreamPool) -> None:
         self._pool = pool
@@ -80,6 +80,8 @@ class _Connection(asyncio.Protocol):
         self._chunked = False
         self._keep = True
         self.idle_since = 0.0
+        self.progress_at = 0.0  # loop time the front request began waiting (or the last answer came)
+        self.patient = False  # its request may wait long by design (a live channel's long-poll)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # (uvloop's are not asyncio.Transport subclasses)
@@ -87,20 +89,24 @@ class _Connection(asyncio.Protocol):
     def usable(self) -> bool:
         return self.transport is not None and not self.transport.is_closing()
 
-    def send(self, data: bytes, head_only: bool, deliver: Deliver) -> None:
+    def send(self, data: bytes, head_only: bool, deliver: Deliver, patient: bool = False) -> None:
         """Write a request now."""
         assert self.transport is not None
+        self.patient = patient
         self._expect(head_only, deliver)
         self.transport.write(data)
 
     def queue(self, data: bytes, head_only: bool, deliver: Deliver) -> None:
         """Write a request with the others queued in this loop iteration."""
+        self.patient = False
         self._expect(head_only, deliver)
         if not self._out:
             self._pool.loop.call_soon(self._flush)
         self._out.append(data)
 
     def _expect(self, head_only: bool, deliver: Deliver) -> None:
+        if not self.waiting:
+            self.progress_at = self._pool.loop.time()
         self.waiting.append((head_only, deliver))
         if self._timer is None:
             self._timer = self._pool.loop.call_later(self._pool.read_timeout, self._timed_out)
@@ -197,6 +203,7 @@ class _Connection(asyncio.Protocol):
                 later(unreachable("ServerDisconnectedError", self._pool.base_url))
             return
         if self.waiting:
+            self.progress_at = self._pool.loop.time()
             self._timer = self._pool.loop.call_later(self._pool.read_timeout, self._timed_out)
         else:
             self._buf.clear()
@@ -275,18 +282,20 @@ class UpstreamPool:
         self._connecting: set[asyncio.Task[None]] = set()
         self.opened = 0  # connections made (a metric: few, when keep-alive works)
 
-    def request(self, data: bytes, head_only: bool, deliver: Deliver, *, pipelined: bool = False) -> None:
+    def request(self, data: bytes, head_only: bool, deliver: Deliver, *, pipelined: bool = False,
+                patient: bool = False) -> None:
         """Send `data` (a whole request) and call `deliver` with the answer or an Unavailable.
         `pipelined`: it may share a connection with requests whose answers have not come (an
-        append: the ingester answers it with the next group commit)."""
+        append: the ingester answers it with the next group commit). `patient`: its answer may
+        take long by design (a long-poll), so it never counts as stalled."""
         if pipelined:
             self._pipelined((data, head_only, deliver))
             return
         conn = self._warm()
         if conn is not None:
-            conn.send(data, head_only, deliver)
+            conn.send(data, head_only, deliver, patient)
         else:
-            self._connect([(data, head_only, deliver)], pipe=False)
+            self._connect([(data, head_only, deliver)], pipe=False, patient=patient)
 
     def _pipelined(self, req: _Request) -> None:
         if self._pipe_pending is not None:  # the pipe is connecting
@@ -323,18 +332,18 @@ class UpstreamPool:
             conn._close()
         return None
 
-    def _connect(self, requests: list[_Request], *, pipe: bool) -> None:
+    def _connect(self, requests: list[_Request], *, pipe: bool, patient: bool = False) -> None:
         if self._closed:
             if pipe:
                 self._pipe_pending = None
             for _, _, deliver in requests:
                 deliver(unreachable("ClientConnectionError", self.base_url))
             return
-        task = self.loop.create_task(self._connect_and_send(requests, pipe))
+        task = self.loop.create_task(self._connect_and_send(requests, pipe, patient))
         self._connecting.add(task)
         task.add_done_callback(self._connecting.discard)
 
-    async def _connect_and_send(self, requests: list[_Request], pipe: bool) -> None:
+    async def _connect_and_send(self, requests: list[_Request], pipe: bool, patient: bool) -> None:
         try:
             async with asyncio.timeout(self.connect_timeout):
                 _, conn = await self.loop.create_connection(lambda: _Connection(self), self.host, self.port)
@@ -351,7 +360,7 @@ class UpstreamPool:
         self.opened += 1
         self._all.add(conn)
         if not pipe:
-            conn.send(*requests[0])
+            conn.send(*requests[0], patient)
             return
         self._pipe = conn
         for req in requests:
@@ -374,6 +383,24 @@ class UpstreamPool:
     @property
     def connections(self) -> int:
         return len(self._all)
+
+    def stalled_for(self) -> float:
+        """Seconds the longest-waiting request (long-polls aside) has had no answer, on a
+        connection that got nothing meanwhile: a frozen or cut-off ingester shows here long
+        before read_timeout."""
+        now = self.loop.time()
+        return max((now - c.progress_at for c in self._all if c.waiting and not c.patient), default=0.0)
+
+    def abandon(self, error: Unavailable) -> int:
+        """Every request waiting here gets `error` and every connection is closed (the
+        ingester there was replaced: whatever it still answers is a refusal); how many
+        requests were waiting."""
+        n = 0
+        for conn in list(self._all):
+            n += len(conn.waiting)
+            conn._fail(error)
+            conn._close()
+        return n
 
     async def close(self) -> None:
         self._closed = True

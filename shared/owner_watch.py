@@ -23,8 +23,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
+from collections.abc import Callable
 from typing import Final
 
 from shared.errors import DS3Error
@@ -53,6 +55,7 @@ class OwnerWatcher:
         self._wake = asyncio.Event()
         self._last_read = 0.0
         self.label = label  # whose record, for the log
+        self.on_change: Callable[[], None] | None = None  # called when the URL it names changed
 
     @property
     def url(self) -> str | None:
@@ -73,6 +76,8 @@ class OwnerWatcher:
             self.changes += before is not None
             log.info("%s is %s (epoch %d)%s", self.label, self.url, record.epoch if record else 0,
                      f"; was {before}" if before else "")
+            if self.on_change is not None:
+                self.on_change()
 
     def poke(self) -> None:
         """A forward to the owner failed: read the record again soon (rate-limited)."""
@@ -108,6 +113,7 @@ class MemberOwners:
     def __init__(self, objects: ObjectStore | None) -> None:
         self.objects = objects
         self._watchers: dict[str, OwnerWatcher] = {}
+        self.on_change: Callable[[str], None] | None = None  # a member's record named a new URL
 
     @property
     def active(self) -> bool:
@@ -133,8 +139,13 @@ class MemberOwners:
             w = self._watchers[ingester_id] = OwnerWatcher(
                 ScopedStore(self.objects, ingester_scope(ingester_id)),
                 label=f"cluster member {ingester_id}, by its ownership record,")
+            w.on_change = functools.partial(self._changed, ingester_id)
             w.start()
         w.poke()
+
+    def _changed(self, ingester_id: str) -> None:
+        if self.on_change is not None:
+            self.on_change(ingester_id)
 
     async def stop(self) -> None:
         for w in self._watchers.values():
