@@ -23,8 +23,8 @@ from shared.http.handlers import PREPARED, read_body
 READ_METHODS = "GET, HEAD, OPTIONS"
 
 
-def _not_allowed(method: str, allow: str) -> web.Response:
-    return web.Response(status=405, text=f"method {method} is not allowed here\n", headers={"Allow": allow})
+def _not_allowed(method: str, allow: str, hint: str = "") -> web.Response:
+    return web.Response(status=405, text=f"method {method} is not allowed here{hint}\n", headers={"Allow": allow})
 
 
 async def handle(request: web.Request, svc: IngesterService, path: str, ep: Endpoint) -> web.StreamResponse:
@@ -37,7 +37,9 @@ async def handle(request: web.Request, svc: IngesterService, path: str, ep: Endp
         return await bootstrap(request, svc, path)
     if ep.offset is None:  # {stream}/snapshot: where the latest one is
         if method not in ("GET", "HEAD"):
-            return _not_allowed(method, READ_METHODS)
+            return _not_allowed(method, READ_METHODS, ": {stream}/snapshot redirects to the latest snapshot; "
+                                "publish one with PUT {stream}/snapshot/{offset} (and 'snapshot' is not a "
+                                "stream name of its own under a stream)" if method == "PUT" else "")
         latest = await svc.snapshots.latest(path)
         location = request.raw_path.split("?", 1)[0] + "/" + latest
         return web.Response(status=307, headers={"Location": location, "Cache-Control": "no-store"})

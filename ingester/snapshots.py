@@ -60,6 +60,9 @@ class Snapshots:
             content_type = extensions.EMPTY_SNAPSHOT_TYPE
         elif not P.is_valid_content_type(content_type):
             raise BadRequest(f"invalid Content-Type {content_type[:100]!r}")
+        elif len(content_type) > extensions.MAX_SNAPSHOT_CONTENT_TYPE:
+            raise BadRequest(f"a snapshot's Content-Type is at most {extensions.MAX_SNAPSHOT_CONTENT_TYPE} bytes "
+                             f"(this one is {len(content_type)})")
         found = await self.reads.run(self.reads.position_sync, path, off.position)
         if found is None:
             raise Conflict("snapshot offset is beyond the tail of the stream")

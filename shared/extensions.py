@@ -35,6 +35,9 @@ SNAPSHOT: Final = "snapshot"
 BOOTSTRAP: Final = "bootstrap"
 MULTIPART_PREFIX: Final = "multipart/mixed; boundary="
 EMPTY_SNAPSHOT_TYPE: Final = "application/octet-stream"
+# A snapshot's Content-Type is kept with its object (S3: a request header, 8 KiB with the rest;
+# the local store: an extended attribute, a few KiB on ext4), so it is capped well below both.
+MAX_SNAPSHOT_CONTENT_TYPE: Final = 1024
 
 
 

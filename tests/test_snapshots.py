@@ -18,6 +18,7 @@ import aiohttp
 import pytest
 from multidict import CIMultiDict
 
+from shared.extensions import MAX_SNAPSHOT_CONTENT_TYPE
 from tests.cluster import Cluster, StoreView, append, create, read_pages, wait_for
 from tests.s3server import CLEARED_ENV, TEST_ENV, MotoS3
 from tests.tcpgate import TcpGate
@@ -177,14 +178,25 @@ async def test_snapshot_offset_validation(session: aiohttp.ClientSession, base: 
     for offset, status in cases.items():
         r = await call(session, "PUT", f"{url}/snapshot/{offset}", b"s")
         assert r.status == status, (offset, r.status, r.body)
+    # {stream}/snapshot is not a stream to create: the 405 says where a snapshot goes
+    reserved = await call(session, "PUT", f"{url}/snapshot", b"", {"Content-Type": "text/plain"})
+    assert reserved.status == 405 and b"PUT {stream}/snapshot/{offset}" in reserved.body, reserved.body
     missing = await call(session, "PUT", f"{stream_url(base)}/snapshot/{a}", b"s")
     assert missing.status == 404
     too_big = await call(session, "PUT", f"{url}/snapshot/{a}", b"z" * (MAX_SNAPSHOT + 1))
     assert too_big.status == 413
     bad_type = await call(session, "PUT", f"{url}/snapshot/{a}", b"s", {"Content-Type": "not a type"})
     assert bad_type.status == 400
+    # a type longer than what the store keeps with an object (the local store answered 503
+    # "No space left on device", Retry-After: 1, from its extended attribute)
+    long_type = "text/plain; x=" + "a" * (MAX_SNAPSHOT_CONTENT_TYPE - 13)
+    too_long = await call(session, "PUT", f"{url}/snapshot/{a}", b"s", {"Content-Type": long_type})
+    assert too_long.status == 400 and b"at most 1024 bytes" in too_long.body, (too_long.status, too_long.body)
     # None of that published anything.
     assert "Stream-Snapshot-Offset" not in (await call(session, "HEAD", url)).headers
+    longest = long_type[:-1]  # the longest allowed: kept and given back
+    assert (await call(session, "PUT", f"{url}/snapshot/{a}", b"s", {"Content-Type": longest})).status == 204
+    assert (await call(session, "GET", f"{url}/snapshot/{a}")).headers["Content-Type"] == longest
     assert (await call(session, "PUT", f"{url}/snapshot/{a}", b"s")).status == 204
     older = await call(session, "PUT", f"{url}/snapshot/{url_start(await call(session, 'HEAD', url))}", b"s")
     assert older.status == 410 and older.json()["earliest_offset"] == a
