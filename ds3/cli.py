@@ -38,6 +38,13 @@ def _setup_logging(kw: dict[str, Any], service: str) -> None:
         access = service != "ingester"
     logs.setup(kw["log_level"], kw["log_format"], access_log=access, service=service,
                ingester_id=kw.get("ingester_id"))
+    from ds3.settings import known_settings, unknown_settings
+
+    root = click.get_current_context().find_root().command
+    for name, warning in unknown_settings(os.environ, known_settings(root)).items():
+        logging.getLogger("ds3").warning("%s", warning)
+        if service == "dev":  # said once: its ingesters and reader do not repeat it
+            os.environ.pop(name, None)
 
 
 FC = TypeVar("FC", bound=Callable[..., Any])

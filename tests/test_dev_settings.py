@@ -169,3 +169,29 @@ def test_ctrl_c_while_starting_stops_cleanly(tmp_path: Path, after: str) -> None
     with dev(tmp_path, {}, "--ingesters", "2") as url:  # nothing lost
         for n in range(20):
             assert _call(f"{url}/v1/stream/c-{n}", "HEAD") == 200, n
+
+
+def test_a_misspelt_setting_is_named_once_with_the_one_meant(tmp_path: Path) -> None:
+    """A DS3_* variable that is no setting was ignored without a word (the server ran with the
+    default the user meant to change). Now dev says so, once (not again in its children)."""
+    with dev(tmp_path, {"DS3_MAX_LIVE_PER_CLIENTS": "5", "DS3_WRITE_RATE": "0"}) as base:
+        assert _call(f"{base}/v1/stream/spelt", "PUT") == 201
+    log = (tmp_path / "dev.log").read_text()
+    said = "DS3_MAX_LIVE_PER_CLIENTS is not a ds3 setting: it is ignored (did you mean DS3_MAX_LIVE_PER_CLIENT?)"
+    assert log.count(said) == 1, log
+    assert "DS3_WRITE_RATE" not in log
+
+
+@pytest.mark.parametrize("environ, said", [
+    ({"DS3_PORT": "1", "HOME": "/root", "DS3_READER_WORKER": "1", "DS3_TEST_X": "1"}, {}),
+    ({"DS3_SEALBYTES": "1"}, {"DS3_SEALBYTES": "(did you mean DS3_SEAL_BYTES?)"}),
+    ({"DS3_NOTHING_LIKE_IT": "1"}, {"DS3_NOTHING_LIKE_IT": "is not a ds3 setting: it is ignored"}),
+])
+def test_unknown_settings(environ: dict[str, str], said: dict[str, str]) -> None:
+    from ds3.cli import main
+    from ds3.settings import known_settings, unknown_settings
+
+    found = unknown_settings(environ, known_settings(main))
+    assert set(found) == set(said)
+    for name, text in said.items():
+        assert text in found[name]
