@@ -447,15 +447,26 @@ def _cluster_store_options(f: FC) -> FC:
     ])
 
 
-def _cluster_run(store_url: str, s3_endpoint: str | None, action: Callable[[Any], Any]) -> Any:
+def _cluster_run(store_url: str, s3_endpoint: str | None, action: Callable[[Any], Any], *,
+                 creates: bool = False) -> Any:
+    """`action(store)` on the store at `store_url`. A local store that does not exist is refused
+    (a typo would read as "no description"), or, for a command that writes (`creates`), made
+    with a warning (a new deployment writes its description before any ingester runs)."""
     from shared.config import _check_store_url
     from shared.errors import DS3Error
     from shared.objectstore import open_store
+    from shared.objectstore.url import FileStoreURL, parse_store_url
 
     try:
         _check_store_url(store_url)
     except ConfigError as e:
         raise click.UsageError(str(e)) from e
+    parsed = parse_store_url(store_url)
+    if isinstance(parsed, FileStoreURL) and not parsed.root.exists():
+        if not creates:
+            raise click.ClickException(f"the local store {parsed.root} does not exist (check --store)")
+        click.echo(f"warning: the local store {parsed.root} does not exist: creating it (check --store if your "
+                   "ingesters already use one)", err=True)
 
     async def run() -> Any:
         async with open_store(store_url, s3_endpoint=s3_endpoint) as store:
@@ -506,7 +517,7 @@ def cluster_set(store: str, s3_endpoint: str | None, ingesters: tuple[str, ...],
     except PlacementError as e:
         raise click.UsageError(str(e)) from e
     new = _cluster_run(store, s3_endpoint,
-                       lambda objects: set_cluster(objects, pairs, expected_generation=if_generation))
+                       lambda objects: set_cluster(objects, pairs, expected_generation=if_generation), creates=True)
     click.echo(json.dumps(new.to_json(), indent=2))
     for line in _cluster_set_advice(new):
         click.echo(line, err=True)

@@ -341,11 +341,14 @@ def test_settings_are_validated(tmp_path: Path) -> None:
 def test_cluster_command(tmp_path: Path) -> None:
     store = (tmp_path / "objects").as_uri()
     run = CliRunner().invoke
+    # a local store that is not there: refused by show (a typo read as "no description"), made by set
     r = run(main, ["cluster", "show", "--store", store])
-    assert r.exit_code == 1 and "no cluster description" in r.output
+    assert r.exit_code == 1 and f"the local store {tmp_path / 'objects'} does not exist" in r.output, r.output
+    assert not (tmp_path / "objects").exists()
     r = run(main, ["cluster", "set", "--store", store, "--ingester", "a=http://127.0.0.1:1",
                    "--ingester", "b=http://127.0.0.1:2/"])
     assert r.exit_code == 0, r.output
+    assert "does not exist: creating it" in r.stderr
     assert json.loads(r.stdout)["generation"] == 1
     # nothing listens there: said on stderr (the description is written all the same)
     for i, port in (("a", 1), ("b", 2)):
