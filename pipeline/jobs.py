@@ -96,14 +96,22 @@ def export(spark: SparkSession, read_options: dict[str, str], output: Path,
     ends = {p.url_path: p.sealed_end_offset for p in plans if p.sealed_end > _position(done.get(p.url_path))}
     if not ends:
         return ExportResult({}, state_path)
-    starts = {k: done[k] for k in ends if k in done}
+    # The read uses the user's selection (a prefix or a bucket), so every stream it finds needs
+    # bounds: one missing from start_offsets/end_offsets would be read from its start to its
+    # sealed end (an unchanged stream exported again in full). Unchanged streams get the empty
+    # range [done, done); a stream created after this planning is filtered out by name (the
+    # next run exports it).
+    starts = {p.url_path: done[p.url_path] for p in plans if p.url_path in done}
+    stops = {p.url_path: ends.get(p.url_path) or done.get(p.url_path) or p.sealed_end_offset for p in plans}
+    names = sorted({display_name(p.path)[1] for p in plans if p.url_path in ends})
     first = next((p for p in plans if p.url_path in ends), None)
     assert first is not None
     name = display_name(first.path)[1]
     state["pending"] = {"ends": ends, "first": [name, max(_position(starts.get(first.url_path)), first.earliest)]}
     _save_state(state_path, state)
     df = (spark.read.format("ds3")
-          .options(**read_options, start_offsets=json.dumps(starts), end_offsets=json.dumps(ends)).load()
+          .options(**read_options, start_offsets=json.dumps(starts), end_offsets=json.dumps(stops)).load()
+          .where(F.col("stream").isin(names))
           .withColumn("date", F.to_date("sealed_at")))
     df.write.mode("append").partitionBy("stream", "date").parquet(str(output))
     state["offsets"].update(ends)

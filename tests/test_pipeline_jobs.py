@@ -24,7 +24,7 @@ from click.testing import CliRunner
 from ds3.cli import main
 from shared import offsets
 from tests.pipeline_fixtures import PipelineEnv
-from tests.test_pipeline_read import JSON, OCTET, byte_bodies, json_bodies
+from tests.test_pipeline_read import JSON, OCTET, TEXT, byte_bodies, json_bodies, write_closed
 
 COLUMNS = ["stream", "offset", "next_offset", "message", "value", "position", "chunk"]
 
@@ -35,9 +35,9 @@ def run_cli(*args: str) -> dict[str, Any]:
     return dict(json.loads(result.output.strip().splitlines()[-1]))
 
 
-def export_cli(env: PipelineEnv, out: Path) -> dict[str, Any]:
+def export_cli(env: PipelineEnv, out: Path, prefix: str = "exp/") -> dict[str, Any]:
     return run_cli("pipeline", "export", "--store", env.store.url, "--s3-endpoint", env.s3_endpoint,
-                   "--prefix", "exp/", "--output", str(out))
+                   "--prefix", prefix, "--output", str(out))
 
 
 def exported(spark: Any, out: Path) -> list[tuple[Any, ...]]:
@@ -89,6 +89,37 @@ def test_export_round_trips_and_runs_incrementally(
     assert export_cli(env, out)["exported_up_to"] == {}
     assert exported(spark, out) == rows
     assert json.loads(state_path.read_text())["offsets"] == after["offsets"]
+
+
+def test_an_incremental_export_writes_only_what_is_new(
+    pipeline_env: PipelineEnv, spark: Any, tmp_path: Path, aws_env: None
+) -> None:
+    """Three streams stay as they were and one grows: the second run writes the grown
+    stream's new rows and nothing of the others (they were written again in full before)."""
+    env, out = pipeline_env, tmp_path / "parquet"
+    for name, ct, bodies in (("inc/a", JSON, json_bodies(30, 51)), ("inc/b", OCTET, byte_bodies(20, 52, False)),
+                             ("inc/c", TEXT, byte_bodies(20, 53, True))):
+        write_closed(env, f"/v1/stream/{name}", name, ct, bodies)
+    grows = "/v1/stream/inc/grows"
+    env.create(grows, JSON)
+    env.append_all(grows, json_bodies(40, 54), JSON)
+    env.wait_sealed("inc/grows", 4096)
+    first = export_cli(env, out, "inc/")
+    assert len(first["exported_up_to"]) == 4
+    before = exported(spark, out)
+    done = offsets.parse(first["exported_up_to"][grows]).position
+
+    env.append_all(grows, json_bodies(40, 55), JSON)
+    env.wait_sealed("inc/grows", done + 4096)
+    second = export_cli(env, out, "inc/")
+    assert list(second["exported_up_to"]) == [grows]
+    rows = exported(spark, out)
+    assert len({(r[0], r[1]) for r in rows}) == len(rows), "no message exported twice"
+    new = sorted(set(rows) - set(before))
+    assert len(rows) == len(before) + len(new) and {r[0] for r in new} == {"inc/grows"}
+    state = json.loads((out / "_ds3_export_state.json").read_text())["offsets"]
+    expected = env.read(spark, prefix="inc/", end_offsets=json.dumps(state)).select(*COLUMNS).collect()
+    assert rows == sorted(tuple(r) for r in expected)
 
 
 def replay(events: list[dict[str, Any]], state: dict[tuple[str, str], Any] | None = None) -> dict[tuple[str, str], Any]:
