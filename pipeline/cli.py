@@ -53,7 +53,8 @@ def _run(master: str, app: str, job: Callable[[Any], Any]) -> Any:
     from pyspark.sql import SparkSession
 
     from pipeline.catalog import HistoryUnavailable, StreamNotFound
-    from pipeline.http import HTTPError
+    from pipeline.http import HTTPError, Unreachable
+    from pipeline.jobs import CompactRefused
     from pipeline.options import OptionError
     from pipeline.session import spark_session
 
@@ -67,8 +68,10 @@ def _run(master: str, app: str, job: Callable[[Any], Any]) -> Any:
         return job(spark)
     except OptionError as e:
         raise click.UsageError(str(e).replace("ds3 data source option", "option")) from None
-    except (StreamNotFound, HistoryUnavailable, HTTPError) as e:  # what the user named is not there
+    except (StreamNotFound, HistoryUnavailable, HTTPError, CompactRefused) as e:  # not there, or refused
         raise click.ClickException(str(e)) from None
+    except Unreachable as e:  # a wrong --url, or the server is down: say so, not a traceback
+        raise click.ClickException(f"{e}; check --url") from None
     finally:
         if active is None:
             spark.stop()
@@ -105,6 +108,9 @@ def compact(**kw: Any) -> None:
 
     result = _run(kw["master"], "ds3-compact", lambda spark: run_compact(
         spark, _read_options(kw), kw["url"], kw["offset"], publish=not kw["dry_run"]))
-    click.echo(json.dumps({"snapshot_offset": result.offset, "entities": result.entities,
-                           "events": result.events, "bytes": len(result.snapshot),
-                           "published": not kw["dry_run"]}))
+    report = {"snapshot_offset": result.offset, "entities": result.entities, "events": result.events,
+              "controls": result.controls, "invalid": result.invalid, "bytes": len(result.snapshot),
+              "from_snapshot": result.base, "published": not kw["dry_run"]}
+    if result.first_invalid is not None:
+        report["first_invalid"] = result.first_invalid
+    click.echo(json.dumps(report))

@@ -25,6 +25,10 @@ class HTTPError(RuntimeError):
         self.body = body
 
 
+class Unreachable(ConnectionError):
+    """No answer from the server at all (refused, reset, timed out), after the retries."""
+
+
 @dataclass(frozen=True, slots=True)
 class Response:
     status: int
@@ -74,10 +78,10 @@ class Client:
                 r = conn.getresponse()
                 data = r.read()
                 resp = Response(r.status, {k.lower(): v for k, v in r.getheaders()}, data)
-            except (OSError, http.client.HTTPException):
+            except (OSError, http.client.HTTPException) as e:
                 self.close()
                 if attempt == self.attempts - 1:
-                    raise
+                    raise Unreachable(f"{method} {self.base}{target}: no answer from the server ({e!r})") from e
             else:
                 if resp.status not in RETRY_STATUSES or attempt == self.attempts - 1:
                     return resp
@@ -93,6 +97,22 @@ class Client:
         if r.status != 200:
             raise HTTPError("HEAD", self.base + url_path, r.status, r.body)
         return r.headers[P.NEXT_OFFSET.lower()]
+
+    def snapshot_offset(self, url_path: str) -> str | None:
+        """The offset of the stream's latest snapshot (extensions §2), None without one."""
+        r = self.request("HEAD", url_path)
+        if r.status != 200:
+            raise HTTPError("HEAD", self.base + url_path, r.status, r.body)
+        found = r.headers.get(P.SNAPSHOT_OFFSET.lower())
+        return None if found in (None, "", "-1") else found
+
+    def snapshot(self, url_path: str, offset: str) -> bytes:
+        """The body of the snapshot published at `offset` (404 once a newer one superseded it)."""
+        target = f"{url_path}/snapshot/{quote(offset, safe='')}"
+        r = self.request("GET", target)
+        if r.status != 200:
+            raise HTTPError("GET", self.base + target, r.status, r.body)
+        return r.body
 
     def catch_up(self, url_path: str, offset: str, stop_position: int | None = None,
                  max_pages: int = 1_000_000) -> Iterator[Page]:

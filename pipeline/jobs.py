@@ -13,7 +13,9 @@ compact  a JSON stream of state-change events (the Durable Streams state protoco
          (PUT {url}/v1/stream/{path}/snapshot/{offset}, extensions §2). The snapshot is a JSON
          array of `insert` events, one per live (type, key), so a client that applies it and
          then the updates after the offset (what /bootstrap returns) ends in the same state
-         as a full replay.
+         as a full replay. A stream that has a snapshot already is read from it (the history
+         before it is gone), so the fold starts from that snapshot's entries. A message that is
+         not a state-protocol message (pipeline/statefold.py) makes compact refuse to publish.
 """
 
 from __future__ import annotations
@@ -31,11 +33,11 @@ from pyspark.sql import functions as F
 from pipeline.catalog import Catalog, display_name, resolve
 from pipeline.http import Client, HTTPError
 from pipeline.options import OptionError, ReadOptions
+from pipeline.statefold import fold
 from shared import offsets
 from shared import protocol as P
 
 STATE_FILE = "_ds3_export_state.json"
-OPERATIONS = ("insert", "update", "upsert", "delete")
 
 
 # ---------------------------------------------------------------- export
@@ -121,48 +123,46 @@ def export(spark: SparkSession, read_options: dict[str, str], output: Path,
 
 
 # ---------------------------------------------------------------- compact
+class CompactRefused(RuntimeError):
+    """compact will not publish: the stream is not (only) state-protocol messages, or its
+    snapshot changed while the fold ran."""
+
+
 @dataclass(frozen=True)
 class CompactResult:
     offset: str  # the snapshot's offset: it covers [-1, offset)
     entities: int
-    events: int
+    events: int  # change messages folded (the previous snapshot's entries included)
     snapshot: bytes
+    controls: int = 0
+    invalid: int = 0  # messages that are not state-protocol messages (only a dry run gets here with some)
+    first_invalid: str | None = None
+    base: str | None = None  # the previous snapshot the fold started from
 
 
-def fold(events: DataFrame) -> tuple[list[str], int]:
-    """The live entities after the events (rows with `position` and JSON `value`), in
-    (type, key) order, as `insert` events; and how many change events were folded. Events
-    before the last `reset` control message do not count."""
-    parsed = events.select(
-        "position", "value",
-        F.get_json_object("value", "$.type").alias("type"),
-        F.get_json_object("value", "$.key").alias("key"),
-        F.get_json_object("value", "$.headers.operation").alias("op"),
-        F.get_json_object("value", "$.headers.control").alias("control"),
-    ).cache()
+def _snapshot_rows(spark: SparkSession, client: Client, url_path: str, offset: str) -> DataFrame:
+    """The previous snapshot's entries as rows before the stream's first retained message
+    (negative positions, in their order): the history they stand for is gone (retention), so
+    the new snapshot is the old one plus what came after it."""
+    body = client.snapshot(url_path, offset)
     try:
-        last_reset = parsed.where(F.col("control") == "reset").agg(F.max("position")).first()
-        after = last_reset[0] if last_reset is not None and last_reset[0] is not None else -1
-        changes = parsed.where(F.col("type").isNotNull() & F.col("key").isNotNull()
-                               & F.col("op").isin(*OPERATIONS) & (F.col("position") > after))
-        latest = changes.groupBy("type", "key").agg(
-            F.max_by("value", "position").alias("value"), F.max_by("op", "position").alias("op"))
-        live = latest.where(F.col("op") != "delete").orderBy("type", "key").collect()
-        count = changes.count()
-    finally:
-        parsed.unpersist()
-    out = []
-    for row in live:
-        event = json.loads(row["value"])
-        snapshot_event = {"type": event["type"], "key": event["key"], "value": event.get("value"),
-                          "headers": {"operation": "insert"}}
-        out.append(json.dumps(snapshot_event, ensure_ascii=False, separators=(",", ":")))
-    return out, count
+        entries = json.loads(body)
+    except ValueError:
+        entries = None
+    if not isinstance(entries, list):
+        raise CompactRefused(f"the stream's snapshot at {offset} is not a JSON array of state-protocol "
+                             f"messages, so compact cannot extend it")
+    n = len(entries)
+    data = [(i - n, f"entry {i} of the snapshot at {offset}", json.dumps(e, ensure_ascii=False))
+            for i, e in enumerate(entries)]
+    return spark.createDataFrame(data, "position long, where string, value string")
 
 
 def compact(spark: SparkSession, read_options: dict[str, str], url: str, offset: str | None = None,
             publish: bool = True) -> CompactResult:
-    """Fold the stream up to `offset` (default: its tail now) and publish the snapshot."""
+    """Fold the stream up to `offset` (default: its tail now), starting from its current
+    snapshot if it has one, and publish the result as the new snapshot. Refuses (nothing
+    published) when a message is not a state-protocol message (pipeline/statefold.py)."""
     opts = ReadOptions.parse({**read_options, "url": url})
     if opts.selection.paths is None or len(opts.selection.paths) != 1:
         raise OptionError("stream", "compact works on one stream: stream, or bucket + stream_id")
@@ -173,16 +173,37 @@ def compact(spark: SparkSession, read_options: dict[str, str], url: str, offset:
     client = Client(url, opts.token)
     try:
         upto = offset or client.tail_offset(plan.url_path)
-        offsets.parse(upto)  # a concrete offset: the snapshot is named by it
-        df = spark.read.format("ds3").options(
-            **read_options, include_tail="true", url=url, end_offsets=json.dumps({plan.url_path: upto})).load()
-        entities, events = fold(df)
-        body = ("[" + ",".join(entities) + "]").encode()
+        try:
+            stop = offsets.parse(upto)  # a concrete offset: the snapshot is named by it
+        except offsets.OffsetSyntaxError as e:
+            raise OptionError("offset", str(e)) from None
+        base = client.snapshot_offset(plan.url_path)
+        if base is not None and stop.position < offsets.parse(base).position:
+            raise OptionError("offset", f"{upto} is before the stream's snapshot at {base}: the history "
+                                        f"before that is gone")
+        read = {**read_options, "include_tail": "true", "url": url, "end_offsets": json.dumps({plan.url_path: upto})}
+        if base is not None:
+            read["start_offsets"] = json.dumps({plan.url_path: base})
+        rows = spark.read.format("ds3").options(**read).load().select(
+            "position", F.concat(F.lit("offset "), "offset").alias("where"), "value")
+        if base is not None:
+            rows = _snapshot_rows(spark, client, plan.url_path, base).unionByName(rows)
+        folded = fold(rows, stop_at_invalid=publish)
+        if folded.invalid and publish:
+            raise CompactRefused(
+                f"{plan.url_path} holds {folded.invalid} message(s) that are not state-protocol change or "
+                f"control messages (first: {folded.first_invalid}); nothing published (a snapshot would "
+                f"make the history before it unreadable). --dry-run counts them")
+        body = ("[" + ",".join(folded.entities) + "]").encode()
         if publish:
+            if client.snapshot_offset(plan.url_path) != base:  # another compact published meanwhile
+                raise CompactRefused(f"{plan.url_path}: a snapshot was published while this one was folded "
+                                     f"(it started from {base or 'the stream start'}); run compact again")
             target = f"{plan.url_path}/snapshot/{quote(upto, safe='')}"
             r = client.request("PUT", target, body=body, headers={"Content-Type": "application/json"})
             if r.status not in (200, 201, 204):
                 raise HTTPError("PUT", url + target, r.status, r.body)
     finally:
         client.close()
-    return CompactResult(upto, len(entities), events, body)
+    return CompactResult(upto, len(folded.entities), folded.events, body, folded.controls, folded.invalid,
+                         folded.first_invalid, base)

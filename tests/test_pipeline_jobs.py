@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import email
 import json
+import re
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -154,6 +155,20 @@ def state_events(n: int, seed: int) -> list[dict[str, Any]]:
     return out
 
 
+def compact_cli(env: PipelineEnv, stream: str, *extra: str) -> dict[str, Any]:
+    return run_cli("pipeline", "compact", "--store", env.store.url, "--s3-endpoint", env.s3_endpoint,
+                   "--stream", stream, "--url", env.url, *extra)
+
+
+def bootstrap(env: PipelineEnv, url_path: str) -> tuple[str, list[Any], list[Any]]:
+    """(snapshot offset, the snapshot's events, the messages after it) from /bootstrap."""
+    with urllib.request.urlopen(f"{env.url}{url_path}/bootstrap", timeout=10) as r:
+        content_type, body, offset = r.headers["Content-Type"], r.read(), r.headers["Stream-Snapshot-Offset"]
+    msg = email.message_from_bytes(f"Content-Type: {content_type}\r\n\r\n".encode() + body)
+    parts = [p.get_payload(decode=True) for p in msg.get_payload()]  # type: ignore[union-attr]
+    return offset, json.loads(parts[0]), [json.loads(p) for p in parts[1:]]
+
+
 def test_compact_then_bootstrap_equals_full_replay(pipeline_env: PipelineEnv, spark: Any, aws_env: None) -> None:
     env, url_path = pipeline_env, "/v1/stream/compact/state"
     events = state_events(400, 41)
@@ -165,14 +180,10 @@ def test_compact_then_bootstrap_equals_full_replay(pipeline_env: PipelineEnv, sp
     later = state_events(50, 42)
     env.append_all(url_path, [json.dumps(later).encode()], JSON)
 
-    with urllib.request.urlopen(f"{env.url}{url_path}/bootstrap", timeout=10) as r:
-        content_type, body = r.headers["Content-Type"], r.read()
-        assert r.headers["Stream-Snapshot-Offset"] == result["snapshot_offset"]
-    msg = email.message_from_bytes(f"Content-Type: {content_type}\r\n\r\n".encode() + body)
-    parts = [p.get_payload(decode=True) for p in msg.get_payload()]  # type: ignore[union-attr]
-    snapshot = json.loads(parts[0])
+    snapshot_offset, snapshot, after = bootstrap(env, url_path)
+    assert snapshot_offset == result["snapshot_offset"]
     assert all(e["headers"]["operation"] == "insert" for e in snapshot)
-    booted = replay([json.loads(p) for p in parts[1:]], replay(snapshot))
+    booted = replay(after, replay(snapshot))
     assert booted == replay(events + later)
 
     with pytest.raises(urllib.error.HTTPError) as gone:  # retention: history before it is gone
@@ -196,3 +207,78 @@ def test_a_stream_that_is_not_there_is_an_error_message_not_a_traceback(
         assert "Error: stream 'nowhere' not found in store" in result.output, result.output
         assert "Traceback" not in result.output and result.exception is not None
         assert isinstance(result.exception, SystemExit)
+
+
+def change(op: str, key: str, value: Any = None) -> dict[str, Any]:
+    event: dict[str, Any] = {"type": "cart", "key": key, "headers": {"operation": op}}
+    if op != "delete":
+        event["value"] = value
+    return event
+
+
+def test_a_second_compact_keeps_what_the_first_snapshot_holds(pipeline_env: PipelineEnv, aws_env: None) -> None:
+    """The first compact's snapshot replaced the history before it (retention): the second
+    folds that snapshot and the events after it, not only the events after it."""
+    env, url_path = pipeline_env, "/v1/stream/compact/twice"
+    env.create(url_path, JSON)
+    first_events = [change("insert", "a", 1), change("insert", "b", 2), change("update", "a", 3), change("delete", "b")]
+    env.append_all(url_path, [json.dumps(first_events).encode()], JSON)
+    first = compact_cli(env, "compact/twice")
+    assert first["entities"] == 1
+
+    env.append_all(url_path, [json.dumps([change("insert", "c", 4)]).encode()], JSON)
+    second = compact_cli(env, "compact/twice")
+    offset, snapshot, after = bootstrap(env, url_path)
+    assert offset == second["snapshot_offset"] and after == []
+    assert replay(snapshot) == {("cart", "a"): 3, ("cart", "c"): 4}
+    assert second["entities"] == 2
+    assert (first["from_snapshot"], second["from_snapshot"]) == (None, first["snapshot_offset"])
+
+    # a reset after the snapshot clears what it holds, as it would for a client replaying
+    later = [{"headers": {"control": "reset"}}, change("upsert", "d", 5), {"headers": {"control": "snapshot-end"}}]
+    env.append_all(url_path, [json.dumps(later).encode()], JSON)
+    third = compact_cli(env, "compact/twice")
+    assert (third["entities"], third["controls"], third["invalid"]) == (1, 2, 0)
+    assert replay(bootstrap(env, url_path)[1]) == {("cart", "d"): 5}
+
+
+def test_compact_refuses_a_stream_of_other_messages(pipeline_env: PipelineEnv, aws_env: None) -> None:
+    """A JSON stream whose messages are not state-protocol messages: compact publishes nothing
+    (a snapshot of `[]` would have made every message unreadable) and names the first
+    offending message; --dry-run counts them."""
+    env, url_path = pipeline_env, "/v1/stream/compact/other"
+    env.create(url_path, JSON)
+    messages = [{"x": 1}, {"x": 2}, {"type": "t", "key": "k", "value": 1}, change("insert", "ok", 1)]
+    env.append_all(url_path, [json.dumps(messages).encode()], JSON)
+
+    result = CliRunner().invoke(main, ["pipeline", "compact", "--store", env.store.url, "--s3-endpoint",
+                                       env.s3_endpoint, "--stream", "compact/other", "--url", env.url])
+    assert result.exit_code == 1, result.output
+    assert "3 message(s) that are not state-protocol" in result.output
+    assert re.search(r"first: offset [0-9]{16}_0{16}: neither headers\.operation", result.output)
+    assert "neither headers.operation" in result.output and "Traceback" not in result.output
+    assert [m for p in env.pages(url_path) if p.body for m in json.loads(p.body)] == messages  # nothing gone
+    with urllib.request.urlopen(f"{env.url}{url_path}/bootstrap", timeout=10) as r:
+        assert r.headers["Stream-Snapshot-Offset"] == "-1"
+
+    dry = compact_cli(env, "compact/other", "--dry-run")
+    assert (dry["published"], dry["invalid"], dry["events"], dry["entities"]) == (False, 3, 1, 1)
+    assert re.fullmatch(r"offset [0-9]{16}_0{16}: neither headers\.operation .*", dry["first_invalid"])
+
+
+@pytest.mark.parametrize("message, problem", [
+    ('"just a string"', "not a JSON object"),
+    ('{"type": "t", "key": 7, "value": 1, "headers": {"operation": "insert"}}', "key is not a non-empty string"),
+    ('{"type": "", "key": "k", "value": 1, "headers": {"operation": "insert"}}', "type is not a non-empty string"),
+    ('{"type": "t", "key": "k", "headers": {"operation": "update"}}', "a change without a value"),
+    ('{"headers": {"control": "rewind"}}', "headers.control is not one of"),
+])
+def test_the_state_protocol_rule(spark: Any, message: str, problem: str) -> None:
+    from pipeline.statefold import fold
+
+    good = json.dumps(change("insert", "a", 1))
+    rows = spark.createDataFrame([(0, "offset A", good), (1, "offset B", message), (2, "offset C", message)],
+                                 "position long, where string, value string")
+    folded = fold(rows)
+    assert (folded.invalid, folded.events) == (2, 1)
+    assert folded.first_invalid is not None and folded.first_invalid.startswith(f"offset B: {problem}")
