@@ -36,6 +36,7 @@ from pipeline.options import OptionError, ReadOptions
 from pipeline.statefold import fold
 from shared import offsets
 from shared import protocol as P
+from shared.buckets import url_path
 
 STATE_FILE = "_ds3_export_state.json"
 
@@ -52,10 +53,14 @@ def _position(offset: str | None) -> int:
 
 
 def _load_state(path: Path) -> dict[str, Any]:
+    """offsets: URL path -> exported up to; uids: URL path -> the uid of the stream those
+    offsets belong to (a state file from before uids were kept has none: taken as the same
+    incarnation); pending: what a run was writing (see export)."""
     if not path.exists():
-        return {"offsets": {}, "pending": None}
+        return {"offsets": {}, "uids": {}, "pending": None}
     state = json.loads(path.read_text())
-    return {"offsets": dict(state.get("offsets", {})), "pending": state.get("pending")}
+    return {"offsets": dict(state.get("offsets", {})), "uids": dict(state.get("uids", {})),
+            "pending": state.get("pending")}
 
 
 def _save_state(path: Path, state: dict[str, Any]) -> None:
@@ -71,8 +76,10 @@ def _pending_written(spark: SparkSession, output: Path, pending: dict[str, Any])
     file write as a whole, so one stream's first new row tells)."""
     if not output.exists() or not pending.get("first"):
         return False
-    stream, position = pending["first"]
+    stream, position, *since = pending["first"]
     found = spark.read.parquet(str(output)).where((F.col("stream") == stream) & (F.col("position") >= position))
+    if since:  # rows of an earlier incarnation of the stream (deleted, created again) do not count
+        found = found.where(F.col("sealed_at") >= F.timestamp_seconds(F.lit(since[0] - 0.001)))
     return bool(found.limit(1).count())
 
 
@@ -87,14 +94,19 @@ def export(spark: SparkSession, read_options: dict[str, str], output: Path,
     if state["pending"]:
         if _pending_written(spark, output, state["pending"]):
             state["offsets"].update(state["pending"]["ends"])
+            state["uids"].update(state["pending"].get("uids", {}))
         state["pending"] = None
         _save_state(state_path, state)
     opts = ReadOptions.parse(read_options)
     catalog = Catalog(opts.store)
-    done: dict[str, str] = state["offsets"]
+    descs = resolve(catalog, opts.selection.paths, opts.selection.path_prefix)
+    # A stream deleted and created again at the same path is another stream (another uid): the
+    # offsets saved for the old one say nothing about it, and it is exported from its start.
+    saved_uids: dict[str, str] = state["uids"]
+    renewed = {url_path(d.path) for d in descs if saved_uids.get(url_path(d.path), d.uid) != d.uid}
+    done: dict[str, str] = {k: v for k, v in state["offsets"].items() if k not in renewed}
     # planned from where the last run stopped: a periodic export reads only the new chunks' headers
-    plans = catalog.plans(resolve(catalog, opts.selection.paths, opts.selection.path_prefix),
-                          {k: offsets.parse(v) for k, v in done.items() if v != offsets.START})
+    plans = catalog.plans(descs, {k: offsets.parse(v) for k, v in done.items() if v != offsets.START})
     ends = {p.url_path: p.sealed_end_offset for p in plans if p.sealed_end > _position(done.get(p.url_path))}
     if not ends:
         return ExportResult({}, state_path)
@@ -106,10 +118,13 @@ def export(spark: SparkSession, read_options: dict[str, str], output: Path,
     starts = {p.url_path: done[p.url_path] for p in plans if p.url_path in done}
     stops = {p.url_path: ends.get(p.url_path) or done.get(p.url_path) or p.sealed_end_offset for p in plans}
     names = sorted({display_name(p.path)[1] for p in plans if p.url_path in ends})
+    uids = {p.url_path: p.uid for p in plans if p.url_path in ends}
     first = next((p for p in plans if p.url_path in ends), None)
     assert first is not None
     name = display_name(first.path)[1]
-    state["pending"] = {"ends": ends, "first": [name, max(_position(starts.get(first.url_path)), first.earliest)]}
+    begin = max(_position(starts.get(first.url_path)), first.earliest)
+    since = next(r.sealed_at for r in first.chunks if r.end > begin)
+    state["pending"] = {"ends": ends, "uids": uids, "first": [name, begin, since]}
     _save_state(state_path, state)
     df = (spark.read.format("ds3")
           .options(**read_options, start_offsets=json.dumps(starts), end_offsets=json.dumps(stops)).load()
@@ -117,6 +132,7 @@ def export(spark: SparkSession, read_options: dict[str, str], output: Path,
           .withColumn("date", F.to_date("sealed_at")))
     df.write.mode("append").partitionBy("stream", "date").parquet(str(output))
     state["offsets"].update(ends)
+    state["uids"].update(uids)
     state["pending"] = None
     _save_state(state_path, state)
     return ExportResult(ends, state_path)

@@ -4,6 +4,15 @@ Spark offsets are Durable Streams offsets, one per stream, keyed by the stream's
 
     {"streams": {"/v1/stream/orders": "0000000000000007_0000000000123456", ...}}
 
+and, next to them, the uid of the stream each offset belongs to:
+
+    {"streams": {...}, "uids": {"/v1/stream/orders": "<uid>", ...}}
+
+A stream deleted and created again at the same path is another stream (another uid): its
+offsets restart, so an offset saved for the old one means nothing for it, and it is read from
+its start. (An offset saved without a uid, by an older ds3, is taken to be the current
+stream's.)
+
 A micro-batch (start, end] holds, for every stream, the messages between the two positions:
 whole sealed chunks (end offsets normally fall on chunk ends), or with include_tail=true also
 the unsealed tail up to the tail offset seen when the batch was planned, read over HTTP. Data
@@ -19,6 +28,7 @@ started, in micro-batches of that size, then stops.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -39,6 +49,7 @@ from pipeline.source import Bounds, ChunkGroup, plan_partitions, read_partition
 from shared import offsets
 
 SparkOffset = dict[str, Any]
+log = logging.getLogger("ds3.pipeline")
 
 
 def _position(offset: str | None) -> int:
@@ -75,8 +86,13 @@ class DS3StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
                 latest[path] = str(end)
         return latest
 
-    def _start_of(self, start: SparkOffset, path: str) -> str | None:
+    def _start_of(self, start: SparkOffset, path: str, uid: str | None) -> str | None:
+        """Where `path` starts after `start`: its offset there, unless that offset belongs to
+        an earlier stream at the path (another uid), then the stream's start."""
         got = start.get("streams", {}).get(path)
+        saved_uid = start.get("uids", {}).get(path)
+        if got is not None and uid is not None and saved_uid is not None and saved_uid != uid:
+            return None
         if got is not None:
             return str(got)
         first = self.opts.start.get(path)
@@ -99,8 +115,10 @@ class DS3StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             latest = {k: min(v, self._target[k], key=_position) for k, v in latest.items() if k in self._target}
         budget = limit.max_files if isinstance(limit, ReadMaxFiles) else None
         result = {str(k): str(v) for k, v in start.get("streams", {}).items()}
+        uids = {str(k): str(v) for k, v in start.get("uids", {}).items()}
         for path in sorted(latest):
-            begin = _position(self._start_of(start, path))
+            uid = self._plans[path].uid
+            begin = _position(self._start_of(start, path, uid))
             end = latest[path]
             if _position(end) <= begin:
                 continue
@@ -110,7 +128,9 @@ class DS3StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
                 end, used = self._capped(self._plans[path], begin, end, budget)
                 budget -= used
             result[path] = end
-        return {"streams": dict(sorted(result.items()))}
+            uids[path] = uid
+        # without uids (nothing read yet) the offset stays equal to the initial one: no empty batch
+        return {"streams": dict(sorted(result.items()))} | ({"uids": dict(sorted(uids.items()))} if uids else {})
 
     @staticmethod
     def _capped(plan: StreamPlan, begin: int, end: str, budget: int) -> tuple[str, int]:
@@ -124,15 +144,24 @@ class DS3StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
 
     def partitions(self, start: SparkOffset, end: SparkOffset) -> Sequence[InputPartition]:
         ends: dict[str, str] = end.get("streams", {})
-        if any(p not in self._plans for p in ends):
-            self._latest()  # a restart (or a new stream): plan afresh
+        end_uids: dict[str, str] = end.get("uids", {})
+        if any(p not in self._plans or self._plans[p].uid != end_uids.get(p, self._plans[p].uid) for p in ends):
+            self._latest()  # a restart, a new stream, or one created again: plan afresh
         plans, bounds, tails = [], {}, {}
         for path, stop in sorted(ends.items()):
-            lo_offset = self._start_of(start, path)
-            lo, hi = _position(lo_offset), _position(stop)
             plan = self._plans.get(path)
+            if plan is not None and plan.uid != end_uids.get(path, plan.uid):
+                log.warning("%s: skipping its messages up to %s: that stream was deleted (and created "
+                            "again) before they were read", path, stop)
+                continue
+            lo_offset = self._start_of(start, path, end_uids.get(path))
+            lo, hi = _position(lo_offset), _position(stop)
             if hi <= lo or plan is None:
                 continue
+            if lo < plan.earliest:
+                log.warning("%s: messages from position %d to %d were removed by retention (a snapshot at %s) "
+                            "before this query read them; they are skipped", path, lo, plan.earliest,
+                            plan.earliest_offset)
             plans.append(plan)
             bounds[path] = Bounds(lo, hi, lo_offset)
             if hi > plan.sealed_end:

@@ -124,6 +124,24 @@ class PipelineEnv:
                 assert r.status in (200, 204), await r.text()
         self.run(go())
 
+    def delete(self, url_path: str) -> None:
+        async def go() -> None:
+            async with aiohttp.ClientSession(timeout=TIMEOUT) as s, s.delete(self.url + url_path) as r:
+                assert r.status in (200, 204), await r.text()
+        self.run(go())
+
+    def recreate(self, internal_path: str, content_type: str, bodies: list[bytes]) -> None:
+        """Delete the plain stream, create it again with `bodies`, close it, and wait until the
+        new stream (another uid) is sealed in the store."""
+        url_path = "/v1/stream/" + internal_path
+        old = self.uid(internal_path)
+        self.delete(url_path)
+        self.create(url_path, content_type)
+        self.append_all(url_path, bodies, content_type)
+        self.close(url_path)
+        tail = self.pages(url_path)[-1].next_offset
+        self.wait_sealed(internal_path, int(tail.split("_")[1]), not_uid=old)
+
     def pages(self, url_path: str, offset: str = "-1") -> list[Page]:
         async def go() -> list[Page]:
             async with aiohttp.ClientSession(timeout=TIMEOUT) as s:
@@ -137,8 +155,18 @@ class PipelineEnv:
         self.run(go())
 
     # ------------------------------------------------------------ the store
-    def wait_sealed(self, internal_path: str, position: int, timeout: float = 20.0) -> None:
-        """Until the stream's chunk objects cover [0, position) (forks: their own part)."""
+    def uid(self, internal_path: str) -> str | None:
+        """The uid in the stream's descriptor in the store (None: no descriptor)."""
+        from pipeline.catalog import Catalog
+        from pipeline.store import open_sync_store
+
+        opts = self.source_options()
+        desc = Catalog(open_sync_store(opts.pop("store"), **opts)).descriptor(internal_path)
+        return None if desc is None else desc.uid
+
+    def wait_sealed(self, internal_path: str, position: int, timeout: float = 20.0, not_uid: str | None = None) -> None:
+        """Until the stream's chunk objects cover [0, position) (forks: their own part); with
+        `not_uid`, in a descriptor of another stream than that one (created again)."""
         from pipeline.catalog import Catalog
         from pipeline.store import open_sync_store
 
@@ -148,7 +176,8 @@ class PipelineEnv:
         def covered() -> bool:
             catalog = Catalog(store)
             desc = catalog.descriptor(internal_path)
-            return desc is not None and catalog.plan(desc).sealed_end >= position
+            return (desc is not None and desc.uid != not_uid and not desc.soft_deleted
+                    and catalog.plan(desc).sealed_end >= position)
 
         wait_for(covered, timeout, f"{internal_path!r} sealed up to {position}", interval=0.1)
 

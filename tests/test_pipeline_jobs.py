@@ -16,6 +16,7 @@ import json
 import re
 import urllib.error
 import urllib.request
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -121,6 +122,26 @@ def test_an_incremental_export_writes_only_what_is_new(
     state = json.loads((out / "_ds3_export_state.json").read_text())["offsets"]
     expected = env.read(spark, prefix="inc/", end_offsets=json.dumps(state)).select(*COLUMNS).collect()
     assert rows == sorted(tuple(r) for r in expected)
+
+
+def test_a_stream_created_again_is_exported_from_its_start(
+    pipeline_env: PipelineEnv, spark: Any, tmp_path: Path, aws_env: None
+) -> None:
+    """Deleted and created again at the same path, a stream is another stream (another uid):
+    the offsets saved for the old one do not apply, whether the new one is longer or shorter."""
+    env, out = pipeline_env, tmp_path / "parquet"
+    for name, seed in (("again/longer", 61), ("again/shorter", 62)):
+        write_closed(env, f"/v1/stream/{name}", name, JSON, json_bodies(12, seed))
+    assert len(export_cli(env, out, "again/")["exported_up_to"]) == 2
+    before = exported(spark, out)
+
+    env.recreate("again/longer", JSON, json_bodies(30, 63))
+    env.recreate("again/shorter", JSON, json_bodies(3, 64))
+    second = export_cli(env, out, "again/")
+    assert set(second["exported_up_to"]) == {"/v1/stream/again/longer", "/v1/stream/again/shorter"}
+    new = Counter(exported(spark, out)) - Counter(before)
+    assert new == Counter(tuple(r) for r in env.read(spark, prefix="again/").select(*COLUMNS).collect())
+    assert export_cli(env, out, "again/")["exported_up_to"] == {}
 
 
 def replay(events: list[dict[str, Any]], state: dict[tuple[str, str], Any] | None = None) -> dict[tuple[str, str], Any]:

@@ -9,13 +9,14 @@ from __future__ import annotations
 import itertools
 import json
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
 from shared import offsets
 from tests.cluster import wait_for
 from tests.pipeline_fixtures import PipelineEnv
-from tests.test_pipeline_read import JSON, json_bodies
+from tests.test_pipeline_read import JSON, json_bodies, write_closed
 
 
 def start(env: PipelineEnv, spark: Any, work: Path, trigger: dict[str, Any], **options: str) -> Any:
@@ -134,3 +135,23 @@ def test_include_tail_then_restart_after_the_tail_is_sealed(
     q2 = start(env, spark, tmp_path, {"availableNow": True}, **opts)
     assert q2.awaitTermination(120)
     assert_exactly(sink_rows(spark, tmp_path), expected, tail2)
+
+
+def test_a_stream_created_again_is_read_from_its_start(pipeline_env: PipelineEnv, spark: Any, tmp_path: Path) -> None:
+    """The checkpoint holds an offset of the deleted stream; the stream created at its path
+    (another uid, a shorter history) is read from its start on the restart."""
+    env, name = pipeline_env, "live/again"
+    old, new = json_bodies(20, 24), json_bodies(4, 25)
+    write_closed(env, f"/v1/stream/{name}", name, JSON, old)
+    q1 = start(env, spark, tmp_path, {"availableNow": True}, stream=name)
+    assert q1.awaitTermination(120)
+    assert len(sink_rows(spark, tmp_path)) == sum(len(json.loads(b)) for b in old)
+
+    env.recreate(name, JSON, new)
+    q2 = start(env, spark, tmp_path, {"availableNow": True}, stream=name)
+    assert q2.awaitTermination(120)
+    def canonical(m: Any) -> str:
+        return json.dumps(m, sort_keys=True)
+
+    got = Counter(canonical(json.loads(r.value)) for r in sink_rows(spark, tmp_path))
+    assert got == Counter(canonical(m) for b in old + new for m in json.loads(b))
