@@ -110,3 +110,41 @@ def test_writer_option_errors(pipeline_env: PipelineEnv, spark: Any) -> None:
     with pytest.raises(Exception, match="'message' or a string 'value' column"):
         spark.createDataFrame([(1,)], "n int").write.format("ds3").mode("append").options(
             url=pipeline_env.url, stream="x").save()
+
+
+def test_rerun_over_a_source_that_grew_appends_exactly_the_new_rows(pipeline_env: PipelineEnv, spark: Any) -> None:
+    """A copy job re-run with the same producer_id after its source grew: the first run's
+    last request now holds more rows under the same (id, epoch, seq), which the server takes
+    for a duplicate; the new rows must still get in, once."""
+    env, src, dst = pipeline_env, "/v1/stream/regrow/src", "/v1/stream/regrow/dst"
+    env.create(src, JSON)
+    env.append_all(src, [json.dumps([{"n": i} for i in range(3)]).encode()], JSON)
+    opts = {"url": env.url, "stream": "regrow/dst", "producer_id": "regrow-job", "content_type": JSON,
+            "create": "true"}
+
+    def copy() -> None:
+        rows = env.read(spark, stream="regrow/src", include_tail="true", url=env.url).select("value")
+        rows.write.format("ds3").mode("append").options(**opts).save()
+
+    copy()
+    assert messages(env, dst) == [{"n": 0}, {"n": 1}, {"n": 2}]
+    env.append_all(src, [json.dumps([{"n": 3}, {"n": 4}]).encode()], JSON)
+    copy()
+    assert messages(env, dst) == [{"n": i} for i in range(5)]
+    copy()  # and once more: nothing new
+    assert messages(env, dst) == [{"n": i} for i in range(5)]
+
+
+def test_rerun_over_other_rows_with_the_same_producer_id_fails_and_appends_nothing(
+    pipeline_env: PipelineEnv, spark: Any
+) -> None:
+    env, url_path = pipeline_env, "/v1/stream/write/reused"
+    env.create(url_path, JSON)
+    opts = {"url": env.url, "stream": "write/reused", "producer_id": "reused-1"}
+    spark.createDataFrame([('"a"',), ('"b"',), ('"c"',)], "value string").coalesce(1) \
+        .write.format("ds3").mode("append").options(**opts).save()
+    assert messages(env, url_path) == ["a", "b", "c"]
+    with pytest.raises(Exception, match=r"appended 3 rows of another input before \(its first rows differ\)"):
+        spark.createDataFrame([('"x"',), ('"y"',), ('"z"',), ('"w"',)], "value string").coalesce(1) \
+            .write.format("ds3").mode("append").options(**opts).save()
+    assert messages(env, url_path) == ["a", "b", "c"]
