@@ -87,6 +87,7 @@ def export(spark: SparkSession, read_options: dict[str, str], output: Path,
            state_path: Path | None = None) -> ExportResult:
     """Append every sealed message after the saved offsets to Parquet under `output`,
     partitioned by `stream` and `date`; save the new offsets."""
+    opts = ReadOptions.parse(read_options)  # before anything is created: a bad option leaves nothing behind
     output = output.resolve()
     state_path = state_path or output / STATE_FILE
     state_path.parent.mkdir(parents=True, exist_ok=True)
@@ -97,7 +98,6 @@ def export(spark: SparkSession, read_options: dict[str, str], output: Path,
             state["uids"].update(state["pending"].get("uids", {}))
         state["pending"] = None
         _save_state(state_path, state)
-    opts = ReadOptions.parse(read_options)
     catalog = Catalog(opts.store)
     descs = resolve(catalog, opts.selection.paths, opts.selection.path_prefix)
     # A stream deleted and created again at the same path is another stream (another uid): the

@@ -155,6 +155,8 @@ class ReadOptions:
             )
         except StoreURLError as e:
             raise OptionError("store", str(e)) from None
+        if isinstance(store, LocalSyncStore) and not store.root.is_dir():  # a typo would read "nothing"
+            raise OptionError("store", f"{opts['store']}: no such directory")
         selection = _selection(opts)
         start = _offset_map(opts, "start_offsets")
         end = _offset_map(opts, "end_offsets")

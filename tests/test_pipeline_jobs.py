@@ -14,6 +14,7 @@ from __future__ import annotations
 import email
 import json
 import re
+import socket
 import urllib.error
 import urllib.request
 from collections import Counter
@@ -303,3 +304,28 @@ def test_the_state_protocol_rule(spark: Any, message: str, problem: str) -> None
     folded = fold(rows)
     assert (folded.invalid, folded.events) == (2, 1)
     assert folded.first_invalid is not None and folded.first_invalid.startswith(f"offset B: {problem}")
+
+
+@pytest.mark.parametrize("case", ["garbage offset", "nobody at --url", "no store directory"])
+def test_bad_arguments_are_one_error_line_not_a_traceback(
+    pipeline_env: PipelineEnv, tmp_path: Path, aws_env: None, case: str
+) -> None:
+    env, stream = pipeline_env, "cli/errors-" + case.replace(" ", "-").strip("-")
+    env.create(f"/v1/stream/{stream}", JSON)
+    env.append_all(f"/v1/stream/{stream}", [json.dumps([change("insert", "a", 1)]).encode()], JSON)
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        nobody = f"http://127.0.0.1:{s.getsockname()[1]}"
+    compact = ["compact", "--store", env.store.url, "--s3-endpoint", env.s3_endpoint, "--stream", stream]
+    args, message = {
+        "garbage offset": ([*compact, "--url", env.url, "--offset", "garbage"],
+                           "option 'offset': malformed offset 'garbage'"),
+        "nobody at --url": ([*compact, "--url", nobody], f"HEAD {nobody}/v1/stream/{stream}: no answer"),
+        "no store directory": (["export", "--store", f"file://{tmp_path}/nonexistent", "--prefix", "x",
+                                "--output", str(tmp_path / "out")],
+                               f"option 'store': file://{tmp_path}/nonexistent: no such directory"),
+    }[case]
+    result = CliRunner().invoke(main, ["pipeline", *args])
+    assert result.exit_code in (1, 2) and isinstance(result.exception, SystemExit), result.output
+    assert message in result.output and "Traceback" not in result.output, result.output
+    assert not (tmp_path / "out").exists()

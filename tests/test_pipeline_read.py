@@ -193,7 +193,7 @@ def test_include_tail_reads_unsealed_messages_over_http(pipeline_env: PipelineEn
 ])
 def test_bad_options_name_the_option(options: dict[str, str], named: str) -> None:
     with pytest.raises(OptionError, match=f"option '{named}'"):
-        ReadOptions.parse({"store": "file:///tmp/x", **options})
+        ReadOptions.parse({"store": "file:///tmp", **options})  # (a directory that exists)
 
 
 def test_errors_reach_the_spark_user(pipeline_env: PipelineEnv, spark: Any) -> None:

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import time
+import urllib.request
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -155,3 +157,35 @@ def test_a_stream_created_again_is_read_from_its_start(pipeline_env: PipelineEnv
 
     got = Counter(canonical(json.loads(r.value)) for r in sink_rows(spark, tmp_path))
     assert got == Counter(canonical(m) for b in old + new for m in json.loads(b))
+
+
+def test_a_restart_below_the_retained_start_warns(pipeline_env: PipelineEnv, caplog: Any) -> None:
+    """A snapshot published while a query was stopped removes the history before it: the
+    restart skips it (there is nothing else it could do) and says so in the log."""
+    from pyspark.sql.streaming.datasource import ReadAllAvailable
+
+    from pipeline.catalog import Catalog
+    from pipeline.options import ReadOptions
+    from pipeline.streaming import DS3StreamReader
+
+    env, name = pipeline_env, "live/retained"
+    url = f"/v1/stream/{name}"
+    write_closed(env, url, name, JSON, json_bodies(40, 26))
+    pages = env.pages(url)
+    assert len(pages) >= 3
+    saved, snapshot = pages[0].next_offset, pages[len(pages) // 2].next_offset
+    request = urllib.request.Request(f"{env.url}{url}/snapshot/{snapshot}", data=b"[]", method="PUT",
+                                     headers={"Content-Type": "application/json"})
+    urllib.request.urlopen(request, timeout=10).close()
+    opts = ReadOptions.parse(env.source_options(stream=name))
+    wait_for(lambda: (d := Catalog(opts.store).descriptor(name)) is not None and d.snapshot_offset == snapshot,
+             20, "the snapshot in the store's descriptor")
+
+    reader = DS3StreamReader(opts)
+    start = {"streams": {url: saved}}
+    end = reader.latestOffset(start, ReadAllAvailable())
+    with caplog.at_level(logging.WARNING, "ds3.pipeline"):
+        parts = reader.partitions(start, end)
+    assert f"{url}: messages from position {offsets.parse(saved).position} to " \
+        f"{offsets.parse(snapshot).position} were removed by retention" in caplog.text
+    assert parts  # and the rest is read
