@@ -58,6 +58,29 @@ class LogHook:
             shipper.loop.call_soon_threadsafe(shipper.wake.set)
         return True
 
+    def caught_up(self, seq: int) -> Gate | None:
+        """For outcomes of a batch that committed nothing (a producer's duplicate, a create of
+        a stream that exists, a close of a closed stream): they rely on what commit `seq` (the
+        last one) and those before it wrote, so they are acknowledged only as an outcome of that
+        commit would be. Before, a retry of an append answered 503 (its segment did not reach
+        the store; its log too far behind) got 204 at once, though the store still lacked it."""
+        shipper, queue = self.shipper, self.queue
+        ownership = shipper.ownership
+        with queue.lock:
+            if shipper.fence_reason is not None:
+                return _failed(Superseded(shipper.fence_reason, shipper.epoch()))
+            if shipper.durability == "store":
+                if seq <= queue.landed_seq:
+                    return None  # in the store already
+                if shipper.failures_in_a_row >= GATE_ATTEMPTS:
+                    return _failed(Unavailable(NOT_SHIPPED, 5))
+                return queue.own_gate(seq)  # opened once a segment (or checkpoint) covers `seq`
+            if ownership is not None and not ownership.valid():
+                return _failed(Superseded("the lease on the store prefix ran out", shipper.epoch()))
+            if shipper.max_lag and queue.lag_seconds() > shipper.max_lag:
+                return _failed(Unavailable(LAGGING.format(lag=queue.lag_seconds(), bound=shipper.max_lag), 2))
+            return None
+
     def commit_failed(self, commit: Commit, exc: BaseException) -> None:
         """LMDB could not commit what before_commit queued (not even a second time): the log
         may hold a commit the WAL lacks, so ship nothing more (see ingester/shipper.py)."""
@@ -112,3 +135,9 @@ class LogHook:
             with contextlib.suppress(RuntimeError):  # the loop closed during shutdown
                 shipper.loop.call_soon_threadsafe(shipper.wake.set)
         return gate
+
+
+def _failed(exc: BaseException) -> Gate:
+    gate: Gate = ConcurrentFuture()
+    gate.set_exception(exc)
+    return gate

@@ -139,6 +139,11 @@ class ShipQueue:
                 done.append(entry[1])  # type: ignore[arg-type]
         return done
 
+    def landed(self, seq: int) -> None:
+        """Commits up to `seq` are known to be in the store (what the store's log holds at start)."""
+        with self.lock:
+            self.landed_seq = max(self.landed_seq, seq)
+
     def fail_upto(self, upto: int, exc: BaseException) -> None:
         """The gates of the commits up to `upto` fail with `exc`."""
         with self.lock:

@@ -201,6 +201,7 @@ class Shipper:
         no checkpoint yet (the log needs a base)."""
         listing = await list_log(self.objects)
         self.shipped_seq = listing.shipped_seq
+        self.queue.landed(listing.shipped_seq)
         cp = listing.latest_checkpoint
         self.checkpoints.last_seq = cp[0] if cp is not None else 0
         if local_seq < listing.shipped_seq:

@@ -123,9 +123,14 @@ Delivery = Callable[[Any, bool], None]
 # - commit_failed(commit, exc) is called, and the committer refuses every write from then on
 #   (503): the WAL may never diverge from the log and carry on. A restart finds the store's
 #   log ahead of the WAL and restores from the store (ingester/logstore.py drop_wal_behind_log).
+# - caught_up(seq) -> gate or None: for a batch that committed nothing but has successes (a
+#   producer's duplicate, an idempotent create or close), which rely on the last commit, `seq`:
+#   the gate an outcome of that commit would wait for now (the store durability mode: until a
+#   segment covers it; 503 while uploads fail or the local log lags too far).
 OnLogged = Callable[[Commit], "ConcurrentFuture[None] | None"]
 BeforeCommit = Callable[[Commit], bool]
 CommitFailed = Callable[[Commit, BaseException], None]
+CaughtUp = Callable[[int], "ConcurrentFuture[None] | None"]
 WAL_BROKEN_MESSAGE: Final = ("the write-ahead log could not commit a write whose log segment was already on its way "
                              "to the object store; this ingester acknowledges nothing more (restart it: it restores "
                              "from the store)")
@@ -168,6 +173,7 @@ class GroupCommitter:
         self._on_logged = on_logged
         self._before_commit: BeforeCommit | None = getattr(on_logged, "before_commit", None)
         self._commit_failed: CommitFailed | None = getattr(on_logged, "commit_failed", None)
+        self._caught_up: CaughtUp | None = getattr(on_logged, "caught_up", None)
         self.recommits = 0  # commits that failed after before_commit and were applied again
         # The last logged commit's seq (read here, advanced by the writer thread only).
         with wal.env.begin() as txn:
@@ -352,8 +358,23 @@ class GroupCommitter:
         self.last_batch_size = len(batch)
         self.commit_seconds.observe(time.perf_counter() - started)
         self.batch_sizes.observe(len(batch))
-        gate = self._log(logged) if logged is not None else None
+        if logged is not None:
+            gate = self._log(logged)
+        elif self._caught_up is not None and any(ok for _, _, ok in results):
+            gate = self._gate_of_last_commit()
+        else:
+            gate = None
         self._deliver_in_order(gate, results, changed)
+
+    def _gate_of_last_commit(self) -> ConcurrentFuture[None] | None:
+        assert self._caught_up is not None
+        try:
+            return self._caught_up(self.seq)
+        except Exception as e:  # promise nothing the hook could not vouch for
+            log.exception("the commit log hook failed on a batch that committed nothing")
+            failed: ConcurrentFuture[None] = ConcurrentFuture()
+            failed.set_exception(e)
+            return failed
 
     def _recommit(self, commit: Commit, exc: BaseException) -> bool:
         """LMDB failed to commit a write-set the log already took (before_commit): apply the

@@ -8,11 +8,15 @@ after its last renewal), none of which reached the store, so the standby's histo
 seconds of acknowledged appends: more than "the log follows within --ship-interval" promises.
 Now it answers 503 once the oldest commit the store lacks is `--max-ship-lag` old, so what the
 takeover loses was acknowledged within that bound of the cut.
+
+And in both durability modes: an idempotent producer's retry of an append refused that way is
+refused too until the store has the append (it was answered 204 at once, and lost with the disk).
 """
 
 from __future__ import annotations
 
 import http.client
+import shutil
 import threading
 import time
 from dataclasses import dataclass, field
@@ -123,3 +127,51 @@ def test_an_owner_cut_off_from_the_store_stops_acknowledging_within_the_bound(
         stop.set()
         b.stop()
         a.kill()
+
+
+@pytest.mark.parametrize("durability", ["store", "local"])
+def test_a_producers_retry_of_a_refused_append_is_refused_until_the_store_has_it(
+        tmp_path: Path, gated_s3: tuple[StoreView, TcpGate], durability: str) -> None:
+    """The retry of an append answered 503 (not in the store) is a duplicate, which committed
+    nothing: it was answered 204 at once, and a lost disk then lost the append it vouched for
+    (store mode: 'nothing acknowledged is lost' broken; local mode: the --max-ship-lag bound
+    crossed). Now it is refused while the store lacks the append, and acknowledged once it has
+    it; an empty-disk restart then holds it."""
+    store, gate = gated_s3
+    args = [*store.server_args(gate.url), "--durability", durability, "--ship-interval", str(INTERVAL),
+            "--lease-seconds", "30", "--owner-id", "node", "--log-level", "info"]
+    if durability == "local":
+        args += ["--max-ship-lag", "1"]
+    a = ingester(tmp_path / "a", *args).start()
+    path = f"{a.url}/v1/stream/s"
+
+    def post(seq: int) -> int:
+        headers = {**TEXT, "Producer-Id": "p", "Producer-Epoch": "0", "Producer-Seq": str(seq)}
+        return _req("POST", path, b"a%d\n" % seq, headers)[0]
+
+    try:
+        assert _req("PUT", path, headers=TEXT)[0] == 201
+        assert post(0) == 200
+        time.sleep(2 * INTERVAL + SLACK)  # shipped
+        gate.down()
+        if durability == "local":  # within the bound it is acknowledged; past it, refused
+            assert post(1) == 200
+            time.sleep(1.5)
+            seq = 2
+        else:
+            seq = 1
+        assert post(seq) == 503
+        assert post(seq) == 503, "the retry was acknowledged while the store lacked the append"
+        gate.up()
+        deadline = time.monotonic() + 20
+        while (status := post(seq)) != 204:  # a duplicate now: acknowledged once the store has it
+            assert status == 503 and time.monotonic() < deadline, status
+            time.sleep(0.2)
+    finally:
+        a.kill()
+    shutil.rmtree(tmp_path / "a")  # the disk is lost: the store's log is all there is
+    b = ingester(tmp_path / "b", *args).start()
+    try:
+        assert _read_all(b.url, "s") == b"".join(b"a%d\n" % i for i in range(seq + 1))
+    finally:
+        b.stop()

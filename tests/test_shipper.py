@@ -634,3 +634,77 @@ def test_the_lag_counts_from_the_oldest_commit_the_store_lacks(
         else:
             q.drop(lambda: Unavailable("dropped"))
     assert q.lag_seconds(now=10.0) == lag
+
+
+async def test_an_outcome_that_committed_nothing_waits_for_the_commit_it_relies_on(
+        wal: WalEnv, objects: FlakyStore, clock: list[float]) -> None:
+    """A producer's retry of an append refused with 503 is a duplicate: its batch commits
+    nothing. It was acknowledged (204) at once though the store still lacked the append, and a
+    lost disk then lost it. Now it gets what an outcome of the last commit would: in store mode
+    503 while uploads fail, a gate until a segment covers the commit, nothing once it is in."""
+    s = Shipper(wal, objects, asyncio.get_running_loop(), durability="store")
+    hook = s.on_logged
+    objects.fail_puts = GATE_ATTEMPTS
+    gate = hook(commit(1))
+    for _ in range(GATE_ATTEMPTS):
+        with pytest.raises(ObjectStoreUnavailable):
+            await s.ship_once()
+    assert gate is not None and isinstance(gate.exception(), Unavailable)  # the append: 503
+    retry = hook.caught_up(1)  # its retry, a duplicate: 503 too (it was a 204)
+    assert retry is not None and isinstance(retry.exception(), Unavailable)
+    s.failures_in_a_row = 0  # (as after a landed upload elsewhere: the store answers again)
+    retry = hook.caught_up(1)
+    assert retry is not None and not retry.done()  # waits for the segment holding commit 1
+    assert await s.ship_once() == 1
+    assert retry.done() and retry.exception() is None
+    assert hook.caught_up(1) is None  # in the store: acknowledged at once
+    # local mode: refused while the log is too far behind, as a new append would be
+    local = Shipper(wal, objects, asyncio.get_running_loop(), durability="local", max_lag=3.0)
+    objects.fail_puts = 1
+    assert local.on_logged(commit(1)) is None
+    clock[0] += 3.5
+    refused = local.on_logged.caught_up(1)
+    assert refused is not None and "--max-ship-lag" in str(refused.exception())
+    with pytest.raises(ObjectStoreUnavailable):
+        await local.ship_once()
+    assert await local.ship_once() == 1 and local.on_logged.caught_up(1) is None
+
+
+async def test_through_the_committer_after_a_restart(tmp_path: Path, objects: FlakyStore) -> None:
+    """With a real committer in store mode: a batch that writes nothing is refused while the
+    write it follows is refused, and answered once that is in the store; after a restart,
+    what the store's log holds already needs no wait (a batch committing nothing answers at
+    once, it does not wait for an upload that never comes)."""
+    loop = asyncio.get_running_loop()
+    for attempt in (1, 2):
+        wal = WalEnv(tmp_path / "wal", 64 * 1024 * 1024)
+        s = Shipper(wal, objects, loop, durability="store")
+        committer = GroupCommitter(wal, loop, on_abort=lambda: None, on_commit=lambda txn: None,
+                                   on_durable=lambda news: None, on_logged=s.on_logged)
+        committer.start()
+        try:
+            await s.prepare(committer.seq)
+            if attempt == 1:
+                objects.fail_puts = 100
+                s.start()
+                with pytest.raises(Unavailable):  # the store is down: 503 (the WAL has it)
+                    await committer.submit(lambda txn, db=wal.streams: txn.put(b"s1", b"x", db=db))
+                with pytest.raises(Unavailable, match="did not reach the object store"):  # was: acknowledged
+                    await committer.submit(lambda txn: "a duplicate")
+                objects.fail_puts = 0  # the store is back: the retries are answered once it has the write
+                for _ in range(200):
+                    try:
+                        assert await asyncio.wait_for(committer.submit(lambda txn: "a duplicate"), 10) == "a duplicate"
+                        break
+                    except Unavailable:
+                        await asyncio.sleep(0.05)
+                else:
+                    pytest.fail("the retry was never acknowledged after the store came back")
+                assert s.shipped_seq == committer.seq == 1
+            else:
+                assert committer.seq == 1 and s.queued == 0
+                assert await asyncio.wait_for(committer.submit(lambda txn: "at once"), 2) == "at once"
+        finally:
+            await s.stop()
+            await loop.run_in_executor(None, committer.stop)
+            wal.close()
