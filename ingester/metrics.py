@@ -198,6 +198,13 @@ def install(app: web.Application, metrics: AppMetrics, config: IngesterConfig) -
 
         ready.add("ownership", owner, cached=False)
 
+        async def shipping() -> str | None:  # writes refused for the log's sake (ingester/shipper.py)
+            svc = app.get(SERVICE)
+            shipper = None if svc is None else svc.shipper
+            return None if shipper is None else shipper.refusing()
+
+        ready.add("log", shipping, cached=False)
+
 
 def _service_stores(app: web.Application) -> list[ObjectStore]:
     svc = app.get(SERVICE)

@@ -144,6 +144,19 @@ class Shipper:
         """How long the oldest commit not yet in the store has waited (0: nothing waits)."""
         return self.queue.lag_seconds()
 
+    def refusing(self) -> str | None:
+        """Why writes answer 503 now because of the log (for /readyz), or None."""
+        if self.fence_reason is not None:
+            return f"log shipping stopped: {self.fence_reason}"
+        if self.durability == "store" and self.failures_in_a_row >= GATE_ATTEMPTS:
+            return (f"log segment uploads are failing ({self.failures_in_a_row} in a row): writes answer 503 "
+                    "until one lands")
+        lag = self.lag_seconds()
+        if self.durability == "local" and self.max_lag and lag > self.max_lag:
+            return (f"the store's copy of the log is {lag:.1f} s behind (--max-ship-lag {self.max_lag:g} s): "
+                    "writes answer 503 until it catches up")
+        return None
+
     @property
     def checkpoints_uploaded(self) -> int:
         return self.checkpoints.uploaded

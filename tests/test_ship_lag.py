@@ -97,6 +97,9 @@ def test_an_owner_cut_off_from_the_store_stops_acknowledging_within_the_bound(
         time.sleep(1.5)
         gate.down()  # the owner loses the store; its clients still reach it
         cut_at = time.monotonic()
+        time.sleep(MAX_LAG + SLACK)
+        status, _, body = _req("GET", f"{a.url}/readyz")  # not ready while it refuses writes for the log
+        assert status == 503 and b"--max-ship-lag" in body, body
         deadline = cut_at + 30
         while not any(port == b.port for w in writers for _, _, port in w.acked):  # the standby took over
             assert time.monotonic() < deadline, "the standby never acknowledged an append"
