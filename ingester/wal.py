@@ -33,7 +33,7 @@ import lmdb
 from prometheus_client import Histogram
 
 from ingester.logged_txn import LoggedTxn
-from shared.errors import DS3Error, Unavailable
+from shared.errors import DS3Error, Superseded, Unavailable
 from shared.logsegment import DB_IDS, Commit
 
 log = logging.getLogger("ds3.wal")
@@ -431,10 +431,14 @@ class GroupCommitter:
                     why = None if gate.cancelled() else gate.exception()
                     # the shipper's reason when it gave one (a lapsed lease, a log too far
                     # behind); one exception per outcome (each is raised on its own)
-                    message, retry = ((why.message, why.retry_after) if isinstance(why, Unavailable)
-                                      else (NOT_SHIPPED_MESSAGE, 5))
-                    out = [(p, Unavailable(message, retry), False) if ok else (p, value, ok)
-                           for p, value, ok in results]
+                    def refusal() -> Unavailable:
+                        if isinstance(why, Superseded):  # (it says so to readers: a header)
+                            return Superseded(why.message, why.epoch)
+                        if isinstance(why, Unavailable):
+                            return Unavailable(why.message, why.retry_after)
+                        return Unavailable(NOT_SHIPPED_MESSAGE, 5)
+
+                    out = [(p, refusal(), False) if ok else (p, value, ok) for p, value, ok in results]
                 self._deliver_threadsafe(out, changed)
             finally:
                 done.set_result(None)

@@ -46,6 +46,7 @@ from shared.http.handlers import stream_path_of
 from shared.http.lane import Lane, Message, catch_up_offset, forks_or_has_a_delete_body
 from shared.http.lane_connection import LaneHandler, LaneRunner
 from shared.http.lane_live import long_poll_query
+from shared.ownership import FENCED_HEADER
 from shared.placement import GENERATION_HEADER, OWNER_ID_HEADER, placement_key
 
 log = logging.getLogger("ds3.reader.lane")
@@ -277,6 +278,8 @@ class _Forward:
             _pending.add(task)
             task.add_done_callback(_pending.discard)
             return
+        if answer.status == 503 and _header(answer, _FENCED) is not None:
+            router.failed(self.link)  # alive but no longer the owner: look the owner up (routing.py)
         head = lane._answer_head(msg, answer)
         for f in self._flight():
             f.handler.answer(f.msg, answer.status, {}, answer.body, f.rid, f.started, head=head)
@@ -308,6 +311,7 @@ class _Forward:
 _pending: set[asyncio.Future[None]] = set()  # re-routes in progress (kept from the garbage collector)
 _GENERATION: Final = GENERATION_HEADER.lower().encode("ascii")
 _OWNER_ID: Final = OWNER_ID_HEADER.lower().encode("ascii")
+_FENCED: Final = FENCED_HEADER.lower().encode("ascii")
 
 
 def _header(answer: Answer, lower_name: bytes) -> str | None:

@@ -95,6 +95,15 @@ class IngesterClient:
         # Completed by abandon() (the ingester here was replaced): calls waiting on it fail.
         self._abandoned: asyncio.Future[Unavailable] | None = None
         self._calling = 0
+        # When each call waiting now began (loop time), long-polls aside: stalled_for().
+        self._waiting_since: dict[int, float] = {}
+        self._next_call = 0
+
+    def stalled_for(self) -> float:
+        """Seconds the longest-waiting call (long-polls aside) has waited: a frozen or cut-off
+        ingester shows here long before the read timeout (reader/routing.py watch_stalls)."""
+        since = self._waiting_since
+        return asyncio.get_running_loop().time() - min(since.values()) if since else 0.0
 
     @staticmethod
     def _request_headers(request: web.Request) -> Headers:
@@ -133,6 +142,9 @@ class IngesterClient:
         abandoned = self._abandoned
         calling = asyncio.ensure_future(self._call(method, path_qs, headers, body))
         self._calling += 1
+        token = self._next_call = self._next_call + 1
+        if "live=" not in path_qs:  # (a long-poll or SSE waits by design)
+            self._waiting_since[token] = asyncio.get_running_loop().time()
         try:
             await asyncio.wait((calling, abandoned), return_when=asyncio.FIRST_COMPLETED)
         except asyncio.CancelledError:
@@ -140,6 +152,7 @@ class IngesterClient:
             raise
         finally:
             self._calling -= 1
+            self._waiting_since.pop(token, None)
         if calling.done():
             return calling.result()
         calling.cancel()

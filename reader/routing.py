@@ -40,6 +40,7 @@ from shared.cluster import ClusterWatcher
 from shared.errors import Unavailable
 from shared.logs import request_id
 from shared.owner_watch import MemberOwners, OwnerWatcher
+from shared.ownership import FENCED_HEADER
 from shared.placement import GENERATION_HEADER, OWNER_ID_HEADER, Cluster, bucket_placement_key, placement_key
 
 log = logging.getLogger("ds3.reader.routing")
@@ -180,14 +181,16 @@ class Router:
 
     async def watch_stalls(self) -> None:
         """A frozen or cut-off ingester fails nothing: requests to it wait for read_timeout (a
-        minute). So a request (long-polls aside) unanswered for STALL_SECONDS counts as a failed
-        forward for looking up the owner: the ownership record is read again (a member's, in a
-        cluster), and if a standby has taken over, what waits at the old URL is failed at once
-        (_abandon) and the clients' retries go to the standby."""
+        minute). So a request (long-polls aside; on the lane's pool or aiohttp's path) unanswered
+        for STALL_SECONDS counts as a failed forward for looking up the owner: the ownership
+        record is read again (a member's, in a cluster), and if a standby has taken over, what
+        waits at the old URL is failed at once (_abandon) and the clients' retries go to the
+        standby."""
         while True:
             await asyncio.sleep(STALL_CHECK_EVERY)
             for link in list(self.links.values()):
-                if link.pool is not None and link.pool.stalled_for() > STALL_SECONDS:
+                waited = max(link.client.stalled_for(), link.pool.stalled_for() if link.pool is not None else 0.0)
+                if waited > STALL_SECONDS:
                     self.failed(link)
 
     def _owner_moved(self) -> None:
@@ -294,6 +297,7 @@ class Router:
             raise
         if up.status == MISDIRECTED:
             return await self._again(key, link, up, lambda c: c.call(method, path_qs, headers, body))
+        self._if_fenced(link, up)
         return up
 
     async def poll(self, key: str, path_qs: str) -> Upstream:
@@ -330,6 +334,7 @@ class Router:
         up = Upstream(answer.status, headers, answer.body)
         if up.status == MISDIRECTED:
             return await self._again(key, link, up, lambda c: c.call("GET", path_qs, {}, None))
+        self._if_fenced(link, up)
         return up
 
     async def get_collapsed(self, key: str, path_qs: str, headers: Headers) -> Upstream:
@@ -341,6 +346,7 @@ class Router:
             raise
         if up.status == MISDIRECTED:
             return await self._again(key, link, up, lambda c: c.get_collapsed(path_qs, headers))
+        self._if_fenced(link, up)
         return up
 
     async def collapsed_call(self, key: str, method: str, path_qs: str, headers: Headers, *, flight: str) -> Upstream:
@@ -352,7 +358,15 @@ class Router:
             raise
         if up.status == MISDIRECTED:
             return await self._again(key, link, up, lambda c: c.collapsed_call(method, path_qs, headers, key=flight))
+        self._if_fenced(link, up)
         return up
+
+    def _if_fenced(self, link: Link, up: Upstream) -> None:
+        """An ingester's 503 saying it does not own its store prefix (DS3-Fenced): it is alive,
+        so no forward failed, yet the owner is elsewhere (a standby took over while it was
+        frozen or cut off): look it up as after a failed forward."""
+        if up.status == 503 and FENCED_HEADER in up.headers:
+            self.failed(link)
 
     async def _again(self, key: str, link: Link, up: Upstream,
                      send: Callable[[IngesterClient], Any]) -> Upstream:

@@ -74,6 +74,10 @@ from shared.objectstore import ObjectStore
 
 log = logging.getLogger(__name__)
 
+# On an ingester's 503 when it does not own its store prefix (Superseded: fenced, its lease
+# lapsed): a reader then looks the owner up again (a standby may hold the prefix now), since the
+# ingester answering is alive and a failed connection would not tell it.
+FENCED_HEADER: Final = "DS3-Fenced"
 RECORD_VERSION: Final = 1  # format of the record; a newer one is refused, not overwritten
 DEFAULT_LEASE: Final = 10.0
 DEFAULT_MAX_SKEW: Final = 1.0

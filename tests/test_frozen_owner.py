@@ -10,10 +10,12 @@ until then."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -32,9 +34,23 @@ def _read(reader: procs.Proc, path: str) -> bytes:
     return body
 
 
-@pytest.mark.parametrize("topology", ["single owner", "cluster member"])
-def test_requests_waiting_at_a_frozen_owner_fail_fast_once_a_standby_takes_over(
-        tmp_path: Path, topology: str) -> None:
+@dataclass
+class Setup:
+    a: procs.Proc  # the owner (or member a)
+    standby: procs.Proc
+    reader: procs.Proc
+    others: list[procs.Proc]
+    path: str  # a stream a owns
+
+    def stop(self) -> None:
+        assert self.a.popen is not None
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.a.popen.pid, signal.SIGCONT)
+        for p in (self.reader, self.standby, self.a, *self.others):
+            p.stop()
+
+
+def _start(tmp_path: Path, topology: str) -> Setup:
     store_root = tmp_path / "objects"
     pa, pa2, pb = procs.free_port(), procs.free_port(), procs.free_port()
     common = ["--store", store_root.as_uri(), "--durability", "store", "--lease-seconds", "2", "--write-rate", "0"]
@@ -53,6 +69,14 @@ def test_requests_waiting_at_a_frozen_owner_fail_fast_once_a_standby_takes_over(
     standby = procs.ingester(tmp_path / "a2", *common, *member, "--standby", port=pa2).start()
     reader = procs.reader(tmp_path / "reader", None, store_root.as_uri(), "--write-rate", "0",
                           *(["--cluster-refresh", "0.5"] if member else [])).start()
+    return Setup(a, standby, reader, others, path)
+
+
+@pytest.mark.parametrize("topology", ["single owner", "cluster member"])
+def test_requests_waiting_at_a_frozen_owner_fail_fast_once_a_standby_takes_over(
+        tmp_path: Path, topology: str) -> None:
+    setup = _start(tmp_path, topology)
+    a, reader, path = setup.a, setup.reader, setup.path
     assert a.popen is not None
     try:
         assert request(reader, "PUT", path, headers=TEXT)[0] == 201
@@ -92,6 +116,54 @@ def test_requests_waiting_at_a_frozen_owner_fail_fast_once_a_standby_takes_over(
         assert request(a, "POST", path, b"late\n", TEXT)[0] == 503
         assert _read(reader, path) == b"".join(b"%d\n" % i for i in range(10)) + b"after\n"
     finally:
+        setup.stop()
+
+
+def test_a_member_resumed_after_its_standby_took_over_sends_readers_to_the_standby(tmp_path: Path) -> None:
+    """Frozen with no request waiting on it, a member's standby takes over; resumed, the old
+    member answers 503 (fenced), alive: no forward failed, so the reader kept sending it the
+    member's streams (until `ds3 cluster set`). Its 503 says it is fenced (DS3-Fenced), and the
+    reader looks the member up as after a failed forward."""
+    setup = _start(tmp_path, "cluster member")
+    a, reader, path = setup.a, setup.reader, setup.path
+    assert a.popen is not None
+    try:
+        assert request(reader, "PUT", path, headers=TEXT)[0] == 201
+        assert request(reader, "POST", path, b"0\n", TEXT)[0] == 204
+        os.kill(a.popen.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 20
+        while request(setup.standby, "GET", "/readyz")[0] != 200:  # it holds the lease
+            assert time.monotonic() < deadline, "the standby never took over"
+            time.sleep(0.2)
         os.kill(a.popen.pid, signal.SIGCONT)
-        for p in (reader, standby, a, *others):
-            p.stop()
+        status, headers, _ = request(a, "POST", path, b"late\n", TEXT)
+        assert status == 503 and headers.get("ds3-fenced") == "true"
+        deadline, refused = time.monotonic() + ANSWERED_WITHIN, 0
+        while (status := request(reader, "POST", path, b"1\n", TEXT)[0]) != 204:
+            assert status == 503 and time.monotonic() < deadline, (status, refused)
+            refused += 1
+            time.sleep(0.2)
+        assert _read(reader, path) == b"0\n1\n"
+        print(f"\n{refused} appends refused by the resumed old member before the reader went to the standby")
+    finally:
+        setup.stop()
+
+
+@pytest.mark.parametrize("topology", ["single owner", "cluster member"])
+def test_a_request_on_aiohttps_path_at_a_frozen_owner_fails_fast_too(tmp_path: Path, topology: str) -> None:
+    """A request the reader's lane does not take (a client's `Connection: close`) waits on
+    aiohttp's path; alone at the frozen owner, it is watched for stalls as well (it waited the
+    read timeout, a minute, when nothing on the lane tripped the watch)."""
+    setup = _start(tmp_path, topology)
+    a, reader, path = setup.a, setup.reader, setup.path
+    assert a.popen is not None
+    try:
+        assert request(reader, "PUT", path, headers=TEXT)[0] == 201
+        os.kill(a.popen.pid, signal.SIGSTOP)
+        started = time.monotonic()
+        status, headers, _ = request(reader, "POST", path, b"x\n", {**TEXT, "Connection": "close"}, timeout=45)
+        took = time.monotonic() - started
+        assert status == 503 and headers.get("retry-after"), status
+        assert took < ANSWERED_WITHIN, f"waited {took:.1f} s at the frozen owner"
+    finally:
+        setup.stop()

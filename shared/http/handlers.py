@@ -28,10 +28,12 @@ from shared.errors import (
     Retained,
     StaleProducerEpoch,
     StreamClosed,
+    Superseded,
     TooManyRequests,
     Unauthorized,
     Unavailable,
 )
+from shared.ownership import FENCED_HEADER
 from shared.placement import GENERATION_HEADER, OWNER_HEADER, OWNER_ID_HEADER
 
 log = logging.getLogger("ds3.http")
@@ -82,6 +84,8 @@ def error_response(e: DS3Error) -> web.Response:
     elif isinstance(e, Unavailable):
         status = 503
         headers["Retry-After"] = str(e.retry_after)
+        if isinstance(e, Superseded):
+            headers[FENCED_HEADER] = "true"
     elif isinstance(e, ObjectStoreError):
         status = 502
     else:  # Conflict, and anything else a write can refuse
