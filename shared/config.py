@@ -207,6 +207,9 @@ class IngesterConfig:
              "store needs an object store (--store / DS3_STORE)")
         _need(0.01 <= self.ship_interval <= 3600, "ship-interval (DS3_SHIP_INTERVAL)",
              "must be between 0.01 and 3600 seconds")
+        _need(self.max_ship_lag is None or (self.durability == "local" and self.store is not None),
+              "max-ship-lag (DS3_MAX_SHIP_LAG)", "applies only to --durability local with a --store (in store "
+              "mode nothing is acknowledged before its segment is in the store)")
         _need(self.max_ship_lag is None or self.max_ship_lag == 0
               or self.ship_interval <= self.max_ship_lag <= 86400,
               "max-ship-lag (DS3_MAX_SHIP_LAG)",

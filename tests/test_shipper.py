@@ -708,3 +708,20 @@ async def test_through_the_committer_after_a_restart(tmp_path: Path, objects: Fl
             await s.stop()
             await loop.run_in_executor(None, committer.stop)
             wal.close()
+
+
+@pytest.mark.parametrize(("kw", "message"), [
+    ({"max_ship_lag": 0.5, "ship_interval": 1.0}, "between --ship-interval (1 s) and 86400"),
+    ({"max_ship_lag": -1.0}, "must be 0 (no bound)"),
+    ({"max_ship_lag": 3.0, "durability": "store"}, "applies only to --durability local with a --store"),
+    ({"max_ship_lag": 3.0, "store": None}, "applies only to --durability local with a --store"),
+])
+def test_max_ship_lag_is_refused_by_name_where_it_cannot_apply(
+        tmp_path: Path, kw: dict[str, Any], message: str) -> None:
+    from shared.config import ConfigError, IngesterConfig
+
+    with pytest.raises(ConfigError, match="max-ship-lag") as e:
+        IngesterConfig(**{"data_dir": tmp_path, "store": "file:///tmp/x", **kw})
+    assert message in str(e.value)
+    assert IngesterConfig(data_dir=tmp_path, store="file:///tmp/x").ship_lag_bound == 5.0
+    assert IngesterConfig(data_dir=tmp_path, store="file:///tmp/x", ship_interval=4).ship_lag_bound == 12.0
