@@ -398,6 +398,7 @@ def test_swapped_urls_are_named_as_such(pair: Pair, tmp_path: Path) -> None:
     assert r.exit_code == 0, r.output
     assert f"warning: {pair.b.url} answers as ingester b, not a: the URLs are swapped" in r.stderr, r.stderr
     assert f"warning: {pair.a.url} answers as ingester a, not b" in r.stderr
+    (tmp_path / "right").mkdir()  # (a store that exists: no warning about it either)
     right = CliRunner().invoke(main, ["cluster", "set", "--store", (tmp_path / "right").as_uri(),
                                       "--ingester", f"a={pair.a.url}", "--ingester", f"b={pair.b.url}"])
     assert right.exit_code == 0 and "warning" not in right.stderr, right.stderr
