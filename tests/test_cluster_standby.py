@@ -28,16 +28,23 @@ def _read(reader: procs.Proc, path: str) -> bytes:
         off = h["stream-next-offset"]
 
 
-def test_readers_follow_a_members_standby_by_its_ownership_record(tmp_path: Path) -> None:
-    store_root = tmp_path / "objects"
-    pa, pb, pa2 = procs.free_port(), procs.free_port(), procs.free_port()
-    cluster = procs.write_cluster(store_root, {"a": f"http://127.0.0.1:{pa}", "b": f"http://127.0.0.1:{pb}"})
+def _start(tmp_path: Path, store_root: Path, pa: int, pb: int, pa2: int) -> tuple[
+        list[str], procs.Proc, procs.Proc, procs.Proc, procs.Proc]:
+    """Members a and b, a's standby and a reader, started; their common arguments."""
     common = ["--store", store_root.as_uri(), "--durability", "store", "--lease-seconds", "2", "--cluster-refresh", "0.5",
               "--write-rate", "0"]
     a = procs.ingester(tmp_path / "a", *common, "--ingester-id", "a", port=pa).start()
     b = procs.ingester(tmp_path / "b", *common, "--ingester-id", "b", port=pb).start()
     standby = procs.ingester(tmp_path / "a2", *common, "--ingester-id", "a", "--standby", port=pa2).start()
     reader = procs.reader(tmp_path / "reader", None, store_root.as_uri(), "--cluster-refresh", "0.5").start()
+    return common, a, b, standby, reader
+
+
+def test_readers_follow_a_members_standby_by_its_ownership_record(tmp_path: Path) -> None:
+    store_root = tmp_path / "objects"
+    pa, pb, pa2 = procs.free_port(), procs.free_port(), procs.free_port()
+    cluster = procs.write_cluster(store_root, {"a": f"http://127.0.0.1:{pa}", "b": f"http://127.0.0.1:{pb}"})
+    _, a, b, standby, reader = _start(tmp_path, store_root, pa, pb, pa2)
     try:
         on_a = "/v1/stream/" + next(s for s in (f"s-{n}" for n in range(100)) if cluster.owner(s).id == "a")
         on_b = "/v1/stream/" + next(s for s in (f"s-{n}" for n in range(100)) if cluster.owner(s).id == "b")
@@ -86,12 +93,7 @@ def test_ingesters_reach_a_members_standby_for_forks_and_moves(tmp_path: Path) -
     moving = "/v1/stream/" + next(s for s in names if grown.owner(s).id == "c" and _first_owner(urls, s) == "a")
     source = "/v1/stream/" + next(s for s in names if grown.owner(s).id == "a")
     fork = "/v1/stream/" + next(s for s in names if grown.owner(s).id == "b" and f"/v1/stream/{s}" != on_b)
-    common = ["--store", store_root.as_uri(), "--durability", "store", "--lease-seconds", "2", "--cluster-refresh", "0.5",
-              "--write-rate", "0"]
-    a = procs.ingester(tmp_path / "a", *common, "--ingester-id", "a", port=pa).start()
-    b = procs.ingester(tmp_path / "b", *common, "--ingester-id", "b", port=pb).start()
-    standby = procs.ingester(tmp_path / "a2", *common, "--ingester-id", "a", "--standby", port=pa2).start()
-    reader = procs.reader(tmp_path / "reader", None, store_root.as_uri(), "--cluster-refresh", "0.5").start()
+    common, a, b, standby, reader = _start(tmp_path, store_root, pa, pb, pa2)
     c = procs.ingester(tmp_path / "c", *common, "--ingester-id", "c", port=pc)
     try:
         for path in (moving, source):

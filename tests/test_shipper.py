@@ -48,6 +48,14 @@ class FlakyStore(LocalStore):
         return await super().put(key, data, **kw)
 
 
+def _committer(wal: WalEnv, s: Shipper) -> GroupCommitter:
+    """A started committer logging to `s` (nothing else hooked)."""
+    committer = GroupCommitter(wal, s.loop, on_abort=lambda: None, on_commit=lambda txn: None,
+                               on_durable=lambda news: None, on_logged=s.on_logged)
+    committer.start()
+    return committer
+
+
 @pytest.fixture
 def objects(tmp_path: Path) -> FlakyStore:
     return FlakyStore(tmp_path / "objects")
@@ -379,9 +387,7 @@ async def test_resume_after_a_fence_checkpoints_what_the_log_missed(tmp_path: Pa
     wal = WalEnv(tmp_path / "wal", 64 * 1024 * 1024)
     loop = asyncio.get_running_loop()
     s = Shipper(wal, objects, loop, durability="store")
-    committer = GroupCommitter(wal, loop, on_abort=lambda: None, on_commit=lambda txn: None,
-                               on_durable=lambda news: None, on_logged=s.on_logged)
-    committer.start()
+    committer = _committer(wal, s)
     try:
         await s.prepare(committer.seq)
         s.start()
@@ -679,9 +685,7 @@ async def test_through_the_committer_after_a_restart(tmp_path: Path, objects: Fl
     for attempt in (1, 2):
         wal = WalEnv(tmp_path / "wal", 64 * 1024 * 1024)
         s = Shipper(wal, objects, loop, durability="store")
-        committer = GroupCommitter(wal, loop, on_abort=lambda: None, on_commit=lambda txn: None,
-                                   on_durable=lambda news: None, on_logged=s.on_logged)
-        committer.start()
+        committer = _committer(wal, s)
         try:
             await s.prepare(committer.seq)
             if attempt == 1:
