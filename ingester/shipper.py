@@ -68,6 +68,9 @@ MAX_QUEUED_BYTES: Final = 256 * 1024 * 1024  # past this, the queue is dropped f
 GATE_SECONDS: Final = 5.0  # store mode: ... or this long since the first failure (GATE_ATTEMPTS)
 BACKOFF_FIRST: Final = 0.05
 BACKOFF_CAP: Final = 5.0
+# ... while writes are refused for the log's sake (refusing()): each second of backoff after the
+# store is back is a second more of 503s, and a retry a second costs a failing store nothing.
+REFUSING_BACKOFF_CAP: Final = 1.0
 
 
 class Shipper:
@@ -286,7 +289,8 @@ class Shipper:
                 if not isinstance(e, ObjectStoreError):
                     log.exception("log shipping failed")
                 await asyncio.sleep(delay)
-                delay = min(BACKOFF_CAP, delay * 2)
+                refusing = self.refusing() is not None and not self.checkpoints.needed  # (a big copy each)
+                delay = min(REFUSING_BACKOFF_CAP if refusing else BACKOFF_CAP, delay * 2)
 
     def checkpoint_due(self) -> bool:
         return self.checkpoints.due()
