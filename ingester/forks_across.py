@@ -128,14 +128,18 @@ class CrossForks:
     async def _call(self, source_path: str, endpoint: str, body: dict[str, Any]) -> bytes:
         owner, members = self._owner(source_path), self.svc.members
         assert members is not None  # (a cluster member has them)
-        url = members.url(owner.id, owner.url).rstrip("/") + endpoint  # (a standby of it, once it failed)
-        try:
-            async with self._http().post(url, data=orjson.dumps(body), timeout=CALL_TIMEOUT, headers={
+        http = self._http()
+        url = members.url(owner.id, owner.url).rstrip("/") + endpoint
+
+        async def send(at: str) -> tuple[int, bytes]:
+            async with http.post(at.rstrip("/") + endpoint, data=orjson.dumps(body), timeout=CALL_TIMEOUT, headers={
                     **self._headers(), "Content-Type": "application/json"}) as resp:
-                raw = await resp.read()
-                status = resp.status
-        except (aiohttp.ClientError, TimeoutError) as e:
-            if isinstance(e, aiohttp.ClientConnectionError | TimeoutError):
+                return resp.status, await resp.read()
+
+        try:  # (at a standby of it, once it failed or did not answer for a second)
+            status, raw = await members.call(owner.id, owner.url, send)
+        except (aiohttp.ClientError, TimeoutError, OSError) as e:
+            if isinstance(e, aiohttp.ClientConnectionError | TimeoutError | OSError):
                 members.failed(owner.id)
             raise Unavailable(f"the fork source's ingester ({url}) did not answer: {e or type(e).__name__}", 2) from e
         if status in (200, 204):

@@ -235,13 +235,19 @@ class Mover:
             fut.exception()  # retrieved: each waiter re-raises it
 
     async def _post(self, peer: Ingester, endpoint: str, body: dict[str, Any]) -> tuple[int, bytes]:
-        """POST to cluster member `peer`: at the description's URL or, once that failed, where a
-        standby of it runs (shared/owner_watch.py). A connection error is raised as it is."""
-        assert self.svc.peers is not None
-        try:
-            async with self.svc.peers.post(self.url_of(peer) + endpoint, data=orjson.dumps(body), timeout=_TIMEOUT,
-                                           headers={**self._headers, "Content-Type": "application/json"}) as r:
+        """POST to cluster member `peer`: at the description's URL or, once that failed (or did
+        not answer for a second), where a standby of it runs (shared/owner_watch.py). A
+        connection error is raised as it is."""
+        peers = self.svc.peers
+        assert peers is not None
+
+        async def send(url: str) -> tuple[int, bytes]:
+            async with peers.post(url.rstrip("/") + endpoint, data=orjson.dumps(body), timeout=_TIMEOUT,
+                                  headers={**self._headers, "Content-Type": "application/json"}) as r:
                 return r.status, await r.read()
+
+        try:
+            return await self.members.call(peer.id, peer.url, send)
         except (aiohttp.ClientConnectionError, TimeoutError, OSError):
             self.members.failed(peer.id)
             raise

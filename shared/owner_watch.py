@@ -26,8 +26,8 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import Callable
-from typing import Final
+from collections.abc import Awaitable, Callable
+from typing import Final, TypeVar
 
 from shared.errors import DS3Error
 from shared.objectstore.base import ObjectStore
@@ -38,7 +38,9 @@ log = logging.getLogger("ds3.owner")
 
 REFRESH_SECONDS: Final = 2.0
 MIN_EARLY_SECONDS: Final = 0.25  # a failed forward asks again at most this often
-MAX_SKEW_SECONDS: Final = 1.0  # a member's lease counts as live this long past its end (our clock may be ahead)
+MAX_SKEW_SECONDS: Final = 1.0
+STALL_SECONDS: Final = 1.0  # a call unanswered this long: is the member still where it was?
+T = TypeVar("T")  # a member's lease counts as live this long past its end (our clock may be ahead)
 
 
 class OwnerWatcher:
@@ -129,6 +131,30 @@ class MemberOwners:
         if record is None or url is None or url == described or record.lapsed(time.time(), MAX_SKEW_SECONDS):
             return described
         return url
+
+    async def call(self, peer_id: str, described: str, send: Callable[[str], Awaitable[T]],
+                   stall: float = STALL_SECONDS) -> T:
+        """`send(url)` to member `peer_id` at where it runs (url(), with `described`). A frozen or
+        cut-off member fails nothing, so a call unanswered for `stall` seconds makes its record
+        read (as a failed one does), and once the record names another URL (a standby took it
+        over) the call is dropped: ConnectionError, for the caller's retry to go there."""
+        url = self.url(peer_id, described)
+        calling = asyncio.ensure_future(send(url))
+        try:
+            while True:
+                done, _ = await asyncio.wait((calling,), timeout=stall)
+                if done:
+                    return calling.result()
+                self.failed(peer_id)
+                now = self.url(peer_id, described)
+                if now != url:
+                    raise ConnectionError(f"ingester {peer_id} at {url} did not answer, and a standby of it holds "
+                                          f"its lease at {now}")
+        finally:
+            if not calling.done():
+                calling.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await calling
 
     def failed(self, ingester_id: str) -> None:
         """A call to this member failed: read its record (soon, rate-limited)."""

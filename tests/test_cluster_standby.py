@@ -10,6 +10,8 @@ import signal
 import time
 from pathlib import Path
 
+import pytest
+
 from shared.placement import Cluster, Ingester
 from tests import procs
 from tests.procs import request
@@ -78,11 +80,13 @@ def test_readers_follow_a_members_standby_by_its_ownership_record(tmp_path: Path
         a.stop()
 
 
-def test_ingesters_reach_a_members_standby_for_forks_and_moves(tmp_path: Path) -> None:
+@pytest.mark.parametrize("fault", ["SIGKILL", "SIGSTOP"])
+def test_ingesters_reach_a_members_standby_for_forks_and_moves(tmp_path: Path, fault: str) -> None:
     """The other members call a member's standby too, by its ownership record: a fork whose
     source the standby now holds, and streams moving from it to an ingester added after the
-    takeover, while the description still names the dead machine. Before, both answered 503
-    until `ds3 cluster set` named the standby."""
+    takeover, while the description still names the dead (or frozen) machine. Before, both
+    answered 503 until `ds3 cluster set` named the standby; a frozen member's calls waited
+    their timeouts (15 s for a fork's pin, 60 s for a move) before its record was read."""
     store_root = tmp_path / "objects"
     pa, pb, pc, pa2 = procs.free_port(), procs.free_port(), procs.free_port(), procs.free_port()
     urls = {"a": f"http://127.0.0.1:{pa}", "b": f"http://127.0.0.1:{pb}"}
@@ -100,8 +104,9 @@ def test_ingesters_reach_a_members_standby_for_forks_and_moves(tmp_path: Path) -
             assert request(reader, "PUT", path, headers=TEXT)[0] == 201
             assert request(reader, "POST", path, b"1\n", TEXT)[0] == 204
         assert a.popen is not None
-        os.kill(a.popen.pid, signal.SIGKILL)
-        a.popen.wait()
+        os.kill(a.popen.pid, getattr(signal, fault))
+        if fault == "SIGKILL":
+            a.popen.wait()
         _until_accepted(reader, "POST", source, b"2\n", TEXT)  # the standby serves a's streams
         # b pins the fork's source at a's owner: the standby, by a's record
         _until_accepted(reader, "PUT", fork, b"", {**TEXT, "Stream-Forked-From": source})
@@ -116,6 +121,8 @@ def test_ingesters_reach_a_members_standby_for_forks_and_moves(tmp_path: Path) -
         assert _read(reader, source) == b"1\n2\n"
         assert "cluster member a, by its ownership record, is" in c.log_path.read_text()
     finally:
+        if a.popen is not None and a.popen.poll() is None:
+            os.kill(a.popen.pid, signal.SIGCONT)
         for p in (reader, c, standby, b, a):
             p.stop()
 
