@@ -194,8 +194,11 @@ class Router:
                     self.failed(link)
 
     def _owner_moved(self) -> None:
-        """The store prefix's ownership record names another URL."""
+        """The store prefix's ownership record names another URL (followed only without a
+        description: in a cluster, members' records say where each runs)."""
         assert self.owner is not None
+        if self.cluster is not None:
+            return
         new = self.owner.url
         for link in list(self.links.values()):
             if link.url != new and link is not self.default:
