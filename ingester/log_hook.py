@@ -65,21 +65,35 @@ class LogHook:
         commit would be. Before, a retry of an append answered 503 (its segment did not reach
         the store; its log too far behind) got 204 at once, though the store still lacked it."""
         shipper, queue = self.shipper, self.queue
-        ownership = shipper.ownership
         with queue.lock:
             if shipper.fence_reason is not None:
                 return _failed(Superseded(shipper.fence_reason, shipper.epoch()))
-            if shipper.durability == "store":
-                if seq <= queue.landed_seq:
-                    return None  # in the store already
-                if shipper.failures_in_a_row >= GATE_ATTEMPTS:
-                    return _failed(Unavailable(NOT_SHIPPED, 5))
-                return queue.own_gate(seq)  # opened once a segment (or checkpoint) covers `seq`
-            if ownership is not None and not ownership.valid():
-                return _failed(Superseded("the lease on the store prefix ran out", shipper.epoch()))
-            if shipper.max_lag and queue.lag_seconds() > shipper.max_lag:
-                return _failed(Unavailable(LAGGING.format(lag=queue.lag_seconds(), bound=shipper.max_lag), 2))
-            return None
+            if shipper.durability == "store" and seq <= queue.landed_seq:
+                return None  # in the store already
+            refusal = self._refusal()
+            if refusal is not None:
+                return _failed(refusal)
+            # store mode: opened once a segment (or checkpoint) covers `seq`
+            return queue.own_gate(seq) if shipper.durability == "store" else None
+
+    def _refusal(self) -> Unavailable | None:
+        """Under the lock: why a commit's outcomes are refused now (fencing aside), or None.
+        Store mode: the store is failing (503 now rather than after the next attempt; the commit
+        is queued all the same, and shipped once the store answers). Local mode, which
+        acknowledges after the fsync: our lease is over (a process frozen past it, then resumed
+        before the keeper noticed: another ingester may own the prefix by now), or the log is
+        past --max-ship-lag (the store failing or cut off: what a lost disk would take with it
+        stops growing there)."""
+        shipper = self.shipper
+        if shipper.durability == "store":
+            return Unavailable(NOT_SHIPPED, 5) if shipper.failures_in_a_row >= GATE_ATTEMPTS else None
+        if shipper.ownership is not None and not shipper.ownership.valid():
+            return self._lapsed()
+        lag = shipper.lagging()
+        return None if lag is None else Unavailable(LAGGING.format(lag=lag, bound=shipper.max_lag), 2)
+
+    def _lapsed(self) -> Superseded:
+        return Superseded("the lease on the store prefix ran out", self.shipper.epoch())
 
     def commit_failed(self, commit: Commit, exc: BaseException) -> None:
         """LMDB could not commit what before_commit queued (not even a second time): the log
@@ -96,35 +110,16 @@ class LogHook:
         gate: Gate | None = None
         with queue.lock:
             if shipper.fence_reason is not None:
-                failed: Gate = ConcurrentFuture()
-                failed.set_exception(Superseded(shipper.fence_reason, shipper.epoch()))
-                return failed
+                return _failed(Superseded(shipper.fence_reason, shipper.epoch()))
             early = commit.seq <= queue.early_seq
             first = False if early else queue.append(commit)
             if early and commit.seq <= queue.landed_seq:
                 # Its segment landed (our lease held then) while LMDB synced. Our lease must
                 # still hold now (a process frozen during the fsync: as in local mode below).
-                if ownership is None or ownership.valid():
-                    return None
-                lapsed: Gate = ConcurrentFuture()
-                lapsed.set_exception(Superseded("the lease on the store prefix ran out", shipper.epoch()))
-                return lapsed
-            if shipper.durability == "store" and shipper.failures_in_a_row >= GATE_ATTEMPTS:
-                # The store is failing: answer 503 now rather than after the next attempt (the
-                # commit is queued all the same, and shipped once the store answers).
-                gate = ConcurrentFuture()
-                gate.set_exception(Unavailable(NOT_SHIPPED, 5))
-            elif shipper.durability == "local" and ownership is not None and not ownership.valid():
-                # Local mode acknowledges after the fsync, but not once our lease is over (a
-                # process frozen past it, then resumed, before the keeper noticed): another
-                # ingester may own the prefix by now. 503 (the commit is in this WAL only).
-                gate = ConcurrentFuture()
-                gate.set_exception(Superseded("the lease on the store prefix ran out", shipper.epoch()))
-            elif shipper.durability == "local" and shipper.max_lag and queue.lag_seconds() > shipper.max_lag:
-                # The store is failing (or cut off): past the bound, what a lost disk would take
-                # with it stops growing. The commit stays queued and is shipped once it answers.
-                gate = ConcurrentFuture()
-                gate.set_exception(Unavailable(LAGGING.format(lag=queue.lag_seconds(), bound=shipper.max_lag), 2))
+                return None if ownership is None or ownership.valid() else _failed(self._lapsed())
+            refusal = self._refusal()  # (the commit stays queued: it is in this WAL)
+            if refusal is not None:
+                gate = _failed(refusal)
             elif shipper.durability == "store" and early:
                 # A gate of its own: its segment may be cut already (the next commit's may not).
                 gate = queue.own_gate(commit.seq)

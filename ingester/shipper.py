@@ -147,6 +147,11 @@ class Shipper:
         """How long the oldest commit not yet in the store has waited (0: nothing waits)."""
         return self.queue.lag_seconds()
 
+    def lagging(self) -> float | None:
+        """Local mode: the log's lag, when it is past --max-ship-lag (writes answer 503); else None."""
+        lag = self.lag_seconds()
+        return lag if self.durability == "local" and self.max_lag and lag > self.max_lag else None
+
     def refusing(self) -> str | None:
         """Why writes answer 503 now because of the log (for /readyz), or None."""
         if self.fence_reason is not None:
@@ -154,8 +159,8 @@ class Shipper:
         if self.durability == "store" and self.failures_in_a_row >= GATE_ATTEMPTS:
             return (f"log segment uploads are failing ({self.failures_in_a_row} in a row): writes answer 503 "
                     "until one lands")
-        lag = self.lag_seconds()
-        if self.durability == "local" and self.max_lag and lag > self.max_lag:
+        lag = self.lagging()
+        if lag is not None:
             return (f"the store's copy of the log is {lag:.1f} s behind (--max-ship-lag {self.max_lag:g} s): "
                     "writes answer 503 until it catches up")
         return None

@@ -38,6 +38,7 @@ from shared.logsegment import DB_IDS, Commit
 
 log = logging.getLogger("ds3.wal")
 T = TypeVar("T")
+_A = TypeVar("_A")
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 MAP_FULL_LOG_SECONDS = 60.0
 MAP_FULL_MESSAGE = ("the write-ahead log is full; nothing was stored. Retry later (the server's operator "
@@ -359,22 +360,13 @@ class GroupCommitter:
         self.commit_seconds.observe(time.perf_counter() - started)
         self.batch_sizes.observe(len(batch))
         if logged is not None:
-            gate = self._log(logged)
+            assert self._on_logged is not None
+            gate = self._gate(self._on_logged, logged, logged.seq)
         elif self._caught_up is not None and any(ok for _, _, ok in results):
-            gate = self._gate_of_last_commit()
+            gate = self._gate(self._caught_up, self.seq, self.seq)  # (a batch that committed nothing)
         else:
             gate = None
         self._deliver_in_order(gate, results, changed)
-
-    def _gate_of_last_commit(self) -> ConcurrentFuture[None] | None:
-        assert self._caught_up is not None
-        try:
-            return self._caught_up(self.seq)
-        except Exception as e:  # promise nothing the hook could not vouch for
-            log.exception("the commit log hook failed on a batch that committed nothing")
-            failed: ConcurrentFuture[None] = ConcurrentFuture()
-            failed.set_exception(e)
-            return failed
 
     def _recommit(self, commit: Commit, exc: BaseException) -> bool:
         """LMDB failed to commit a write-set the log already took (before_commit): apply the
@@ -399,12 +391,14 @@ class GroupCommitter:
                     log.exception("the commit log hook failed on commit %d", commit.seq)
             return False
 
-    def _log(self, commit: Commit) -> ConcurrentFuture[None] | None:
-        assert self._on_logged is not None
+    @staticmethod
+    def _gate(hook: Callable[[_A], ConcurrentFuture[None] | None], arg: _A, seq: int) -> ConcurrentFuture[None] | None:
+        """The log hook's gate for the outcomes relying on commit `seq` (`hook(arg)`: on_logged
+        with the commit, or caught_up with its seq)."""
         try:
-            return self._on_logged(commit)
+            return hook(arg)
         except Exception as e:  # the commit stands; what the hook failed to take is not promised
-            log.exception("the commit log hook failed on commit %d", commit.seq)
+            log.exception("the commit log hook failed on commit %d", seq)
             failed: ConcurrentFuture[None] = ConcurrentFuture()
             failed.set_exception(e)
             return failed
