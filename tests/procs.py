@@ -37,16 +37,18 @@ class Proc:
     log_path: Path
     popen: subprocess.Popen[bytes] | None = None
     env: dict[str, str] = field(default_factory=dict)
+    host: str = "127.0.0.1"  # where it listens (a test network's address: tests/netns.py)
+    wrap: list[str] = field(default_factory=list)  # a command line prefix (`ip netns exec NS`)
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     def start(self, timeout: float = 20.0) -> Proc:
         log = open(self.log_path, "ab")  # noqa: SIM115 - owned by the child
         env = {**os.environ, **self.env}
         self.popen = subprocess.Popen(
-            [DS3, *self.args], stdout=log, stderr=subprocess.STDOUT, env=env,
+            [*self.wrap, DS3, *self.args], stdout=log, stderr=subprocess.STDOUT, env=env,
             start_new_session=True,
         )
         deadline = time.monotonic() + timeout
@@ -78,12 +80,15 @@ class Proc:
                 self.kill()
 
 
-def ingester(data_dir: Path, *extra: str, port: int | None = None) -> Proc:
-    """An unstarted `ds3 ingester` on 127.0.0.1 with its log beside the data dir."""
+def ingester(data_dir: Path, *extra: str, port: int | None = None, host: str = "127.0.0.1",
+             wrap: list[str] | None = None) -> Proc:
+    """An unstarted `ds3 ingester` on 127.0.0.1 (or `host`, run under `wrap`: a test network's
+    host, tests/netns.py) with its log beside the data dir."""
     port = port or free_port()
     data_dir.mkdir(parents=True, exist_ok=True)
-    args = ["ingester", "--host", "127.0.0.1", "--port", str(port), "--data-dir", str(data_dir), *extra]
-    return Proc(args=args, port=port, log_path=data_dir.parent / f"ingester-{port}.log")
+    args = ["ingester", "--host", host, "--port", str(port), "--data-dir", str(data_dir), *extra]
+    return Proc(args=args, port=port, log_path=data_dir.parent / f"ingester-{port}.log", host=host,
+                wrap=wrap or [])
 
 
 def reader(work_dir: Path, ingester_url: str | None, store_url: str, *extra: str, port: int | None = None) -> Proc:
@@ -102,7 +107,7 @@ def reader(work_dir: Path, ingester_url: str | None, store_url: str, *extra: str
 def request(p: Proc, method: str, path: str, body: bytes = b"",
             headers: dict[str, str] | None = None, timeout: float = 15.0) -> tuple[int, dict[str, str], bytes]:
     """One HTTP request to `p` on a connection of its own: (status, lower-cased headers, body)."""
-    c = http.client.HTTPConnection("127.0.0.1", p.port, timeout=timeout)
+    c = http.client.HTTPConnection(p.host, p.port, timeout=timeout)
     try:
         c.request(method, path, body=body or None, headers=headers or {})
         r = c.getresponse()
@@ -162,3 +167,17 @@ def lane_and_aiohttp(root: Path, *extra: str) -> Iterator[tuple[Proc, Proc]]:
     finally:
         made[0].stop()
 
+
+
+def read_all(p: Proc, path: str) -> bytes:
+    """Every byte of a stream through `p`, page by page (a sealed chunk answers one page at a
+    time) until Stream-Up-To-Date."""
+    out, offset = b"", "-1"
+    for _ in range(10_000):
+        status, headers, page = request(p, "GET", f"{path}?offset={offset}")
+        assert status == 200, (path, offset, status, page[:200])
+        out += page
+        if headers.get("stream-up-to-date") == "true":
+            return out
+        offset = headers["stream-next-offset"]
+    raise AssertionError(f"{path}: no end after 10,000 pages")

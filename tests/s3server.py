@@ -64,9 +64,11 @@ def aws_test_env() -> Iterator[None]:
 
 
 class MotoS3:
-    """moto's ThreadedMotoServer on 127.0.0.1, port chosen by the OS."""
+    """moto's ThreadedMotoServer on 127.0.0.1 (or `ip_address`: a test network's, tests/netns.py),
+    port chosen by the OS."""
 
-    def __init__(self) -> None:
+    def __init__(self, ip_address: str = "127.0.0.1") -> None:
+        self.ip_address = ip_address
         self._server: ThreadedMotoServer | None = None
         self._client: Any = None
         self.endpoint = ""
@@ -74,7 +76,7 @@ class MotoS3:
     def start(self) -> None:
         # Every request would otherwise be logged by werkzeug at INFO.
         logging.getLogger("werkzeug").setLevel(logging.ERROR)
-        server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+        server = ThreadedMotoServer(ip_address=self.ip_address, port=0, verbose=False)
         server.start()
         host, port = server.get_host_and_port()
         self._server = server

@@ -20,19 +20,6 @@ TEXT = {"Content-Type": "text/plain"}
 
 
 
-def _read_all(reader: procs.Proc, path: str) -> bytes:
-    """A catch-up read page by page (a page ends at a chunk boundary) until Stream-Up-To-Date."""
-    out, offset = b"", "-1"
-    for _ in range(10_000):
-        status, headers, page = request(reader, "GET", f"{path}?offset={offset}")
-        assert status == 200, (path, offset, status, page[:200])
-        out += page
-        offset = headers["stream-next-offset"]
-        if headers.get("stream-up-to-date") == "true":
-            return out
-    raise AssertionError(f"{path}: no end after 10,000 pages")
-
-
 def test_one_ingester_of_three_killed_the_others_carry_on_and_its_streams_come_back(tmp_path: Path) -> None:
     store_root = tmp_path / "objects"
     ports = {i: procs.free_port() for i in "abc"}
@@ -111,7 +98,7 @@ def test_one_ingester_of_three_killed_the_others_carry_on_and_its_streams_come_b
             assert len(acked[p]) > during[p], p
         # every acknowledged append is there, in order, once (read through the reader)
         for p, bodies in acked.items():
-            got = _read_all(reader, f"/v1/stream/{p}")
+            got = procs.read_all(reader, f"/v1/stream/{p}")
             assert got == b"".join(bodies), (p, len(got), sum(map(len, bodies)))
         sealed = [f for f in (store_root / "chunks").rglob("*") if f.is_file() and f.name.isdigit()]
         assert len(sealed) >= 12, f"only {len(sealed)} chunks sealed: the kill met no seal"

@@ -123,18 +123,6 @@ def snapshot_of(reader: procs.Proc, path: str, offsets: list[str]) -> dict[str, 
     return seen
 
 
-def read_all(reader: procs.Proc, path: str) -> bytes:
-    """Every byte of a stream, page by page (a sealed chunk answers one page at a time)."""
-    out, off = b"", "-1"
-    while True:
-        status, h, body = request(reader, "GET", f"{path}?offset={off}")
-        assert status == 200, (path, status, body)
-        out += body
-        if h.get("stream-up-to-date") == "true":
-            return out
-        off = h["stream-next-offset"]
-
-
 def test_adding_an_ingester_moves_its_streams_with_everything(tmp_path: Path) -> None:
     with deployment(tmp_path, "abc") as d:
         before, after = Cluster.of({"a": "http://x:1", "b": "http://x:2"}), Cluster.of(
@@ -222,14 +210,14 @@ def test_adding_an_ingester_moves_its_streams_with_everything(tmp_path: Path) ->
         status, _, _ = request(reader, "POST", producer, b"p6;", {**ph, "Producer-Seq": "6"})
         assert status == 409  # a gap: the new owner knows seq 4 was the last
         assert request(reader, "POST", producer, b"p5;", {**ph, "Producer-Seq": "5"})[0] == 200
-        assert read_all(reader, producer) == b"p0;p1;p2;p3;p4;p5;"
+        assert procs.read_all(reader, producer) == b"p0;p1;p2;p3;p4;p5;"
         # Stream-Seq, closure, appends, the bucket
         assert request(reader, "POST", jsonseq, b'{"n":4}', {**JSON, "Stream-Seq": "0006"})[0] == 409
         assert request(reader, "POST", jsonseq, b'{"n":4}', {**JSON, "Stream-Seq": "0008"})[0] == 204
-        assert read_all(reader, jsonseq) == b'[{"n":1},{"n":2},{"n":3},{"n":4}]'
+        assert procs.read_all(reader, jsonseq) == b'[{"n":1},{"n":2},{"n":3},{"n":4}]'
         assert request(reader, "POST", closed, b"more", TEXT)[0] == 409
         assert request(reader, "POST", sealed, b"Z" * 10, TEXT)[0] == 204
-        assert read_all(reader, sealed) == b"".join(bytes([65 + k]) * 300 for k in range(13)) + b"Z" * 10
+        assert procs.read_all(reader, sealed) == b"".join(bytes([65 + k]) * 300 for k in range(13)) + b"Z" * 10
         status, _, body = request(reader, "GET", f"/v1/buckets/{bucket}/streams")
         assert status == 200 and [s["stream_id"] for s in json.loads(body)["streams"]] == ["s0", "s1", "s2"]
         assert request(reader, "PUT", f"/v1/buckets/{bucket}/s3", headers=TEXT)[0] == 201
@@ -305,7 +293,7 @@ def test_adding_an_ingester_under_load_loses_and_duplicates_nothing(tmp_path: Pa
         wait_for("the sweeps", lambda: all(moves(d.ingesters[i])["pending_out"] == 0 for i in "ab"))
         assert moves(d.ingesters["c"])["moved_in"] == len(moved)
         for s in streams:
-            assert read_all(reader, s) == b"".join(acked[s]), s
+            assert procs.read_all(reader, s) == b"".join(acked[s]), s
         total = sum(len(v) for v in acked.values())
         pauses.sort()
         print(f"\nadding an ingester under load (--cluster-refresh {refresh}): {total} appends acknowledged, {len(moved)} of 30 streams "
@@ -329,7 +317,7 @@ def test_removing_an_ingester_hands_its_streams_to_the_rest(tmp_path: Path, dura
             assert request(reader, "PUT", s, headers=TEXT)[0] == 201
             for _n in range(k * 4 + 1):  # up to 13 x 100 B: some sealed
                 assert request(reader, "POST", s, b"%d" % k * 100, TEXT)[0] == 204
-        seen = {s: read_all(reader, s) for s in on_c}
+        seen = {s: procs.read_all(reader, s) for s in on_c}
         two = d.describe("ab")  # c leaves; it keeps running until its streams are out
         wait_for("c's sweep", lambda: moves(d.ingesters["c"])["retired_at"] == two.generation)
         assert moves(d.ingesters["c"])["pending_out"] == 0
@@ -351,12 +339,12 @@ def test_removing_an_ingester_hands_its_streams_to_the_rest(tmp_path: Path, dura
             created = request(reader, "PUT", s, headers=TEXT)
             assert created[0] == 201, created
             assert request(reader, "POST", s, b"new", TEXT)[0] == 204
-            assert read_all(reader, s) == b"new"
+            assert procs.read_all(reader, s) == b"new"
         for s in on_c:
-            assert read_all(reader, s) == seen[s]
+            assert procs.read_all(reader, s) == seen[s]
             assert request(d.ingesters[two.owner(s[11:]).id], "HEAD", s)[0] == 200
             assert request(reader, "POST", s, b"after", TEXT)[0] == 204
-            assert read_all(reader, s) == seen[s] + b"after"
+            assert procs.read_all(reader, s) == seen[s] + b"after"
         if durability == "store":  # a receiver's disk lost: the store's log gives the moved streams back
             target = next(i for i in "ab" if moves(d.ingesters[i])["moved_in"])
             d.ingesters[target].stop()
@@ -365,7 +353,7 @@ def test_removing_an_ingester_hands_its_streams_to_the_rest(tmp_path: Path, dura
             mine = [s for s in on_c if two.owner(s[11:]).id == target]
             assert mine
             for s in mine:
-                assert read_all(reader, s) == seen[s] + b"after"
+                assert procs.read_all(reader, s) == seen[s] + b"after"
                 assert request(reader, "POST", s, b"!", TEXT)[0] == 204
 
 
@@ -385,7 +373,7 @@ def test_an_ingester_removed_while_down_hands_its_streams_over_when_it_is_back(t
             assert request(reader, "PUT", s, headers=TEXT)[0] == 201
             for _n in range(k * 6 + 1):  # some sealed, some not
                 assert request(reader, "POST", s, b"%d" % k * 100, TEXT)[0] == 204
-        seen = {s: read_all(reader, s) for s in on_c}
+        seen = {s: procs.read_all(reader, s) for s in on_c}
         d.ingesters["c"].stop()
         d.describe("ab")
         final = d.describe("abd")
@@ -396,9 +384,9 @@ def test_an_ingester_removed_while_down_hands_its_streams_over_when_it_is_back(t
         wait_for("c to hand over and retire", lambda: moves(d.ingesters["c"])["retired_at"] == final.generation)
         assert moves(d.ingesters["c"])["moved_out"] == len(on_c)
         for s in on_c:
-            assert read_all(reader, s) == seen[s], s
+            assert procs.read_all(reader, s) == seen[s], s
             assert request(reader, "POST", s, b"more", TEXT)[0] == 204
-            assert read_all(reader, s) == seen[s] + b"more", s
+            assert procs.read_all(reader, s) == seen[s] + b"more", s
 
 
 def test_old_owner_killed_then_back_and_lost_answers_retried(tmp_path: Path) -> None:
@@ -440,18 +428,18 @@ def test_old_owner_killed_then_back_and_lost_answers_retried(tmp_path: Path) -> 
         assert status == 503 and "retry-after" in h, (status, body)
         assert b"moving here from ingester a" in body and b"does not answer" in body, body
         d.start("a")  # back on its own data dir: the move completes
-        assert read_all(reader, killed) == b"0;1;2;3;4;"
+        assert procs.read_all(reader, killed) == b"0;1;2;3;4;"
         # c pulled `retried` (a third export), and the producer state came with it
         assert request(reader, "POST", retried, b"4;", {**TEXT, "Producer-Id": "p", "Producer-Epoch": "0",
                                                        "Producer-Seq": "4"})[0] == 204  # a duplicate
-        assert read_all(reader, retried) == b"0;1;2;3;4;"
+        assert procs.read_all(reader, retried) == b"0;1;2;3;4;"
         # c never said move-done: the old owners' sweeps see c holds them and drop their copies
         wait_for("the sweeps to drop the frozen copies", lambda: all(
             moves(d.ingesters[i])["pending_out"] == 0 and moves(d.ingesters[i])["moved_out"] == 1 for i in "ab"),
             timeout=60)
         assert moves(c)["moved_in"] == 2
         for s in (killed, retried):
-            assert read_all(reader, s) == b"0;1;2;3;4;"
+            assert procs.read_all(reader, s) == b"0;1;2;3;4;"
 
 
 def test_streams_in_fork_relationships_move_too(tmp_path: Path) -> None:
@@ -481,22 +469,22 @@ def test_streams_in_fork_relationships_move_too(tmp_path: Path) -> None:
             assert request(reader, "PUT", fork, headers={"Stream-Forked-From": source})[0] == 201
             assert request(reader, "POST", fork, b"own-before;", TEXT)[0] == 204
         every = (src, src_fork, stay, moving_fork, far, far_fork)
-        before = {s: read_all(reader, s) for s in every}
+        before = {s: procs.read_all(reader, s) for s in every}
 
         d.describe("abc")
         wait_for("the moves", lambda: all(moves(d.ingesters[i])["pending_out"] == 0 for i in "ab")
                  and moves(d.ingesters["c"])["moved_in"] >= 3)
         for s in every:
-            assert read_all(reader, s) == before[s], s
+            assert procs.read_all(reader, s) == before[s], s
         for s in every:
             assert request(reader, "POST", s, b"after;", TEXT)[0] == 204
-            assert read_all(reader, s) == before[s] + b"after;", s
+            assert procs.read_all(reader, s) == before[s] + b"after;", s
         assert request(d.ingesters["c"], "HEAD", src)[0] == 200 and request(d.ingesters["a"], "HEAD", src)[0] == 421
 
         # deletions still release in order, across the moved relationships
         for source, fork in ((src, src_fork), (stay, moving_fork), (far, far_fork)):
             assert request(reader, "DELETE", source)[0] == 204
             assert request(reader, "HEAD", source)[0] == 410, source  # a fork still reads it
-            assert read_all(reader, fork) == before[fork] + b"after;"
+            assert procs.read_all(reader, fork) == before[fork] + b"after;"
             assert request(reader, "DELETE", fork)[0] == 204
             wait_for(f"{source} to be gone", lambda source=source: request(reader, "HEAD", source)[0] == 404)
