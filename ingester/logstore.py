@@ -9,13 +9,16 @@ rebuild the WAL as it was after the last shipped commit. Overlapping segments ar
 (a segment re-cut after an upload whose answer was lost; replay skips commits already
 applied), and so are segments entirely at or below the checkpoint (deleted after a newer
 checkpoint). Fencing: along the chain the epochs never fall, and where segments of several
-epochs hold the next commit, the highest epoch wins, so what a superseded owner wrote after
-a takeover is never replayed over the new owner's log.
+epochs hold a commit, the highest epoch wins, at every commit (a segment is taken only up to
+where one of a higher epoch starts), so what a superseded owner wrote after a takeover is
+never replayed over the new owner's log: not even a late re-cut segment of its that reaches
+from before the takeover past it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import bisect
 import logging
 import re
 import shutil
@@ -157,85 +160,150 @@ async def drop_wal_behind_log(objects: ObjectStore, wal_dir: Path, map_size: int
     return True
 
 
+@dataclass(slots=True)
+class Chain:
+    """Where a WAL rebuilt from the log stands: the checkpoint it started from, the last commit
+    applied and the epoch of the segment that held it, the epoch at each seq since the
+    checkpoint (`runs`: (first seq, epoch) wherever it changed), and every segment key that was
+    in a listing it was extended with (ingester/log_follow.py checks those at a takeover)."""
+
+    base: tuple[int, int, str] | None  # the latest checkpoint (seq, epoch, key) when it started
+    seq: int
+    epoch: int
+    runs: list[tuple[int, int]] = field(default_factory=list)
+    seen: set[str] = field(default_factory=set)
+
+    def epoch_at(self, seq: int) -> int:
+        """The epoch of the segment whose commit `seq` was applied (the checkpoint's at or
+        below its seq)."""
+        found = self.base[1] if self.base is not None else 0
+        for first, epoch in self.runs:
+            if first > seq:
+                break
+            found = epoch
+        return found
+
+
 async def restore(objects: ObjectStore, wal_dir: Path, map_size: int, listing: LogListing | None = None) -> int:
     """Rebuild an empty WAL dir from the store's latest checkpoint and the segments after it;
     returns the seq restored to. Raises RestoreError (and leaves no WAL behind) on a gap."""
+    return (await restore_chain(objects, wal_dir, map_size, listing)).seq
+
+
+async def restore_chain(objects: ObjectStore, wal_dir: Path, map_size: int, listing: LogListing | None = None,
+                        *, final: bool = True) -> Chain:
+    """restore(), returning the Chain. `final` (a restore to serve from): the log must end
+    where the chain does (orphans beyond it are deleted, more than uploads could leave are a
+    gap); otherwise (a standby following the log) the chain just stops where the next commit
+    has not landed yet, and nothing is deleted."""
     if listing is None:
         listing = await list_log(objects)
     wal_dir.mkdir(parents=True, exist_ok=True)
-    base_seq, base_epoch = 0, 0
     cp = listing.latest_checkpoint
     try:
         if cp is not None:
-            base_seq, base_epoch, key = cp
-            data = await objects.get(key)
+            data = await objects.get(cp[2])
             write_durably(wal_dir / "data.mdb", data)
             del data
-        # Fetch the segments after the checkpoint ahead, a few at a time (S3 round trips add up).
-        gate = asyncio.Semaphore(FETCH_CONCURRENCY)
-
-        async def fetch(key: str) -> bytes:
-            async with gate:
-                return await objects.get(key)
-
-        fetched = {ref.key: asyncio.ensure_future(fetch(ref.key)) for ref in listing.segments if ref.last > base_seq}
+        chain = Chain(cp, cp[0] if cp else 0, cp[1] if cp else 0)
         wal = WalEnv(wal_dir, map_size)
         try:
             with wal.env.begin() as txn:
                 seq = wal.commit_seq(txn)
-            if seq != base_seq:
-                raise RestoreError(f"checkpoint {cp[2] if cp else '-'} holds commit seq {seq}, its key says {base_seq}")
-            epoch = base_epoch
-            applied = 0
-            # Commits chosen but not yet applied: replayed REPLAY_BATCH segments' worth at a
-            # time, in one durable transaction (one per segment was an fsync per segment: 2 s
-            # for 480 segments on a busy disk, while a standby's new lease runs).
-            pending: list[Commit] = []
-            batched = 0
-
-            def flush() -> int:
-                nonlocal pending, batched
-                try:
-                    n = replay(wal, pending)
-                except ReplayGap as e:
-                    raise RestoreError(str(e)) from e
-                pending, batched = [], 0
-                return n
-
-            while True:
-                nxt = seq + 1
-                candidates = []
-                for ref in (s for s in listing.segments if s.first <= nxt <= s.last):
-                    segment = decode(await fetched[ref.key])
-                    if segment.epoch >= epoch:  # an older epoch's: a superseded owner's late write
-                        candidates.append((segment.epoch, ref.last, ref, segment))
-                if not candidates:
-                    applied += flush()
-                    await _drop_orphans(objects, listing, nxt, epoch, seq)
-                    break
-                # Highest epoch first, then the one reaching furthest.
-                candidates.sort(key=lambda c: (c[0], c[1]))
-                chosen = candidates[-1]
-                epoch = chosen[0]
-                # (what of it follows seq: segments may overlap; replay checks it is contiguous)
-                pending.extend(c for c in chosen[3].commits if c.seq > seq)
-                batched += 1
-                if pending and pending[-1].seq > seq:
-                    seq = pending[-1].seq
-                else:  # pragma: no cover - the chosen segment holds nxt
-                    raise RestoreError(f"segment {chosen[2].key} did not advance the log past {seq}")
-                if batched >= REPLAY_BATCH:
-                    applied += flush()
-            with wal.env.begin() as txn:
-                if wal.commit_seq(txn) != seq:  # pragma: no cover - replay applies what it is given
-                    raise RestoreError(f"replayed to commit {wal.commit_seq(txn)}, expected {seq}")
-            log.info("restored the WAL from the store: checkpoint at %d, %d commits replayed, now at commit %d",
-                     base_seq, applied, seq)
-            return seq
+            if seq != chain.seq:
+                raise RestoreError(f"checkpoint {cp[2] if cp else '-'} holds commit seq {seq}, its key says {chain.seq}")
+            applied = await extend(objects, wal, chain, listing, final=final)
         finally:
             wal.close()
-            for task in fetched.values():
-                task.cancel()
+        log.info("restored the WAL from the store: checkpoint at %d, %d commits replayed, now at commit %d",
+                 cp[0] if cp else 0, applied, chain.seq)
+        return chain
     except BaseException:
         shutil.rmtree(wal_dir, ignore_errors=True)  # never leave a half-restored WAL behind
         raise
+
+
+async def extend(objects: ObjectStore, wal: WalEnv, chain: Chain, listing: LogListing, *, final: bool) -> int:
+    """Apply to `wal` (at chain.seq) the commits the listing's segments hold after it, the
+    way a restore chooses them: for each next commit the segment of the highest epoch (not
+    below the chain's: an older one is a superseded owner's late write) that holds it,
+    reaching furthest. Returns how many commits were applied; `final` as in restore_chain."""
+    seq, epoch = chain.seq, chain.epoch
+    chain.seen.update(ref.key for ref in listing.segments)
+    # Fetch the segments after the chain ahead, a few at a time (S3 round trips add up).
+    gate = asyncio.Semaphore(FETCH_CONCURRENCY)
+
+    async def fetch(key: str) -> bytes:
+        async with gate:
+            return await objects.get(key)
+
+    fetched = {ref.key: asyncio.ensure_future(fetch(ref.key)) for ref in listing.segments if ref.last > seq}
+    applied = 0
+    # Commits chosen but not yet applied: replayed REPLAY_BATCH segments' worth at a time, in
+    # one durable transaction (one per segment was an fsync per segment: 2 s for 480 segments
+    # on a busy disk, while a standby's new lease runs).
+    pending: list[Commit] = []
+    batched = 0
+
+    def flush() -> int:
+        nonlocal pending, batched
+        try:
+            n = replay(wal, pending)
+        except ReplayGap as e:
+            raise RestoreError(str(e)) from e
+        pending, batched = [], 0
+        chain.seq = seq
+        return n
+
+    try:
+        # By first commit: those holding the next commit are found from a moving start, not
+        # by a scan of the whole listing per step (thousands of segments after a checkpoint).
+        segments = sorted(listing.segments, key=lambda r: (r.first, r.last))
+        firsts = [r.first for r in segments]
+        reached, holding = 0, list[SegmentRef]()
+        while True:
+            nxt = seq + 1
+            while reached < len(segments) and segments[reached].first <= nxt:
+                holding.append(segments[reached])
+                reached += 1
+            holding = [ref for ref in holding if ref.last >= nxt]
+            candidates = []
+            for ref in holding:
+                segment = decode(await fetched[ref.key])
+                if segment.epoch >= epoch:  # an older epoch's: a superseded owner's late write
+                    candidates.append((segment.epoch, ref.last, ref, segment))
+            if not candidates:
+                applied += flush()
+                if final:
+                    await _drop_orphans(objects, listing, nxt, epoch, seq)
+                break
+            # Highest epoch first, then the one reaching furthest.
+            candidates.sort(key=lambda c: (c[0], c[1]))
+            chosen = candidates[-1]
+            if chosen[0] != epoch:
+                chain.runs.append((nxt, chosen[0]))
+            epoch = chain.epoch = chosen[0]
+            # Taken only up to where a segment of a higher epoch starts: the newer epoch wins
+            # at every commit it holds. (A superseded owner's late re-cut segment may reach
+            # past where the new owner took over; its tail must not hide the new owner's.)
+            upto = chosen[1]
+            for ref in segments[bisect.bisect_right(firsts, nxt):bisect.bisect_right(firsts, upto)]:
+                if parse_prelude(await fetched[ref.key])[2] > epoch:
+                    upto = ref.first - 1
+                    break
+            # (what of it follows seq: segments may overlap; replay checks it is contiguous)
+            pending.extend(c for c in chosen[3].commits if seq < c.seq <= upto)
+            batched += 1
+            if pending and pending[-1].seq > seq:
+                seq = pending[-1].seq
+            else:  # pragma: no cover - the chosen segment holds nxt
+                raise RestoreError(f"segment {chosen[2].key} did not advance the log past {seq}")
+            if batched >= REPLAY_BATCH:
+                applied += flush()
+        with wal.env.begin() as txn:
+            if wal.commit_seq(txn) != seq:  # pragma: no cover - replay applies what it is given
+                raise RestoreError(f"replayed to commit {wal.commit_seq(txn)}, expected {seq}")
+        return applied
+    finally:
+        for task in fetched.values():
+            task.cancel()

@@ -346,6 +346,24 @@ async def test_restore_prefers_the_newer_epoch(tmp_path: Path, objects: FlakySto
     assert keys == [b"k1", b"new2"]
 
 
+async def test_restore_takes_the_newer_epoch_at_every_commit_it_holds(tmp_path: Path, objects: FlakyStore) -> None:
+    """A superseded owner's late re-cut segment (epoch 1, commits 1-3: its upload of commit 1
+    landed but the answer was lost, and the re-cut arrived after the takeover) reaches past
+    where the new owner (epoch 2) restored to. The new owner's commits 2 and 3 win: choosing
+    the old segment for commit 1 must not carry its 2 and 3 along."""
+    await objects.put(segment_key(1, 1), encode([commit(1)], epoch=1))
+    await objects.put(segment_key(2, 2), encode([commit(2, b"new")], epoch=2))
+    await objects.put(segment_key(3, 3), encode([commit(3, b"new")], epoch=2))
+    await objects.put(segment_key(1, 3), encode([commit(1), commit(2, b"old"), commit(3, b"old")], epoch=1))
+    assert await restore(objects, tmp_path / "r", 64 * 1024 * 1024) == 3
+    w = WalEnv(tmp_path / "r", 64 * 1024 * 1024)
+    try:
+        keys = [k for k, _ in dump(w)["streams"]]
+    finally:
+        w.close()
+    assert keys == [b"k1", b"new2", b"new3"]
+
+
 async def test_a_full_queue_is_dropped_for_a_checkpoint(
         tmp_path: Path, wal: WalEnv, objects: FlakyStore, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(shipper_mod, "MAX_QUEUED_BYTES", 10)
