@@ -101,7 +101,10 @@ def cluster_status(svc: IngesterService | None) -> dict[str, object] | None:
 
 def collect(app: web.Application) -> Iterator[Metric]:
     svc = app.get(SERVICE)
-    if svc is None or svc.standing_by:  # not started yet, or stopped; a standby has no WAL
+    if svc is None:  # not started yet, or stopped
+        return
+    if svc.standing_by:  # no writer yet: what it knows of the owner's log
+        yield from _following(svc)
         return
     committer = svc.committer
     yield from svc.append_seconds.collect()
@@ -214,3 +217,17 @@ def _service_stores(app: web.Application) -> list[ObjectStore]:
 def _chunk_store(app: web.Application) -> ObjectStore | None:
     svc = app.get(SERVICE)
     return None if svc is None else svc.objects
+
+
+def _following(svc: IngesterService) -> Iterator[Metric]:
+    follower = svc.follower
+    if follower is None:
+        return
+    yield gauge("ds3_standby_followed_seq", "The last commit of the store's log this standby's WAL holds (a "
+                "takeover replays only what follows it).", follower.seq)
+    yield gauge("ds3_standby_followed_at", "When this standby last read the store's log (Unix time; 0: not yet).",
+                follower.stepped_at)
+    yield counter("ds3_standby_follow_steps", "Reads of the store's log that brought this standby's WAL up to date.",
+                  follower.steps)
+    yield counter("ds3_standby_log_restores", "Whole-log restores into this standby's WAL (at start, after the "
+                  "owner checkpointed, after a failed step).", follower.restores)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+from collections.abc import Awaitable, Callable
 
 from ingester.logstore import StartRefused, drop_wal_behind_log, list_log, restore, wal_is_empty
 from shared.config import IngesterConfig
@@ -80,13 +81,16 @@ async def restore_wal(config: IngesterConfig, own_objects: ObjectStore) -> None:
         await restore(own_objects, config.wal_dir, config.wal_map_size, listing)
 
 
-async def restore_keeping_the_lease(config: IngesterConfig, own: Ownership, own_objects: ObjectStore) -> None:
-    """Restore while renewing the lease just taken: a restore may outlast it (a long log, a
-    slow store), and a lapsed lease would let another standby take the prefix meanwhile.
-    Superseded if the lease is lost before the restore is done."""
+async def restore_keeping_the_lease(config: IngesterConfig, own: Ownership, own_objects: ObjectStore,
+                                    restore: Callable[[], Awaitable[object]] | None = None) -> object:
+    """Restore (restore_wal, or `restore`: a standby's followed log brought up to date) while
+    renewing the lease just taken: a restore may outlast it (a long log, a slow store), and a
+    lapsed lease would let another standby take the prefix meanwhile. Returns what `restore`
+    did; Superseded if the lease is lost before the restore is done."""
     lease = LeaseKeeper(own)
     keeper = asyncio.create_task(lease.run(), name="ds3-lease-restoring")
-    restoring = asyncio.create_task(restore_wal(config, own_objects), name="ds3-restore")
+    restoring = asyncio.create_task(_run(restore() if restore is not None else restore_wal(config, own_objects)),
+                                    name="ds3-restore")
     try:
         await asyncio.wait({keeper, restoring}, return_when=asyncio.FIRST_COMPLETED)
         if not restoring.done():  # the keeper stopped: the lease is lost
@@ -95,7 +99,7 @@ async def restore_keeping_the_lease(config: IngesterConfig, own: Ownership, own_
             error = keeper.exception() if not keeper.cancelled() else None
             raise error if isinstance(error, Superseded) else Superseded(
                 f"the ownership lease was lost while restoring ({error!r})", own.epoch)
-        restoring.result()
+        return restoring.result()
     except asyncio.CancelledError:
         keeper.cancel()  # we are being stopped: no waiting for a renewal (its answer may be lost)
         raise
@@ -107,3 +111,7 @@ async def restore_keeping_the_lease(config: IngesterConfig, own: Ownership, own_
         lease.stop()
         restoring.cancel()
         await asyncio.gather(keeper, restoring, return_exceptions=True)
+
+
+async def _run(aw: Awaitable[object]) -> object:
+    return await aw

@@ -27,6 +27,7 @@ from ingester.forks_across import CrossForks
 from ingester.housekeeping import housekeeping
 from ingester.lease import keep_lease
 from ingester.live import Notifier
+from ingester.log_follow import LogFollower
 from ingester.moves import Mover
 from ingester.owning import own_and_restore, own_store, owner_id
 from ingester.reads import ReadResult, Reads
@@ -99,6 +100,7 @@ class IngesterService:
         # and the owner's record as last read.
         self.standby_status: str | None = None
         self.standby_owner: OwnerRecord | None = None
+        self.follower: LogFollower | None = None  # a standby's copy of the store's log (ingester/log_follow.py)
         self._standby_task: asyncio.Task[None] | None = None
         # Collected by ingester.metrics at scrape time; observed on the event loop only.
         self.append_seconds = LoopHistogram(

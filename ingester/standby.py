@@ -1,7 +1,8 @@
 """--standby: an ingester that does not own the store prefix yet watches the ownership record,
 answers stream requests with 503 naming the owner, and takes the prefix over (the next epoch)
-once the owner's lease lapses or is released: it restores the WAL from the store's log into a
-fresh WAL dir and starts serving."""
+once the owner's lease lapses or is released. Meanwhile it follows the store's log into its WAL
+dir (ingester/log_follow.py), so a takeover replays only what landed since the last step
+(or restores the whole log where the followed one cannot be trusted), then starts serving."""
 
 from __future__ import annotations
 
@@ -10,11 +11,11 @@ import contextlib
 import logging
 import math
 import os
-import shutil
 import signal
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Final
 
+from ingester.log_follow import LogFollower
 from ingester.logstore import StartRefused
 from ingester.owning import restore_keeping_the_lease
 from shared.errors import ObjectStoreError, OwnedElsewhere, Superseded, Unavailable
@@ -24,6 +25,9 @@ if TYPE_CHECKING:
     from ingester.service import IngesterService
 
 log = logging.getLogger("ds3.ingester")
+
+FOLLOW_INTERVAL_MAX: Final = 2.0  # seconds between steps of the followed log, at most (else lease/3)
+FOLLOW_BACKOFF_MAX: Final = 10.0
 
 
 def refusal(svc: IngesterService) -> Unavailable:
@@ -41,36 +45,79 @@ def refusal(svc: IngesterService) -> Unavailable:
 
 async def stand_by(svc: IngesterService) -> None:
     """Watch the ownership record (about every lease/3, and just after the owner's lease
-    would lapse); once it has lapsed (or was released), take the prefix over with the next
-    epoch, restore the WAL from the store's log into a fresh WAL dir and start serving."""
+    would lapse), following the store's log meanwhile; once the lease has lapsed (or was
+    released), take the prefix over with the next epoch, bring the WAL up to the log's end
+    and start serving."""
     own = svc.ownership
-    assert own is not None
+    assert own is not None and svc.own_objects is not None
     interval = svc.config.lease_seconds / 3
-    while True:
-        wait = interval
+    follower = svc.follower = LogFollower(svc.own_objects, svc.config.wal_dir, svc.config.wal_map_size)
+    stop_following = asyncio.Event()
+    if not following_on():
+        stop_following.set()  # (the takeover then restores the whole log, as a standby did before)
+    following = asyncio.create_task(follow(follower, min(interval, FOLLOW_INTERVAL_MAX), stop_following),
+                                    name="ds3-standby-follow")
+    try:
+        while True:
+            wait = interval
+            try:
+                rec = await own.current()
+                now = time.time()
+                if rec is None or rec.owner_id == own.owner_id or rec.lapsed(now, own.max_skew):
+                    lapsed_at = time.monotonic()
+                    # The step in flight finishes first (its WAL is where the takeover starts);
+                    # the lease is taken after it, so that it is renewed from then on.
+                    stop_following.set()
+                    await asyncio.gather(following, return_exceptions=True)
+                    await own.acquire()
+                    if await _take_over(svc, rec, lapsed_at):
+                        return
+                    stop_following = asyncio.Event()
+                    following = asyncio.create_task(
+                        follow(follower, min(interval, FOLLOW_INTERVAL_MAX), stop_following), name="ds3-standby-follow")
+                    continue
+                old = svc.standby_owner
+                if old is None or (rec.owner_id, rec.epoch, rec.advertise_url) != (old.owner_id, old.epoch,
+                                                                                   old.advertise_url):
+                    # (said when the owner changes, not at each of its lease renewals)
+                    log.info("standby: %s at %s owns %s (epoch %d)", rec.owner_id, rec.advertise_url or "(no URL)",
+                             own.store.url, rec.epoch)
+                svc.standby_owner = rec
+                svc.standby_status = f"standby (owner: {rec.advertise_url or rec.owner_id}, epoch {rec.epoch})"
+                until_lapse = rec.lease_expires_at + own.max_skew - now
+                wait = min(interval, max(0.02, until_lapse + 0.02))
+            except OwnedElsewhere:  # another standby won the race: watch it
+                wait = 0.05
+            except (ObjectStoreError, TimeoutError) as e:
+                log.warning("standby: reading the ownership record of %s failed: %s", own.store.url, e)
+            await asyncio.sleep(wait)
+    finally:
+        following.cancel()
+        await asyncio.gather(following, return_exceptions=True)
+
+
+def following_on() -> bool:
+    """DS3_STANDBY_FOLLOW=0 turns following off: for tests of the whole-log restore at a
+    takeover, and A/B measurements (docs/architecture.md)."""
+    return os.environ.get("DS3_STANDBY_FOLLOW", "1") not in ("0", "false", "no", "off")
+
+
+async def follow(follower: LogFollower, interval: float, stop: asyncio.Event) -> None:
+    """Step the follower every `interval` until `stop`; failures are retried with a backoff
+    (the takeover restores the whole log if the followed one is not usable then)."""
+    delay = interval
+    while not stop.is_set():
         try:
-            rec = await own.current()
-            now = time.time()
-            if rec is None or rec.owner_id == own.owner_id or rec.lapsed(now, own.max_skew):
-                lapsed_at = time.monotonic()
-                await own.acquire()
-                if await _take_over(svc, rec, lapsed_at):
-                    return
-                continue
-            old = svc.standby_owner
-            if old is None or (rec.owner_id, rec.epoch, rec.advertise_url) != (old.owner_id, old.epoch, old.advertise_url):
-                # (said when the owner changes, not at each of its lease renewals)
-                log.info("standby: %s at %s owns %s (epoch %d)", rec.owner_id, rec.advertise_url or "(no URL)",
-                         own.store.url, rec.epoch)
-            svc.standby_owner = rec
-            svc.standby_status = f"standby (owner: {rec.advertise_url or rec.owner_id}, epoch {rec.epoch})"
-            until_lapse = rec.lease_expires_at + own.max_skew - now
-            wait = min(interval, max(0.02, until_lapse + 0.02))
-        except OwnedElsewhere:  # another standby won the race: watch it
-            wait = 0.05
-        except (ObjectStoreError, TimeoutError) as e:
-            log.warning("standby: reading the ownership record of %s failed: %s", own.store.url, e)
-        await asyncio.sleep(wait)
+            applied = await follower.step()
+            if applied:
+                log.debug("standby: followed the log to commit %d (%d commits)", follower.seq, applied)
+            delay = interval
+        except Exception as e:  # a background loop: said, backed off, tried again
+            delay = min(FOLLOW_BACKOFF_MAX, delay * 2)
+            log.warning("standby: following the store's log failed (%s); again in %.1f s", e, delay)
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(delay):
+                await stop.wait()
 
 
 async def _take_over(svc: IngesterService, previous: OwnerRecord | None, lapsed_at: float) -> bool:
@@ -80,11 +127,12 @@ async def _take_over(svc: IngesterService, previous: OwnerRecord | None, lapsed_
     assert own is not None and svc.own_objects is not None
     log.warning("standby: taking over %s (epoch %d) from %s", own.store.url, own.epoch,
                 f"{previous.owner_id}, epoch {previous.epoch}" if previous is not None else "nobody")
+    assert svc.follower is not None
     try:
-        # The local WAL may be stale (an earlier takeover, a previous life as owner): the
-        # store's log is the truth. Start from a fresh WAL dir: checkpoint + segments.
-        shutil.rmtree(svc.config.wal_dir, ignore_errors=True)
-        await restore_keeping_the_lease(svc.config, own, svc.own_objects)
+        # The WAL dir holds the followed log (the follower started it afresh: the store's log
+        # is the truth, not what a previous life left there); brought up to the log's end, or
+        # restored whole where the followed one cannot be trusted.
+        done = await restore_keeping_the_lease(svc.config, own, svc.own_objects, restore=svc.follower.take_over)
     except (ObjectStoreError, StartRefused, OSError, Superseded) as e:
         log.error("standby: restoring from %s failed (%s); releasing the prefix and watching again",
                   own.store.url, e)
@@ -95,8 +143,8 @@ async def _take_over(svc: IngesterService, previous: OwnerRecord | None, lapsed_
     await svc.start_owned()
     svc.standby_status = None
     svc.standby_owner = None
-    log.warning("standby: took over %s at epoch %d; serving (%.3f s after the lease lapsed)", own.store.url,
-                own.epoch, time.monotonic() - lapsed_at)
+    log.warning("standby: took over %s at epoch %d; serving (%.3f s after the lease lapsed; %s)", own.store.url,
+                own.epoch, time.monotonic() - lapsed_at, done)
     return True
 
 
