@@ -241,7 +241,10 @@ def _run(app: web.Application, host: str, port: int, banner: str, config: Ingest
     process.raise_fd_limit()
     from shared.http.auth import describe
 
+    refused = False
+
     async def serve() -> None:
+        nonlocal refused
         # handler_cancellation: a client that goes away cancels its handler (an SSE or long-poll
         # client that disconnects must not keep upstream connections and wake-ups alive).
         # keepalive_timeout also bounds a request head sent slowly: aiohttp's timer runs until a
@@ -259,7 +262,13 @@ def _run(app: web.Application, host: str, port: int, banner: str, config: Ingest
                 for sock in shared:
                     await web.SockSite(runner, sock, backlog=LISTEN_BACKLOG).start()
             else:
-                await web.TCPSite(runner, host, port, reuse_port=reuse_port or None, backlog=LISTEN_BACKLOG).start()
+                try:
+                    await web.TCPSite(runner, host, port, reuse_port=reuse_port or None,
+                                      backlog=LISTEN_BACKLOG).start()
+                except OSError as e:  # a port in use is a setting's problem: one line, as dev and the reader say it
+                    log.error("%s: cannot listen on %s port %d: %s", banner.split(" (")[0], host, port, _why(e))
+                    refused = True
+                    return  # (the runner's cleanup below still stops the service: it releases its lease)
             if unix_path is not None:
                 await web.UnixSite(runner, unix_path).start()
             log.info("%s listening on http://%s", banner, _host_port(host, port))
@@ -271,6 +280,13 @@ def _run(app: web.Application, host: str, port: int, banner: str, config: Ingest
 
     with contextlib.suppress(GracefulExit, KeyboardInterrupt):
         asyncio.run(serve())
+    if refused:
+        sys.exit(1)
+
+
+def _why(e: OSError) -> str:
+    """The reason of a failed listen, without uvloop's "error while attempting to bind" wording."""
+    return os.strerror(e.errno) if e.errno else str(e)
 
 
 def _host_port(host: str, port: int) -> str:
