@@ -332,8 +332,13 @@ def ingester(**kw: Any) -> None:
     from ingester.app import create_app
     from ingester.fastlane import FastLaneRunner
     from ingester.logstore import StartRefused
+    from shared.config import make_data_dir
     from shared.localfile import Locked, hold_lock
 
+    try:
+        make_data_dir(config.data_dir)
+    except ConfigError as e:
+        raise click.UsageError(str(e)) from e
     try:
         # One process per data dir: a second one with the same --data-dir (and so the same
         # owner id) would take the ownership over from the running one and open its WAL too.
@@ -428,7 +433,7 @@ def dev(**kw: Any) -> None:
     and are refused."""
     _setup_logging(kw, "dev")
     from ds3.supervise import DevSettingError, child_environment, run_dev
-    from shared.config import check_shared
+    from shared.config import check_shared, make_data_dir
 
     try:
         check_shared(port=kw["port"], long_poll_timeout=kw["long_poll_timeout"], seal_bytes=kw["seal_bytes"],
@@ -442,6 +447,10 @@ def dev(**kw: Any) -> None:
     try:
         child_environment(dict(os.environ))
     except DevSettingError as e:
+        raise click.UsageError(str(e)) from e
+    try:  # (last: nothing is created for a run refused for another setting)
+        make_data_dir(kw["data_dir"])
+    except ConfigError as e:
         raise click.UsageError(str(e)) from e
     sys.exit(run_dev(**kw))
 

@@ -3,6 +3,7 @@ with errors that name the setting."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field, fields
 from ipaddress import ip_network
 from pathlib import Path
@@ -39,6 +40,19 @@ def check_shared(*, port: int, long_poll_timeout: float, seal_bytes: int, seal_a
           "must be between 0.1 and 3600 seconds")
     _need(1024 <= seal_bytes <= 1024 * MiB, "seal-bytes (DS3_SEAL_BYTES)", "must be between 1 KiB and 1 GiB")
     _need(0.05 <= seal_age <= 86400, "seal-age (DS3_SEAL_AGE)", "must be between 0.05 s and a day")
+
+
+def make_data_dir(path: Path) -> None:
+    """Create the data dir (and its parents) if missing. One that cannot be a directory this
+    process writes in (a file, a file on the way, no permission) is a ConfigError naming the
+    setting: found at start, not as an OSError traceback from the first use."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise ConfigError(f"data-dir (DS3_DATA_DIR): {path} exists and is not a directory") from None
+    except OSError as e:
+        raise ConfigError(f"data-dir (DS3_DATA_DIR): cannot create {path}: {e.strerror or e}") from None
+    _need(os.access(path, os.W_OK | os.X_OK), "data-dir (DS3_DATA_DIR)", f"{path} is not writable")
 
 
 def _check_body_limits(*, max_snapshot_bytes: int, max_body_bytes: int) -> None:

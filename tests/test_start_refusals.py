@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.procs import DS3
+from tests.procs import DS3, free_port
 
 
 def _run(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
@@ -43,4 +43,20 @@ def test_a_lone_reader_on_a_port_in_use_says_so(tmp_path: Path, taken_port: int)
              "--store", (tmp_path / "o").as_uri(), cwd=tmp_path)
     assert r.returncode == 1, r.stderr
     assert f"ds3 reader: cannot listen on 127.0.0.1 port {taken_port}: Address already in use" in r.stderr
+    assert "Traceback" not in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("command", ["ingester", "dev"])
+@pytest.mark.parametrize("data_dir, why", [
+    ("afile", "exists and is not a directory"),
+    ("afile/sub", "Not a directory"),
+    ("/proc/nope", "cannot create /proc/nope"),
+])
+def test_a_data_dir_that_cannot_be_one_is_refused_by_name(tmp_path: Path, command: str, data_dir: str,
+                                                          why: str) -> None:
+    """It used to end in a FileExistsError, NotADirectoryError or FileNotFoundError traceback."""
+    (tmp_path / "afile").write_text("not a directory")
+    r = _run(command, "--data-dir", data_dir, "--port", str(free_port()), cwd=tmp_path)
+    assert r.returncode == 2, r.stderr
+    assert "data-dir (DS3_DATA_DIR)" in r.stderr and why in r.stderr, r.stderr
     assert "Traceback" not in r.stderr, r.stderr
