@@ -223,6 +223,14 @@ def _ingester_config(kw: dict[str, Any]) -> IngesterConfig:
         raise click.UsageError(str(e)) from e
 
 
+def _reader_config(kw: dict[str, Any]) -> ReaderConfig:
+    names = set(ReaderConfig.__dataclass_fields__) - {"auth", "limits"}
+    try:
+        return ReaderConfig(**{k: v for k, v in kw.items() if k in names}, **_access_configs(kw))
+    except ConfigError as e:
+        raise click.UsageError(str(e)) from e
+
+
 def _build(create: Callable[[Any], web.Application], config: Any) -> web.Application:
     try:  # credential files and keys are loaded here
         return create(config)
@@ -388,12 +396,7 @@ def reader(**kw: Any) -> None:
     _setup_logging(kw, "reader" if me is None else f"reader-{me.index}")
     if kw["workers"] is None:
         kw["workers"] = os.cpu_count() or 1
-    names = set(ReaderConfig.__dataclass_fields__)
-    try:
-        config = ReaderConfig(**{k: v for k, v in kw.items() if k in names - {"auth", "limits"}},
-                              **_access_configs(kw))
-    except ConfigError as e:
-        raise click.UsageError(str(e)) from e
+    config = _reader_config(kw)
     if me is None and config.workers > 1:
         process.raise_fd_limit()
         sys.exit(supervise(sys.argv[sys.argv.index("reader") + 1:], config.workers, config.host, config.port))
@@ -445,14 +448,50 @@ def dev(**kw: Any) -> None:
     if kw["workers"] is not None and not 1 <= kw["workers"] <= 256:
         raise click.UsageError(f"workers (DS3_WORKERS): {kw['workers']} is not between 1 and 256")
     try:
-        child_environment(dict(os.environ))
+        env = child_environment(dict(os.environ))
     except DevSettingError as e:
         raise click.UsageError(str(e)) from e
+    _check_dev_children(env, kw)
     try:  # (last: nothing is created for a run refused for another setting)
         make_data_dir(kw["data_dir"])
     except ConfigError as e:
         raise click.UsageError(str(e)) from e
     sys.exit(run_dev(**kw))
+
+
+def _check_dev_children(env: dict[str, str], kw: dict[str, Any]) -> None:
+    """The DS3_* settings `ds3 dev` hands on, checked as its ingester and reader will check them
+    (click's parsing, then their configs) before anything starts: a bad one is refused once,
+    naming its variable, not by every child with the internal command line in its usage text."""
+    objects = (kw["data_dir"] / "objects").resolve().as_uri()
+    own = ["--host", "127.0.0.1", "--port", str(kw["port"]), "--long-poll-timeout", str(kw["long_poll_timeout"])]
+    children: list[tuple[str, list[str], Callable[[dict[str, Any]], Any]]] = [
+        ("ingester", [*own, "--data-dir", str(kw["data_dir"]), "--store", objects, "--seal-bytes",
+                      str(kw["seal_bytes"]), "--seal-age", str(kw["seal_age"])], _ingester_config),
+        ("reader", [*own, "--store", objects, "--workers", "1"], _reader_config),
+    ]
+    saved = dict(os.environ)
+    os.environ.clear()
+    os.environ.update(env)  # click reads the options' variables from os.environ
+    try:
+        for name, argv, config in children:
+            command = main.commands[name]
+            config(command.make_context(f"ds3 {name}", argv).params)
+    except click.UsageError as e:
+        raise click.UsageError(_naming_the_variable(e.format_message(), env)) from None
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def _naming_the_variable(message: str, env: dict[str, str]) -> str:
+    """`message` led by the variable it is about and its value (`DS3_WRITE_RATE=-5: ...`)."""
+    import re
+
+    named = re.search(r"DS3_[A-Z0-9_]+", message)
+    if named is None or named.group() not in env:
+        return message
+    return f"{named.group()}={env[named.group()]}: {message}"
 
 
 @main.group()

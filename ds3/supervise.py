@@ -106,7 +106,11 @@ def child_environment(environ: dict[str, str]) -> dict[str, str]:
     for name, why in NOT_FOR_DEV.items():
         if environ.get(name):
             raise DevSettingError(f"{name} cannot be set for `ds3 dev`: {why}")
-    return {k: v for k, v in environ.items() if k not in DEV_OWN}
+    env = {k: v for k, v in environ.items() if k not in DEV_OWN}
+    # The processes share an internal token (in the environment: not visible in `ps`), so the
+    # ingesters know their reader and leave per-client limits to it: the user's, or a fresh one.
+    env.setdefault("DS3_INTERNAL_TOKEN", secrets.token_urlsafe(32))
+    return env
 
 
 AUTH_SETTINGS: Final = ("DS3_TOKENS_FILE", "DS3_TOKENS", "DS3_JWT_SECRET", "DS3_JWKS_FILE", "DS3_JWKS_URL")
@@ -179,9 +183,6 @@ def run_dev(
     if access_log is not None:  # else each process's own default
         common.append("--access-log" if access_log else "--no-access-log")
     env = child_environment(dict(os.environ))
-    # The processes share an internal token (in the environment: not visible in `ps`), so the
-    # ingesters know their reader and leave per-client limits to it: the user's, or a fresh one.
-    env.setdefault("DS3_INTERNAL_TOKEN", secrets.token_urlsafe(32))
     store = ["--store", objects.as_uri(), "--seal-bytes", str(seal_bytes), "--seal-age", str(seal_age)]
     ingester_urls = [f"http://127.0.0.1:{_free_port('127.0.0.1')}" for _ in range(ingesters)]
     commands: list[list[str]] = []

@@ -83,6 +83,20 @@ def test_settings_that_cannot_apply_are_refused_by_name(tmp_path: Path, name: st
     assert r.returncode == 2 and name in r.stderr, r.stderr
 
 
+@pytest.mark.parametrize("name, value", [("DS3_WRITE_RATE", "-5"), ("DS3_WRITE_RATE", "abc"),
+                                         ("DS3_DESCRIPTOR_TTL", "-1")])
+def test_a_bad_setting_for_the_children_is_refused_once_before_anything_starts(tmp_path: Path, name: str,
+                                                                                value: str) -> None:
+    """Each child used to refuse it with the internal `python -m ds3.cli ingester` in its usage
+    text, once per ingester, after dev had written a new cluster description."""
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("DS3_")}, name: value}
+    r = subprocess.run([DS3, "dev", "--port", str(free_port()), "--data-dir", str(tmp_path / "d"), "--ingesters", "2"],
+                       env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.count(f"{name}={value}: ") == 1 and "ds3.cli" not in r.stderr, r.stderr
+    assert not (tmp_path / "d" / "cluster.json").exists()
+
+
 def _dev_run(tmp_path: Path, *args: str, port: int | None = None) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("DS3_")}
     return subprocess.run([DS3, "dev", "--port", str(port or free_port()), "--data-dir", str(tmp_path / "d"), *args],
