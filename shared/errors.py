@@ -18,6 +18,12 @@ class BadRequest(DS3Error):
     """Malformed input: headers, offsets, paths, bodies (400)."""
 
 
+class UnreadableBody(BadRequest):
+    """The request body cannot be read to its end, e.g. a Content-Encoding it does not decode
+    with (400; the connection is closed: where the next request would start is unknown, and
+    aiohttp would otherwise read on into the broken body and log its error as unhandled)."""
+
+
 class NotFound(DS3Error):
     """No such stream (or it expired) (404)."""
 

@@ -313,3 +313,23 @@ async def test_a_compressed_append_is_stored_decoded_through_the_reader(tmp_path
                         assert r.status == 204, (base, r.status, await r.text())
                 pages = await read_pages(s, url)
                 assert b"".join(p.body for p in pages) == b"hello " + b"compressed " * 50
+
+
+async def test_a_body_that_does_not_decode_is_a_clean_400(tmp_path: Path, local_store: StoreView) -> None:
+    """Content-Encoding gzip on a body that is not gzip: 400 naming the problem, from either
+    port, and nothing in the logs (aiohttp read on into the broken body after the answer and
+    logged "Unhandled exception" with its traceback)."""
+    with Cluster(tmp_path, local_store) as c:
+        async with aiohttp.ClientSession(timeout=TIMEOUT, auto_decompress=False) as s:
+            for base in (c.reader.url, c.ingester.url):
+                url = f"{base}/v1/stream/not-zipped-{base[-5:]}"
+                await create(s, url, "text/plain")
+                headers = {"Content-Type": "text/plain", "Content-Encoding": "gzip"}
+                async with s.post(url, data=b"not gzip at all" * 100, headers=headers) as r:
+                    assert r.status == 400 and "could not be read" in await r.text(), (base, r.status)
+                async with s.get(url + "?offset=-1") as r:  # nothing appended; still served (a new connection)
+                    assert r.status == 200 and await r.read() == b""
+        await asyncio.sleep(0.3)
+        for log in (c.reader.log_path, c.ingester.log_path):
+            text = log.read_text()
+            assert "Unhandled exception" not in text and "Traceback" not in text, text

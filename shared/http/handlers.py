@@ -32,6 +32,7 @@ from shared.errors import (
     TooManyRequests,
     Unauthorized,
     Unavailable,
+    UnreadableBody,
 )
 from shared.ownership import FENCED_HEADER
 from shared.placement import GENERATION_HEADER, OWNER_HEADER, OWNER_ID_HEADER
@@ -137,7 +138,7 @@ async def errors_middleware(
             _unavailable.warning(e.message[:120], "%s %s: %s", request.method, request.path, e.message)
         if request.get(PREPARED):
             raise  # the status line is out: aiohttp drops the connection, the client sees a cut body
-        if isinstance(e, RequestTimeout):
+        if isinstance(e, RequestTimeout | UnreadableBody):
             return await _send_and_close(request, error_response(e))
         return error_response(e)
     except web.HTTPException:
@@ -209,7 +210,7 @@ async def read_body(request: web.Request, limit: int) -> bytes:
     except TimeoutError:
         raise RequestTimeout(f"the request body did not arrive within {timeout:g} s") from None
     except web.RequestPayloadError as e:  # e.g. a Content-Encoding the body does not decode with
-        raise BadRequest(f"the request body could not be read: {str(e).splitlines()[-1].strip()[:200]}") from None
+        raise UnreadableBody(f"the request body could not be read: {str(e).splitlines()[-1].strip()[:200]}") from None
     return bytes(buf)
 
 
