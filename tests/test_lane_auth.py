@@ -133,6 +133,10 @@ CASES: list[tuple[str, object, bool, int]] = [
      False, 401),
     ("head, private, no token", lambda p: head(f"/v1/stream/secret/{p}", RID), False, 401),
     ("head, private, a token that may", lambda p: head(f"/v1/stream/secret/{p}", RIGHT, RID), True, 200),
+    # two Authorization headers: only the first was checked (a token that is sent is always checked)
+    ("head, private, two tokens", lambda p: head(f"/v1/stream/secret/{p}", RIGHT, "Authorization: Bearer nope", RID),
+     False, 400),
+    ("append, two tokens", lambda p: post(f"/v1/stream/pub/{p}", b"x", TEXT, RIGHT, WRONG, RID), False, 400),
 ]
 
 

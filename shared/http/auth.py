@@ -20,7 +20,7 @@ from shared import protocol as P
 from shared.auth.authenticate import Authenticator
 from shared.auth.policy import INTERNAL_PREFIX, Principal, fork_source_target, target_of
 from shared.config import AuthConfig
-from shared.errors import Unauthorized
+from shared.errors import BadRequest, Unauthorized
 
 log = logging.getLogger("ds3.auth")
 
@@ -43,6 +43,10 @@ def caller_of(request: web.Request) -> Principal | None:
 async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     if request.method == "OPTIONS":  # CORS preflights carry no credentials
         return await handler(request)
+    if len(request.headers.getall("Authorization", ())) > 1:
+        # Only the first would be checked, and the rest forwarded: a token that is sent is
+        # always checked, so which one counts must not be a guess.
+        raise BadRequest("send one Authorization header, not several")
     authn = request.app[AUTH]
     # Only the ingester takes the internal token: on a public reader it would be one more
     # credential to guess, and the reader never forwards it.

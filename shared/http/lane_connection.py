@@ -54,7 +54,8 @@ access_log = logging.getLogger("ds3.access")
 _PLAIN_URL: Final = re.compile(rb"/v1/(?:stream/|buckets/[A-Za-z0-9_~!$&'()*+,;=:@.-]+/)[A-Za-z0-9_~!$&'()*+,;=:@./-]+")
 _REFUSED_HEADERS: Final = frozenset({b"transfer-encoding", b"content-encoding", b"expect", b"upgrade"})
 _MAX_HEAD: Final = 16 * 1024  # a candidate's head must be complete within this many bytes
-_SINGLE_HEADERS: Final = frozenset({b"content-type", b"host", b"content-length"})  # aiohttp: 400 if repeated
+# aiohttp answers 400 if one of these is repeated (Authorization: the auth middleware)
+_SINGLE_HEADERS: Final = frozenset({b"content-type", b"host", b"content-length", b"authorization"})
 _PAUSE_ABOVE: Final = 256 * 1024  # unprocessed bytes held while an answer is pending
 _STATUS_LINES: dict[int, bytes] = {}
 
