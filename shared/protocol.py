@@ -223,13 +223,23 @@ CURSOR_EPOCH: Final = datetime(2024, 10, 9, tzinfo=UTC).timestamp()
 CURSOR_INTERVAL_S: Final = 20
 
 
+# Longer cursors are answered without int() (Python refuses over 4300 digits; a request line
+# may hold 8 KiB of them): see response_cursor.
+_CURSOR_MAX_DIGITS: Final = 1000
+
+
 def response_cursor(client_cursor: str | None, now: float | None = None) -> str:
-    """Interval number since the cursor epoch; never at or behind the client's cursor."""
+    """Interval number since the cursor epoch; never at or behind the client's cursor (§8.1: a
+    cursor at or ahead of the current interval MUST be answered with a strictly greater one,
+    whatever its size: a 20-digit one used to get the current interval back)."""
     now = time.time() if now is None else now
     current = int((now - CURSOR_EPOCH) // CURSOR_INTERVAL_S)
-    if client_cursor is None or not _DIGITS_RE.match(client_cursor) or len(client_cursor) > 18:
+    if client_cursor is None or not _DIGITS_RE.match(client_cursor):
         return str(current)
-    theirs = int(client_cursor)
+    digits = client_cursor.lstrip("0") or "0"
+    if len(digits) > _CURSOR_MAX_DIGITS:
+        return "1" + "0" * len(digits)  # 10^len: greater than any number of len digits
+    theirs = int(digits)
     if theirs < current:
         return str(current)
     jitter_s = random.randint(1, 3600)

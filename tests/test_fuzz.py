@@ -567,7 +567,7 @@ def test_header_parsers_raise_only_bad_request(value: str) -> None:
     P.flag_true(value)
     cursor = P.response_cursor(value, now=1.8e9)
     assert cursor.isdigit()
-    if value.isascii() and value.isdigit() and len(value) <= 18:
+    if value.isascii() and value.isdigit() and len(value) <= 1000:
         assert int(cursor) > int(value) or int(cursor) == int(P.response_cursor(None, now=1.8e9))
 
 

@@ -281,19 +281,27 @@ _CURRENT = int(1_000_000 // P.CURSOR_INTERVAL_S)
 
 @pytest.mark.parametrize(
     "client",
-    [None, "", "abc", "-5", "1.5", "0", "1", str(_CURRENT - 1), "9" * 19, "１"],
+    [None, "", "abc", "-5", "1.5", "0", "1", str(_CURRENT - 1), "0" * 30 + "1", "１"],
 )
 def test_response_cursor_is_the_current_interval_for_old_or_bogus_cursors(client: str | None) -> None:
     assert P.response_cursor(client, now=_NOW) == str(_CURRENT)
 
 
-@pytest.mark.parametrize("client", [str(_CURRENT), str(_CURRENT + 1), str(_CURRENT + 500), "9" * 18])
+# (19 digits and more used to get the current interval back, behind the client's cursor)
+@pytest.mark.parametrize("client", [str(_CURRENT), str(_CURRENT + 1), str(_CURRENT + 500), "9" * 18, "9" * 19,
+                                    "9" * 20, "99999999999999999999", "0" + "9" * 1000])
 def test_response_cursor_moves_past_a_cursor_at_or_ahead_of_now(client: str) -> None:
     for _ in range(50):  # jitter is random: every draw must be strictly greater
         result = P.response_cursor(client, now=_NOW)
         assert result.isdigit()
         assert int(result) > int(client)
         assert int(result) <= int(client) + 3600 // P.CURSOR_INTERVAL_S
+
+
+@pytest.mark.parametrize("client", ["9" * 1001, "1" + "0" * 5000, "9" * 8000])
+def test_response_cursor_passes_a_cursor_too_long_for_int(client: str) -> None:
+    result = P.response_cursor(client, now=_NOW)
+    assert result.isdigit() and (len(result), result) > (len(client), client)
 
 
 def test_response_cursor_tracks_time() -> None:
