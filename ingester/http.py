@@ -85,6 +85,11 @@ def create_request(h: Callable[[str], str | None], path: str, max_path_bytes: in
     if expires_at is not None and expires_at <= time.time():
         # (accepted, it answered 201 for a stream that no request could ever find)
         raise BadRequest("Stream-Expires-At is in the past: the stream would be expired at once")
+    if ttl == 0:  # (the same: 201, then 404 at once)
+        raise BadRequest("Stream-TTL is 0: the stream would be expired at once")
+    if expires_at is not None and expires_at > time.time() + P.MAX_TTL_SECONDS:
+        raise BadRequest(f"invalid Stream-Expires-At: at most {P.MAX_TTL_SECONDS} seconds (100 years) ahead, "
+                         "as Stream-TTL")
     fork_from = h(P.FORKED_FROM)
     fork_offset = h(P.FORK_OFFSET)
     sub_text = h(P.FORK_SUB_OFFSET)

@@ -4,6 +4,7 @@ a BadRequest (a clear 400), never another exception (a 500) and never silently a
 from __future__ import annotations
 
 import itertools
+import time
 from datetime import UTC, datetime
 
 import pytest
@@ -49,6 +50,35 @@ def test_parse_ttl_invalid(text: str) -> None:
     with pytest.raises(BadRequest) as e:
         P.parse_ttl(text)
     assert "Stream-TTL" in e.value.message
+
+
+@pytest.mark.parametrize("text", [str(P.MAX_TTL_SECONDS + 1), "9" * 20, "9" * 21, "9" * 23, "9" * 5000])
+def test_parse_ttl_too_large_says_the_limit(text: str) -> None:
+    """A well-formed TTL over the cap is too large, whatever its length (over 20 digits it was
+    called malformed)."""
+    with pytest.raises(BadRequest, match=f"at most {P.MAX_TTL_SECONDS} seconds"):
+        P.parse_ttl(text)
+
+
+@pytest.mark.parametrize(("name", "value", "why"), [
+    ("Stream-TTL", "0", "Stream-TTL is 0: the stream would be expired at once"),
+    ("Stream-Expires-At", "2000-01-01T00:00:00Z", "would be expired at once"),
+    ("Stream-Expires-At", "9999-12-31T23:59:59Z", f"at most {P.MAX_TTL_SECONDS} seconds"),
+])
+def test_a_create_whose_expiry_cannot_be_is_refused(name: str, value: str, why: str) -> None:
+    """TTL 0 answered 201 for a stream that was 404 at once; an Expires-At centuries ahead was
+    taken although a TTL is capped at 100 years."""
+    from ingester.http import create_request
+
+    with pytest.raises(BadRequest, match=why):
+        create_request(lambda h: value if h == name else None, "s", 480)
+
+
+def test_a_create_expiring_within_the_cap_is_taken() -> None:
+    from ingester.http import create_request
+
+    soon = P.format_rfc3339(time.time() + P.MAX_TTL_SECONDS - 60)
+    assert create_request(lambda h: soon if h == "Stream-Expires-At" else None, "s", 480).expires_at is not None
 
 
 # --- Stream-Expires-At ----------------------------------------------------------------------
