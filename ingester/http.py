@@ -258,8 +258,7 @@ def no_content_headers(res: ReadResult, cursor: str | None, tail_max_age: int) -
 def data_response(request: web.Request, res: ReadResult, cursor: str | None, tail_max_age: int) -> web.Response:
     headers = data_headers(res, cursor, tail_max_age)
     etag = headers["ETag"]
-    if_none_match = request.headers.get("If-None-Match")
-    if if_none_match is not None and etag in (t.strip() for t in if_none_match.split(",")):
+    if P.etag_matches(request.headers.get("If-None-Match"), etag):  # (weak comparison, `*`: as the reader's)
         return web.Response(status=304, headers={"ETag": etag, "Cache-Control": headers["Cache-Control"]})
     return web.Response(status=200, body=body_of(res), headers=headers)
 

@@ -439,6 +439,16 @@ async def test_preflight_allows_the_protocol_headers(client: TestClient[Any, Any
 # --- caching -------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("given", ["*", 'W/"{etag}"', '"other", W/"{etag}"'])
+async def test_if_none_match_compares_weakly_and_star_matches(client: TestClient[Any, Any], given: str) -> None:
+    """RFC 9110 13.1.2: If-None-Match uses the weak comparison and `*` matches any current
+    representation (both answered 200, only an exact strong tag was compared)."""
+    await put(client, "w", b"abc")
+    etag = (await client.get(S + "w")).headers["ETag"]
+    again = await client.get(S + "w", headers={"If-None-Match": given.format(etag=etag.strip('"'))})
+    assert again.status == 304 and again.headers["ETag"] == etag
+
+
 async def test_etag_and_if_none_match(client: TestClient[Any, Any]) -> None:
     await put(client, "s", b"abc")
     first = await client.get(S + "s")
