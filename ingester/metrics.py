@@ -141,6 +141,9 @@ def collect(app: web.Application) -> Iterator[Metric]:
         yield gauge("ds3_log_shipped_seq", "The last commit seq known to be in the object store.", shipper.shipped_seq)
         yield gauge("ds3_log_committed_seq", "The last logged commit seq of the local WAL.", committer.seq)
         yield gauge("ds3_log_queued_commits", "Logged commits not yet in the object store.", shipper.queued)
+        if svc.visibility is not None:
+            yield gauge("ds3_log_unseen_commits", "Commits in the WAL that readers do not see yet: the store's log "
+                        "does not hold them (--durability store).", svc.visibility.held)
         yield gauge("ds3_log_lag_seconds", "How long the oldest commit not yet in the object store has waited "
                     "(0: none waits).", shipper.lag_seconds())
     ownership = svc.ownership

@@ -6,6 +6,7 @@ would cost more than the read. A read sees one committed snapshot: metadata and 
 from __future__ import annotations
 
 import asyncio
+import copy
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -16,10 +17,11 @@ import lmdb
 
 from ingester.chain import Sealed, at_position, chain_records, record_at, refresh_tail
 from ingester.records import StreamMeta
+from ingester.visibility import HIDDEN_CHANGING, Visibility
 from ingester.wal import WalEnv
 from shared import offsets
 from shared.config import LMDB_MAX_KEY
-from shared.errors import BadRequest, Gone, Misdirected, NotFound, Retained
+from shared.errors import BadRequest, Gone, Misdirected, NotFound, Retained, Unavailable
 from shared.protocol import is_json
 
 T = TypeVar("T")
@@ -69,6 +71,7 @@ class Reads:
         self.wal = wal
         self.touches = touches
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ds3-wal-read")
+        self.visibility: Visibility | None = None  # --durability store (ingester/visibility.py)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
@@ -78,6 +81,14 @@ class Reads:
         if not 0 < len(key) <= LMDB_MAX_KEY:  # no such key (LMDB refuses to look: a 500, not a 404)
             return None
         raw = txn.get(key, db=self.wal.streams)
+        if self.visibility is not None:
+            hidden, seen = self.visibility.hidden(path)
+            if hidden:  # a commit the store lacks changed it: what readers saw before it
+                if seen is None:
+                    return None
+                if raw is None or StreamMeta.decode(raw).sid != seen.sid:  # deleted or recreated meanwhile
+                    raise Unavailable(HIDDEN_CHANGING, 1)
+                return copy.copy(seen)
         return refresh_tail(txn, self.wal, StreamMeta.decode(raw), time.time()) if raw is not None else None
 
     def _visible(self, txn: lmdb.Transaction, path: str) -> StreamMeta:

@@ -38,6 +38,7 @@ from ingester.sealing import Sealer
 from ingester.shipper import Durability, Shipper
 from ingester.snapshots import Snapshots
 from ingester.store import Store
+from ingester.visibility import Visibility
 from ingester.wal import GroupCommitter, WalEnv
 from ingester.writes import (
     AppendRequest,
@@ -100,7 +101,8 @@ class IngesterService:
         # and the owner's record as last read.
         self.standby_status: str | None = None
         self.standby_owner: OwnerRecord | None = None
-        self.follower: LogFollower | None = None  # a standby's copy of the store's log (ingester/log_follow.py)
+        self.follower: LogFollower | None = None
+        self.visibility: Visibility | None = None  # --durability store: what readers see (ingester/visibility.py)  # a standby's copy of the store's log (ingester/log_follow.py)
         self._standby_task: asyncio.Task[None] | None = None
         # Collected by ingester.metrics at scrape time; observed on the event loop only.
         self.append_seconds = LoopHistogram(
@@ -196,9 +198,16 @@ class IngesterService:
                                    interval=self.config.ship_interval, max_lag=self.config.ship_lag_bound,
                                    checkpoint_interval=self.config.checkpoint_interval, ownership=self.ownership,
                                    uploads=self.config.log_uploads)
+        hold = None
+        if self.shipper is not None and self.config.durability == "store":
+            # Readers see a commit once the store's log has it (ingester/visibility.py).
+            self.visibility = Visibility(self.wal, self._on_durable, time.time)
+            self.store.visibility = self.reads.visibility = self.visibility
+            self.shipper.on_stored = self.visibility.release
+            hold = self.visibility.hold
         self._committer = GroupCommitter(
             self.wal, loop, on_abort=self.store.reset, on_commit=self.store.flush, on_durable=self._on_durable,
-            on_logged=self.shipper.on_logged if self.shipper is not None else None,
+            on_logged=self.shipper.on_logged if self.shipper is not None else None, hold=hold,
         )
         self._committer.start()
         if self.shipper is not None:

@@ -47,6 +47,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import Future as ConcurrentFuture
 from typing import Final, Literal
 
@@ -113,6 +114,8 @@ class Shipper:
         self.checkpoints = Checkpoints(self, checkpoint_interval)
         self._segments = SegmentUploads(self)
         self.shipped_seq = shipped_seq  # the highest commit seq known to be in the store
+        # Told every seq the store holds everything up to (ingester/visibility.py's release).
+        self.on_stored: Callable[[int], None] | None = None
         self.shipped_at = time.time()  # when the commit at shipped_seq ... was shipped (wall)
         # metrics
         self.segments_uploaded = 0
@@ -341,7 +344,10 @@ class Shipper:
         self.advance(commits[-1].seq)
 
     def advance(self, seq: int) -> None:
-        """Everything up to `seq` is in the store: drop it from the queue, open its gates."""
+        """Everything up to `seq` is in the store: drop it from the queue, show it to readers
+        (store durability), open its gates."""
+        if self.on_stored is not None:
+            self.on_stored(seq)
         done: list[ConcurrentFuture[None]] = self.queue.advance(seq)
         if seq > self.shipped_seq:
             self.shipped_seq = seq

@@ -35,6 +35,7 @@ from ingester.records import (
 )
 from ingester.store_expiry import ExpiryBook
 from ingester.store_sealing import SealingBook, descriptor_of
+from ingester.visibility import Visibility
 from ingester.wal import WalEnv
 from ingester.writes import (  # the operations' vocabulary; imported from here by the callers too
     AppendRequest,
@@ -90,6 +91,9 @@ class Store(SealingBook, ExpiryBook):
         # In a cluster, run by every write on the writer thread: Misdirected unless `path` is
         # ours now and not frozen for a move (ingester/moves.py, "Why nothing is lost").
         self.guard: Callable[[str, StreamMeta | None], None] | None = None
+        # --durability store: commits hidden from readers until the store has them
+        # (ingester/visibility.py); flush stages each, reset forgets an aborted one.
+        self.visibility: Visibility | None = None
 
     # --- committer hooks -------------------------------------------------------------
 
@@ -105,6 +109,8 @@ class Store(SealingBook, ExpiryBook):
         # metadata objects go on changing with later batches while the publisher writes.
         news.descriptors = {p: None if m is None else descriptor_of(m) for p, m in self._unpublished.items()}
         self._unpublished.clear()
+        if self.visibility is not None and news.changed:
+            self.visibility.stage(txn, news.changed)
         return news
 
     def reset(self) -> None:
@@ -115,6 +121,8 @@ class Store(SealingBook, ExpiryBook):
         self._unpublished.clear()
         self.journal.reset()
         self._news = Committed()
+        if self.visibility is not None:
+            self.visibility.unstage()
 
     # --- metadata --------------------------------------------------------------------
 

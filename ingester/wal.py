@@ -163,9 +163,13 @@ class GroupCommitter:
         on_commit: Callable[[lmdb.Transaction], Any],
         on_durable: Callable[[Any], None],
         on_logged: OnLogged | None = None,
+        hold: Callable[[int, Any], bool] | None = None,
         max_batch: int = 4096,
     ) -> None:
         self.wal = wal
+        # hold(seq, changed): True if it takes a logged commit's `changed` and delivers it
+        # itself once the store has the commit (--durability store: ingester/visibility.py).
+        self._hold = hold
         self.loop = loop
         self._on_abort = on_abort
         self._on_commit = on_commit
@@ -316,6 +320,8 @@ class GroupCommitter:
                 changed = news
                 if commit is not None:
                     self.seq, logged = commit.seq, commit
+                    if self._hold is not None and self._hold(commit.seq, news):
+                        changed = None  # delivered once the store has the commit (ingester/visibility.py)
                 results.extend(outcome)
                 todo = []
             except _WalBroken:

@@ -1,0 +1,126 @@
+"""`--durability store`: what readers see is what the store's log holds (ingester/visibility.py).
+
+Before, a commit was served from the WAL as soon as LMDB had it, while its segment was still on
+its way to the store. With the store failing, an append answered 503 (nothing promised) was
+nonetheless read back at once, through the reader and by a live follower; a standby taking over
+then had no trace of it and gave its offset to other bytes: a reader had seen two different
+contents at one offset ("bytes at a given offset never change"). Real processes: moto behind a
+TCP gate that cuts the store, an ingester in store mode, a reader in front.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tests import procs
+from tests.cluster import StoreView
+from tests.procs import request
+from tests.tcpgate import TcpGate
+
+pytestmark = pytest.mark.slow
+
+TEXT = {"Content-Type": "text/plain"}
+
+
+def _owner(tmp_path: Path, name: str, store: StoreView, gate: TcpGate, lease: float) -> procs.Proc:
+    return procs.ingester(tmp_path / name, *store.server_args(gate.url), "--durability", "store",
+                          "--lease-seconds", str(lease), "--long-poll-timeout", "2", "--write-rate", "0")
+
+
+def _page(reader: procs.Proc, path: str, offset: str) -> tuple[bytes, str]:
+    status, headers, body = request(reader, "GET", f"{path}?offset={offset}")
+    assert status == 200, (status, body)
+    return body, headers["stream-next-offset"]
+
+
+def _long_poll(reader: procs.Proc, path: str, offset: str, out: list[tuple[int, bytes]]) -> threading.Thread:
+    def run() -> None:
+        status, _, body = request(reader, "GET", f"{path}?offset={offset}&live=long-poll", timeout=30)
+        out.append((status, body))
+
+    t = threading.Thread(target=run)
+    t.start()
+    return t
+
+
+def test_a_refused_append_is_not_read_until_the_store_has_it(
+        tmp_path: Path, gated_s3: tuple[StoreView, TcpGate]) -> None:
+    store, gate = gated_s3
+    owner = _owner(tmp_path, "a", store, gate, lease=60).start()  # (the lease outlasts the cut)
+    reader = procs.reader(tmp_path / "reader", owner.url, store.url, *store.server_args()[2:], "--write-rate", "0")
+    reader.start()
+    path = "/v1/stream/s"
+    try:
+        assert request(reader, "PUT", path, headers=TEXT)[0] == 201
+        assert request(reader, "POST", path, b"a\n", TEXT)[0] == 204
+        after_a = _page(reader, path, "-1")[1]
+        gate.down()
+        status, _, body = request(reader, "POST", path, b"ghost\n", TEXT)
+        assert status == 503, (status, body)
+        assert request(reader, "PUT", "/v1/stream/new", headers=TEXT)[0] == 503
+        # Nothing of either is seen: not by a catch-up read, a HEAD, nor a long-poll.
+        assert _page(reader, path, after_a) == (b"", after_a)
+        assert _page(reader, path, "-1") == (b"a\n", after_a)
+        status, headers, _ = request(reader, "HEAD", path)
+        assert status == 200 and headers["stream-next-offset"] == after_a
+        assert request(reader, "HEAD", "/v1/stream/new")[0] == 404
+        assert (procs.metric(procs.metrics(owner), "ds3_log_unseen_commits") or 0) >= 2
+        polled: list[tuple[int, bytes]] = []
+        _long_poll(reader, path, after_a, polled).join(35)
+        assert polled and polled[0][0] == 204, polled
+        # The store back, the commits it lacked are shipped: now they are read, and a waiting
+        # follower is woken with them.
+        waiting: list[tuple[int, bytes]] = []
+        follower = _long_poll(reader, path, after_a, waiting)
+        time.sleep(0.3)
+        gate.up()
+        follower.join(35)
+        deadline = time.monotonic() + 20
+        while _page(reader, path, after_a)[0] != b"ghost\n":
+            assert time.monotonic() < deadline, "the shipped append is not read"
+            time.sleep(0.1)
+        assert waiting and (waiting[0] == (200, b"ghost\n") or waiting[0][0] == 204), waiting
+        assert request(reader, "HEAD", "/v1/stream/new")[0] == 200
+        assert procs.metric(procs.metrics(owner), "ds3_log_unseen_commits") == 0
+    finally:
+        reader.stop()
+        owner.stop()
+
+
+def test_a_takeover_never_gives_a_read_offset_other_bytes(
+        tmp_path: Path, gated_s3: tuple[StoreView, TcpGate]) -> None:
+    """The owner cut off from the store refuses an append and dies; the standby's history lacks
+    it, and the offset goes to the next append. No reader saw the refused one there."""
+    store, gate = gated_s3
+    owner = _owner(tmp_path, "a", store, gate, lease=2).start()
+    standby = procs.ingester(tmp_path / "b", *store.server_args(), "--durability", "store", "--lease-seconds", "2",
+                             "--write-rate", "0", "--standby").start()
+    reader = procs.reader(tmp_path / "reader", None, store.url, *store.server_args()[2:], "--write-rate", "0")
+    reader.start()
+    path = "/v1/stream/s"
+    seen: dict[str, bytes] = {}
+    try:
+        assert request(reader, "PUT", path, headers=TEXT)[0] == 201
+        assert request(reader, "POST", path, b"a\n", TEXT)[0] == 204
+        after_a = _page(reader, path, "-1")[1]
+        gate.down()
+        assert request(reader, "POST", path, b"ghost\n", TEXT)[0] == 503
+        seen[after_a] = _page(reader, path, after_a)[0]
+        owner.kill()
+        deadline = time.monotonic() + 20
+        while (status := request(reader, "POST", path, b"new\n", TEXT)[0]) != 204:
+            assert status == 503 and time.monotonic() < deadline, status
+            time.sleep(0.2)
+        now = _page(reader, path, after_a)[0]
+        assert now == b"new\n"
+        assert seen[after_a] in (b"", now), f"offset {after_a} read {seen[after_a]!r}, then {now!r}"
+        assert procs.read_all(reader, path) == b"a\nnew\n"
+    finally:
+        gate.up()
+        reader.stop()
+        standby.stop()
+        owner.stop()
