@@ -12,19 +12,24 @@ seq is the shipper's (Shipper.uploaded, Shipper.upload_failed).
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections import deque
 from typing import TYPE_CHECKING, Final
 
 from ingester.logstore import ORPHANS_MAX
 from shared.errors import ObjectNotFound, ObjectStoreError, PreconditionFailed, Superseded
-from shared.logsegment import Commit, encode, segment_key
+from shared.logsegment import Commit, LogSegmentError, encode, parse_prelude, segment_key
 
 if TYPE_CHECKING:
     from ingester.shipper import Shipper
 
+log = logging.getLogger("ds3.shipper")
+
 # store mode: segment PUTs in flight at once (acknowledged in commit order); a recovery tells
 # the orphans they may leave beyond a failed one from a gap by this bound
 UPLOADS_IN_FLIGHT: Final = ORPHANS_MAX + 1
+STALE_SEGMENT_ATTEMPTS: Final = 3  # a superseded owner's segment under our key, replaced at most this often
+MAX_EPOCH: Final = 2**63
 ENCODE_INLINE_BYTES: Final = 256 * 1024  # larger segments are encoded on a worker thread
 
 
@@ -104,17 +109,30 @@ class SegmentUploads:
 
     async def _put_segment(self, key: str, body: bytes, commits: list[Commit], epoch: int) -> None:
         objects = self.shipper.objects
-        try:
-            await objects.put(key, body, content_type="application/octet-stream", if_absent=True)
-        except PreconditionFailed:
+        for _ in range(STALE_SEGMENT_ATTEMPTS):
             try:
-                there = await objects.get(key)
-            except ObjectNotFound:
-                raise PreconditionFailed(f"{key}: refused, then not found") from None
-            if there != body and not self._ours_of_an_earlier_epoch(there, commits, epoch):
-                # Only another owner writes different bytes under our key: we are superseded.
-                raise Superseded(f"log segment {key} in the store is not ours (another owner wrote it)",
-                                 self.shipper.epoch()) from None
+                await objects.put(key, body, content_type="application/octet-stream", if_absent=True)
+                return
+            except PreconditionFailed:
+                try:
+                    there = await objects.get(key)
+                except ObjectNotFound:
+                    raise PreconditionFailed(f"{key}: refused, then not found") from None
+                if there == body or self._ours_of_an_earlier_epoch(there, commits, epoch):
+                    return
+                if (written := _epoch_of(there)) >= epoch or written in self.shipper.epochs_held:
+                    # Only another owner writes different bytes under our key: we are superseded.
+                    # (Other commits under an epoch we held: not ours to overwrite either.)
+                    raise Superseded(f"log segment {key} in the store is not ours (another owner wrote it)",
+                                     self.shipper.epoch()) from None
+                # A superseded owner's late write (an upload in flight when its lease lapsed, or
+                # retransmitted after a partition healed) under the key of our next commits: no
+                # restore takes it where ours exists (the higher epoch wins), and none of it was
+                # acknowledged. Out of the way; ours goes in its place.
+                log.warning("log segment %s holds a superseded owner's late write (epoch %d, ours %d): replacing it",
+                            key, written, epoch)
+                await objects.delete(key)
+        raise Superseded(f"log segment {key} keeps being written by a superseded owner", self.shipper.epoch())
 
     def _ours_of_an_earlier_epoch(self, there: bytes, commits: list[Commit], epoch: int) -> bool:
         """Whether `there` is these very commits as this process cut them under an epoch it held
@@ -122,3 +140,12 @@ class SegmentUploads:
         thread went on), and the lease taken back cut the same commits again under the next
         epoch. The log holds them already; nobody else can have written that epoch."""
         return any(there == encode(commits, held) for held in self.shipper.epochs_held if held < epoch)
+
+
+def _epoch_of(segment: bytes) -> int:
+    """The epoch a segment was written under (one that does not parse: a newer owner's, as far
+    as replacing it goes: never deleted)."""
+    try:
+        return parse_prelude(segment)[2]
+    except LogSegmentError:
+        return MAX_EPOCH

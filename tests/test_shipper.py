@@ -147,6 +147,25 @@ async def test_reupload_is_harmless_and_a_foreign_segment_fences(wal: WalEnv, ob
     assert later is not None and isinstance(later.exception(), Superseded)
 
 
+async def test_a_superseded_owners_late_segment_under_our_key_is_replaced(
+        tmp_path: Path, wal: WalEnv, objects: FlakyStore) -> None:
+    """The old owner's upload of commit 2 (epoch 1), in flight when its lease lapsed, lands after
+    we (epoch 2) restored to commit 1: our commit 2 has the same key. We are not superseded (it
+    fenced itself before); its segment goes and ours takes the key, and a restore has ours."""
+    await objects.put(segment_key(1, 1), encode([commit(1)], epoch=1))
+    await objects.put(segment_key(2, 2), encode([commit(2, b"zombie")], epoch=1))
+    s = Shipper(wal, objects, asyncio.get_running_loop(), durability="store", ownership=HeldEpoch(2))  # type: ignore[arg-type]
+    gate = s.on_logged(commit(2, b"ours"))
+    assert await s.ship_once() == 1 and gate is not None and gate.exception() is None
+    restored = tmp_path / "restored"
+    assert await restore(objects, restored, 64 * 1024 * 1024) == 2
+    again = WalEnv(restored, 64 * 1024 * 1024)
+    try:
+        assert [k for k, _ in dump(again)["streams"]] == [b"k1", b"ours2"]
+    finally:
+        again.close()
+
+
 class HeldEpoch:
     """The ownership as the shipper asks it: our epoch now (a lease taken back: the next)."""
 
