@@ -157,13 +157,7 @@ async def test_a_superseded_owners_late_segment_under_our_key_is_replaced(
     s = Shipper(wal, objects, asyncio.get_running_loop(), durability="store", ownership=HeldEpoch(2))  # type: ignore[arg-type]
     gate = s.on_logged(commit(2, b"ours"))
     assert await s.ship_once() == 1 and gate is not None and gate.exception() is None
-    restored = tmp_path / "restored"
-    assert await restore(objects, restored, 64 * 1024 * 1024) == 2
-    again = WalEnv(restored, 64 * 1024 * 1024)
-    try:
-        assert [k for k, _ in dump(again)["streams"]] == [b"k1", b"ours2"]
-    finally:
-        again.close()
+    assert await restored_keys(objects, tmp_path / "restored") == (2, [b"k1", b"ours2"])
 
 
 class HeldEpoch:
@@ -351,18 +345,22 @@ async def test_uploads_in_flight_acknowledge_in_commit_order(tmp_path: Path, wal
     assert await restore(objects, tmp_path / "r", 64 * 1024 * 1024) == 11
 
 
+async def restored_keys(objects: FlakyStore, path: Path) -> tuple[int, list[bytes]]:
+    """A restore of the log into `path`: the seq it reached and the keys of the streams database."""
+    seq = await restore(objects, path, 64 * 1024 * 1024)
+    w = WalEnv(path, 64 * 1024 * 1024)
+    try:
+        return seq, [k for k, _ in dump(w)["streams"]]
+    finally:
+        w.close()
+
+
 async def test_restore_prefers_the_newer_epoch(tmp_path: Path, objects: FlakyStore) -> None:
     """A superseded owner's late segment (epoch 1) loses to the new owner's (epoch 2)."""
     await objects.put(segment_key(1, 1), encode([commit(1)], epoch=1))
     await objects.put(segment_key(2, 3), encode([commit(2, b"old"), commit(3, b"old")], epoch=1))
     await objects.put(segment_key(2, 2), encode([commit(2, b"new")], epoch=2))
-    assert await restore(objects, tmp_path / "r", 64 * 1024 * 1024) == 2
-    w = WalEnv(tmp_path / "r", 64 * 1024 * 1024)
-    try:
-        keys = [k for k, _ in dump(w)["streams"]]
-    finally:
-        w.close()
-    assert keys == [b"k1", b"new2"]
+    assert await restored_keys(objects, tmp_path / "r") == (2, [b"k1", b"new2"])
 
 
 async def test_restore_takes_the_newer_epoch_at_every_commit_it_holds(tmp_path: Path, objects: FlakyStore) -> None:
@@ -374,13 +372,7 @@ async def test_restore_takes_the_newer_epoch_at_every_commit_it_holds(tmp_path: 
     await objects.put(segment_key(2, 2), encode([commit(2, b"new")], epoch=2))
     await objects.put(segment_key(3, 3), encode([commit(3, b"new")], epoch=2))
     await objects.put(segment_key(1, 3), encode([commit(1), commit(2, b"old"), commit(3, b"old")], epoch=1))
-    assert await restore(objects, tmp_path / "r", 64 * 1024 * 1024) == 3
-    w = WalEnv(tmp_path / "r", 64 * 1024 * 1024)
-    try:
-        keys = [k for k, _ in dump(w)["streams"]]
-    finally:
-        w.close()
-    assert keys == [b"k1", b"new2", b"new3"]
+    assert await restored_keys(objects, tmp_path / "r") == (3, [b"k1", b"new2", b"new3"])
 
 
 async def test_a_full_queue_is_dropped_for_a_checkpoint(
