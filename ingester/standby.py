@@ -52,11 +52,8 @@ async def stand_by(svc: IngesterService) -> None:
     assert own is not None and svc.own_objects is not None
     interval = svc.config.lease_seconds / 3
     follower = svc.follower = LogFollower(svc.own_objects, svc.config.wal_dir, svc.config.wal_map_size)
-    stop_following = asyncio.Event()
-    if not following_on():
-        stop_following.set()  # (the takeover then restores the whole log, as a standby did before)
-    following = asyncio.create_task(follow(follower, min(interval, FOLLOW_INTERVAL_MAX), stop_following),
-                                    name="ds3-standby-follow")
+    following = _Following(follower, min(interval, FOLLOW_INTERVAL_MAX))
+    following.start()
     try:
         while True:
             wait = interval
@@ -67,14 +64,14 @@ async def stand_by(svc: IngesterService) -> None:
                     lapsed_at = time.monotonic()
                     # The step in flight finishes first (its WAL is where the takeover starts);
                     # the lease is taken after it, so that it is renewed from then on.
-                    stop_following.set()
-                    await asyncio.gather(following, return_exceptions=True)
-                    await own.acquire()
-                    if await _take_over(svc, rec, lapsed_at):
-                        return
-                    stop_following = asyncio.Event()
-                    following = asyncio.create_task(
-                        follow(follower, min(interval, FOLLOW_INTERVAL_MAX), stop_following), name="ds3-standby-follow")
+                    await following.stop()
+                    try:
+                        await own.acquire()
+                        if await _take_over(svc, rec, lapsed_at):
+                            return
+                    finally:
+                        if svc.standing_by:  # not taken over (lost the race, the store failed): follow on
+                            following.start()
                     continue
                 old = svc.standby_owner
                 if old is None or (rec.owner_id, rec.epoch, rec.advertise_url) != (old.owner_id, old.epoch,
@@ -92,8 +89,31 @@ async def stand_by(svc: IngesterService) -> None:
                 log.warning("standby: reading the ownership record of %s failed: %s", own.store.url, e)
             await asyncio.sleep(wait)
     finally:
-        following.cancel()
-        await asyncio.gather(following, return_exceptions=True)
+        await following.stop(cancel=True)
+
+
+class _Following:
+    """The follower's loop as a task that can be stopped (the step in flight let finish, or
+    cancelled) and started again."""
+
+    def __init__(self, follower: LogFollower, interval: float) -> None:
+        self.follower = follower
+        self.interval = interval
+        self._stop = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        if not following_on() or (self._task is not None and not self._task.done()):
+            return  # (off: the takeover then restores the whole log, as a standby did before)
+        self._stop = asyncio.Event()
+        self._task = asyncio.create_task(follow(self.follower, self.interval, self._stop), name="ds3-standby-follow")
+
+    async def stop(self, cancel: bool = False) -> None:
+        self._stop.set()
+        if self._task is not None:
+            if cancel:
+                self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
 
 
 def following_on() -> bool:

@@ -405,3 +405,48 @@ def test_a_standby_with_a_stale_wal_restores_from_the_store(tmp_path: Path) -> N
         b.kill()
         if a2 is not None:
             a2.stop()
+
+
+def test_the_standby_that_loses_the_race_follows_the_winner(tmp_path: Path) -> None:
+    """Two standbys: when the owner dies one takes over, and the other goes on following the
+    log (now the winner's), so its own takeover later replays only the tail; and it does take
+    over when the winner dies too, with every append of both owners."""
+    store = StoreView.local(tmp_path / "objects")
+    a = _node(tmp_path / "a", store, "--durability", "store").start()
+    standbys = [_node(tmp_path / n, store, "--durability", "store", "--standby").start() for n in ("b", "c")]
+    try:
+        assert _req("PUT", f"{a.url}/v1/stream/x", headers=TEXT)[0] == 201
+        lines = [b"a%d\n" % i for i in range(5)]
+        for line in lines:
+            assert _req("POST", f"{a.url}/v1/stream/x", line, TEXT)[0] == 204
+        a.kill()
+        deadline = time.monotonic() + LEASE + 15
+        winner = None
+        while winner is None:
+            assert time.monotonic() < deadline, "no standby took over"
+            for p in standbys:
+                if _req("POST", f"{p.url}/v1/stream/x", b"b0\n", TEXT)[0] == 204:
+                    winner = p
+                    break
+            time.sleep(0.05)
+        lines.append(b"b0\n")
+        loser = next(p for p in standbys if p is not winner)
+        for i in range(1, 5):
+            assert _req("POST", f"{winner.url}/v1/stream/x", b"b%d\n" % i, TEXT)[0] == 204
+            lines.append(b"b%d\n" % i)
+        shipped = metric(metrics(winner), "ds3_log_shipped_seq")
+        assert shipped is not None
+        deadline = time.monotonic() + 10
+        while (followed := metric(metrics(loser), "ds3_standby_followed_seq") or 0) < shipped:
+            assert time.monotonic() < deadline, f"the loser follows only to commit {followed} of {shipped}"
+            time.sleep(0.1)
+        winner.kill()
+        deadline = time.monotonic() + LEASE + 15
+        while _req("POST", f"{loser.url}/v1/stream/x", b"c0\n", TEXT)[0] != 204:
+            assert time.monotonic() < deadline, "the second standby never took over"
+            time.sleep(0.05)
+        assert _read_all(loser.url, "x") == b"".join(lines) + b"c0\n"
+        assert "; followed the log to commit" in loser.log_path.read_text()
+    finally:
+        for p in (a, *standbys):
+            p.kill()
