@@ -10,7 +10,7 @@ import time
 from ingester.store import Store
 from ingester.wal import GroupCommitter
 from shared.config import IngesterConfig
-from shared.errors import Superseded
+from shared.errors import Superseded, Unavailable
 
 log = logging.getLogger("ds3.ingester")
 
@@ -45,6 +45,9 @@ async def housekeeping(config: IngesterConfig, committer: GroupCommitter, store:
                 last_fold = time.monotonic()
             delay = tick
         except Superseded:  # not our prefix now (said once, by fence()): wait quietly
+            delay = min(delay * 2, 60.0)
+        except Unavailable as e:  # the store failing, the WAL full...: said where it happens; back off
+            log.debug("housekeeping: %s", e.message)
             delay = min(delay * 2, 60.0)
         except Exception:
             log.exception("housekeeping failed")
