@@ -19,8 +19,8 @@ objects were gone. So, in store mode:
   entries of those commits and delivers their `changed`, in commit order: readers are woken
   then, and see the data.
 A failed gate (503) keeps its commit hidden until a later upload or checkpoint carries it to
-the store; a fenced owner's never shows. Listings (streams, buckets) still read the WAL as it
-is.
+the store; a fenced owner's never shows. Listings (streams, buckets) and buckets' own metadata
+still read the WAL as it is.
 """
 
 from __future__ import annotations
