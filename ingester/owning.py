@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+import time
 from collections.abc import Awaitable, Callable
 
 from ingester.logstore import StartRefused, drop_wal_behind_log, list_log, restore, wal_is_empty
@@ -66,10 +67,27 @@ async def own_and_restore(config: IngesterConfig, ownership: Ownership, own_obje
                            "--standby to take over when the lease lapses)") from None
     except ObjectStoreError as e:
         raise StartRefused(f"not starting: cannot take ownership of {config.store}: {e}") from None
+    if ownership.previous_owner not in (None, ownership.owner_id) and not wal_is_empty(config.wal_dir):
+        _set_wal_aside(config, ownership.previous_owner)
     if config.durability == "store":  # (see drop_wal_behind_log)
         await drop_wal_behind_log(own_objects, config.wal_dir, config.wal_map_size)
     if wal_is_empty(config.wal_dir):
         await restore_wal(config, own_objects)
+
+
+def _set_wal_aside(config: IngesterConfig, since: str | None) -> None:
+    """Another ingester owned the prefix since this data dir's WAL was last written (a standby
+    took over from this one, which now restarts on its old disk): the store's log went on
+    from what that owner restored, so this WAL's commits beyond it (ones answered 503 in store
+    mode, or not shipped yet in local mode: the takeover lost them already) are a history no
+    one continued. Kept beside the data dir for inspection; the WAL is restored from the store.
+    (Comparing commit seqs alone kept such a WAL whenever it held more commits than the new
+    owner had written, and its checkpoint then replaced the new owner's acknowledged appends.)"""
+    aside = config.wal_dir.with_name(f"{config.wal_dir.name}.superseded-{time.strftime('%Y%m%dT%H%M%S')}")
+    config.wal_dir.rename(aside)
+    log.warning("%s owned %s since this data dir's WAL was written: its history continues in the store's log, "
+                "not in this WAL, which is set aside at %s (delete it once inspected) and restored from the store",
+                since, config.store, aside)
 
 
 async def restore_wal(config: IngesterConfig, own_objects: ObjectStore) -> None:

@@ -203,6 +203,9 @@ class Ownership:
         self.key = key
         self._lock = asyncio.Lock()  # one write of the record at a time
         self._record: OwnerRecord | None = None  # the version we wrote last
+        # Whose the record was when acquire() took it (None: there was none): another owner's
+        # means the store's log went on without this process since it last owned the prefix.
+        self.previous_owner: str | None = None
         self._etag = ""
         # Versions sent since the last one confirmed, whose answers did not come (oldest first):
         # any may be in the store now.
@@ -297,7 +300,7 @@ class Ownership:
                 if found is None:
                     rec = self._new_record(1, wall)
                     cond: dict[str, Any] = {"if_absent": True}
-                    previous = "a new record"
+                    previous, previous_owner = "a new record", None
                 else:
                     old = OwnerRecord.decode(found[0], self.key)
                     if old.owner_id != self.owner_id and not old.lapsed(wall, self.max_skew):
@@ -306,7 +309,7 @@ class Ownership:
                                              retry_after=max(1, math.ceil(wait)))
                     rec = self._new_record(old.epoch + 1, wall)
                     cond = {"if_match": found[1]}
-                    previous = f"taken over from {old.owner_id}, epoch {old.epoch}"
+                    previous, previous_owner = f"taken over from {old.owner_id}, epoch {old.epoch}", old.owner_id
                 body = rec.encode()
                 try:
                     etag = await self._put(rec, body, **cond)
@@ -316,6 +319,7 @@ class Ownership:
                         continue  # another writer won this round: look again
                     etag = landed
                 self._record, self._etag, self._fenced = rec, etag, None
+                self.previous_owner = previous_owner
                 self._unconfirmed.clear()
                 self._valid_until = mono + self.lease_seconds
                 log.info("own %s: epoch %d (%s), lease %.1f s", self.store.url, rec.epoch, previous,

@@ -126,3 +126,39 @@ def test_a_takeover_never_gives_a_read_offset_other_bytes(
         reader.stop()
         standby.stop()
         owner.stop()
+
+
+def test_an_owner_restarted_after_a_takeover_continues_the_new_owners_history(
+        tmp_path: Path, gated_s3: tuple[StoreView, TcpGate]) -> None:
+    """The owner, cut off from the store, refuses appends (503: in its WAL only) and dies; the
+    standby takes over and acknowledges more; then the first owner is restarted on its old disk
+    (same owner id), not as a standby. Its WAL is not the history any more: the store's log is.
+    (Found by QA: when the old WAL held more commits than the new owner had written, it was kept,
+    and its first checkpoint replaced every append the new owner had acknowledged.)"""
+    store, gate = gated_s3
+    owner = _owner(tmp_path, "a", store, gate, lease=2).start()
+    standby = procs.ingester(tmp_path / "b", *store.server_args(), "--durability", "store", "--lease-seconds", "2",
+                             "--write-rate", "0", "--standby").start()
+    path = "/v1/stream/s"
+    try:
+        assert request(owner, "PUT", path, headers=TEXT)[0] == 201
+        for i in range(3):
+            assert request(owner, "POST", path, b"ok%d\n" % i, TEXT)[0] == 204
+        gate.down()
+        for i in range(4):  # in the old owner's WAL only (each waits for its failed gate)
+            assert request(owner, "POST", path, b"hidden%d\n" % i, TEXT)[0] == 503
+        owner.kill()
+        deadline = time.monotonic() + 20
+        while request(standby, "POST", path, b"b0\n", TEXT)[0] != 204:
+            assert time.monotonic() < deadline, "the standby did not take over"
+            time.sleep(0.1)
+        assert request(standby, "POST", path, b"b1\n", TEXT)[0] == 204
+        standby.stop()  # a clean stop: the lease released at once
+        gate.up()
+        owner.start()
+        assert procs.read_all(owner, path) == b"ok0\nok1\nok2\nb0\nb1\n"
+        assert "set aside at" in owner.log_path.read_text()
+    finally:
+        gate.up()
+        standby.stop()
+        owner.stop()
