@@ -33,10 +33,19 @@ import lmdb
 from prometheus_client import Histogram
 
 from ingester.logged_txn import LoggedTxn
-from shared.errors import DS3Error, Superseded, Unavailable
+from shared.errors import Conflict, DS3Error, Gone, NotFound, StaleProducerEpoch, Superseded, Unavailable
 from shared.logsegment import DB_IDS, Commit
 
 log = logging.getLogger("ds3.wal")
+
+
+def relies_on_state(outcome: object) -> bool:
+    """A refusal that says what the streams are (gone, closed, a sequence conflict, a stale
+    producer epoch), unlike one about the request itself (malformed, too large): true only if
+    the commits it read are, so it waits for them as a success does, and becomes the same 503
+    if they fail to reach the store (found by QA: a close answered 503 made appends answer
+    409 "stream is closed", and the standby that took over had the stream open)."""
+    return isinstance(outcome, NotFound | Gone | Conflict | StaleProducerEpoch)
 T = TypeVar("T")
 _A = TypeVar("_A")
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
@@ -125,7 +134,8 @@ Delivery = Callable[[Any, bool], None]
 #   (503): the WAL may never diverge from the log and carry on. A restart finds the store's
 #   log ahead of the WAL and restores from the store (ingester/logstore.py drop_wal_behind_log).
 # - caught_up(seq) -> gate or None: for a batch that committed nothing but has successes (a
-#   producer's duplicate, an idempotent create or close), which rely on the last commit, `seq`:
+#   producer's duplicate, an idempotent create or close) or refusals that say what the streams
+#   are (relies_on_state: a 409 for a closed stream...), which rely on the last commit, `seq`:
 #   the gate an outcome of that commit would wait for now (the store durability mode: until a
 #   segment covers it; 503 while uploads fail or the local log lags too far).
 OnLogged = Callable[[Commit], "ConcurrentFuture[None] | None"]
@@ -368,7 +378,7 @@ class GroupCommitter:
         if logged is not None:
             assert self._on_logged is not None
             gate = self._gate(self._on_logged, logged, logged.seq)
-        elif self._caught_up is not None and any(ok for _, _, ok in results):
+        elif self._caught_up is not None and any(ok or relies_on_state(v) for _, v, ok in results):
             gate = self._gate(self._caught_up, self.seq, self.seq)  # (a batch that committed nothing)
         else:
             gate = None
@@ -438,7 +448,8 @@ class GroupCommitter:
                             return Unavailable(why.message, why.retry_after)
                         return Unavailable(NOT_SHIPPED_MESSAGE, 5)
 
-                    out = [(p, refusal(), False) if ok else (p, value, ok) for p, value, ok in results]
+                    out = [(p, refusal(), False) if ok or relies_on_state(value) else (p, value, ok)
+                           for p, value, ok in results]
                 self._deliver_threadsafe(out, changed)
             finally:
                 done.set_result(None)
