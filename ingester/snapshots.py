@@ -88,20 +88,25 @@ class Snapshots:
             # decides whether the blob is the committed snapshot (kept) or an orphan (deleted).
             commit.add_done_callback(partial(self._after_abandoned_commit, key))
             raise
-        except BaseException:  # the commit did not happen: nothing points at the blob
-            with contextlib.suppress(Exception):
-                await self.objects.delete(key)
+        except BaseException as e:
+            if not getattr(e, "in_wal", False):  # the commit did not happen: nothing points at the blob
+                with contextlib.suppress(Exception):
+                    await self.objects.delete(key)
+            # (else: committed, refused for the store's sake (503): it may be shipped later, and
+            # then the snapshot is this blob. Found by QA: it was deleted, and the snapshot and
+            # /bootstrap answered 404 once the commit shipped.)
             raise
         self.reaper.enqueue(garbage)
         if self.sealer is not None:  # readers answer 410 before the earliest offset once we answer
             await self.sealer.published(path, 2.0)
 
     def _after_abandoned_commit(self, key: str, commit: asyncio.Future[list[str]]) -> None:
-        if commit.cancelled() or commit.exception() is not None:
+        error = None if commit.cancelled() else commit.exception()
+        if commit.cancelled() or (error is not None and not getattr(error, "in_wal", False)):
             task = asyncio.get_running_loop().create_task(self._delete_quietly(key))
             self._cleanups.add(task)
             task.add_done_callback(self._cleanups.discard)
-        else:
+        elif error is None:
             self.reaper.enqueue(commit.result())  # what the committed snapshot superseded
 
     async def _delete_quietly(self, key: str) -> None:

@@ -39,6 +39,11 @@ from shared.logsegment import DB_IDS, Commit
 log = logging.getLogger("ds3.wal")
 
 
+def _in_wal(e: DS3Error) -> DS3Error:
+    e.in_wal = True
+    return e
+
+
 def relies_on_state(outcome: object) -> bool:
     """A refusal that says what the streams are (gone, closed, a sequence conflict, a stale
     producer epoch), unlike one about the request itself (malformed, too large): true only if
@@ -448,8 +453,8 @@ class GroupCommitter:
                             return Unavailable(why.message, why.retry_after)
                         return Unavailable(NOT_SHIPPED_MESSAGE, 5)
 
-                    out = [(p, refusal(), False) if ok or relies_on_state(value) else (p, value, ok)
-                           for p, value, ok in results]
+                    out = [(p, _in_wal(refusal()) if ok else refusal(), False) if ok or relies_on_state(value)
+                           else (p, value, ok) for p, value, ok in results]
                 self._deliver_threadsafe(out, changed)
             finally:
                 done.set_result(None)

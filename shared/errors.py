@@ -9,6 +9,11 @@ from datetime import UTC, datetime
 class DS3Error(Exception):
     """Base class; `message` is safe to show to the client."""
 
+    # Set on a 503 that replaced a write's success when its commit did not reach the object
+    # store (ingester/wal.py): the write is in the WAL and may yet take effect (shipped later),
+    # so what it refers to (a snapshot's blob) must stay.
+    in_wal = False
+
     def __init__(self, message: str) -> None:
         super().__init__(message)
         self.message = message

@@ -10,12 +10,16 @@ TCP gate that cuts the store, an ingester in store mode, a reader in front.
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from ingester.service import SERVICE
+from shared.errors import ObjectStoreUnavailable
 from tests import procs
 from tests.cluster import StoreView
 from tests.procs import request
@@ -189,3 +193,36 @@ def test_what_a_refused_close_would_mean_is_not_answered_either(
     finally:
         gate.up()
         owner.stop()
+
+
+async def test_a_snapshot_refused_for_the_stores_sake_is_there_once_it_ships(
+        tmp_path: Path, make_ingester: Any) -> None:
+    """A snapshot PUT answered 503 because its commit's log segment did not reach the store
+    (the blob did) keeps its blob: once the commit ships, the snapshot it names is readable,
+    and so is /bootstrap. (Found by QA: the blob was deleted as if nothing had been committed,
+    and both answered 404 once the commit shipped.) In-process, so that only the log's PUTs fail."""
+    client = await make_ingester(store=(tmp_path / "objects").as_uri(), durability="store")
+    svc = client.server.app[SERVICE]
+    objects = svc.shipper.objects
+    put, failing = objects.put, {"on": False}
+
+    async def log_puts_fail(key: str, data: bytes, **kw: Any) -> str:
+        if failing["on"] and key.startswith("log/"):
+            raise ObjectStoreUnavailable("the store is down for log segments (test)")
+        return await put(key, data, **kw)
+
+    objects.put = log_puts_fail
+    path = "/v1/stream/s"
+    assert (await client.put(path, headers=TEXT)).status == 201
+    assert (await client.post(path, data=b"a\n", headers=TEXT)).status == 204
+    offset = (await client.head(path)).headers["Stream-Next-Offset"]
+    failing["on"] = True
+    assert (await client.put(f"{path}/snapshot/{offset}", data=b"SNAP", headers=TEXT)).status == 503
+    failing["on"] = False
+    deadline = time.monotonic() + 20
+    while (await client.head(path)).headers.get("Stream-Snapshot-Offset") != offset:
+        assert time.monotonic() < deadline, "the snapshot's commit never shipped"
+        await asyncio.sleep(0.1)
+    got = await client.get(f"{path}/snapshot/{offset}")
+    assert (got.status, await got.read()) == (200, b"SNAP")
+    assert (await client.get(f"{path}/bootstrap")).status == 200
