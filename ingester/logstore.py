@@ -118,6 +118,28 @@ async def _drop_orphans(objects: ObjectStore, listing: LogListing, nxt: int, epo
         await objects.delete(ref.key)
 
 
+async def drop_dead_beyond(objects: ObjectStore, listing: LogListing, seq: int) -> LogListing:
+    """Segments reaching past commit `seq` (where this WAL ends) under an epoch below the one
+    the log holds `seq` under are a superseded owner's late writes: no restore takes them (at
+    every commit the highest epoch wins, and the chain's epoch never falls). Delete them (call
+    only as the prefix's owner) and return the listing without them, so that they do not pass
+    for a log ahead of the WAL. (A late re-cut segment reaching past the new owner's end made a
+    restart of it on its own disk refuse to start, StoreAhead.)"""
+    beyond = [ref for ref in listing.segments if ref.last > seq]
+    holding = [ref for ref in listing.segments if ref.first <= seq <= ref.last]
+    if not beyond or not holding:
+        return listing
+    epochs = {ref.key: parse_prelude(await objects.get(ref.key, 0, PRELUDE_SIZE))[2] for ref in beyond + holding}
+    at = max(epochs[ref.key] for ref in holding)
+    dead = [ref for ref in beyond if epochs[ref.key] < at]
+    for ref in dead:
+        log.warning("deleting %s: a superseded owner's late write (epoch %d) past commit %d of epoch %d",
+                    ref.key, epochs[ref.key], seq, at)
+        await objects.delete(ref.key)
+    gone = {ref.key for ref in dead}
+    return LogListing(listing.checkpoints, [ref for ref in listing.segments if ref.key not in gone])
+
+
 class StartRefused(RuntimeError):
     """The ingester must not start (another owner is live, the log cannot be restored, the
     data dir is behind the store); the message says why and what to do."""
@@ -151,7 +173,7 @@ async def drop_wal_behind_log(objects: ObjectStore, wal_dir: Path, map_size: int
             local = wal.commit_seq(txn)
     finally:
         wal.close()
-    shipped = (await list_log(objects)).shipped_seq
+    shipped = (await drop_dead_beyond(objects, await list_log(objects), local)).shipped_seq
     if local >= shipped:
         return False
     log.warning("the store's log reaches commit %d, this data dir's WAL only %d: restoring the WAL from the store "

@@ -53,7 +53,7 @@ from typing import Final, Literal
 
 from ingester.checkpoints import Checkpoints
 from ingester.log_hook import GATE_ATTEMPTS, NOT_SHIPPED, LogHook
-from ingester.logstore import StartRefused, list_log
+from ingester.logstore import StartRefused, drop_dead_beyond, list_log
 from ingester.segment_uploads import UPLOADS_IN_FLIGHT, SegmentUploads
 from ingester.ship_queue import MAX_SEGMENT_BYTES, ShipQueue
 from ingester.wal import WalEnv
@@ -223,7 +223,7 @@ class Shipper:
         """At start: a checkpoint first if the store does not cover the local WAL (commits
         shipped nowhere: the write-sets of a crashed process were only in memory), or holds
         no checkpoint yet (the log needs a base)."""
-        listing = await list_log(self.objects)
+        listing = await drop_dead_beyond(self.objects, await list_log(self.objects), local_seq)
         self.shipped_seq = listing.shipped_seq
         self.queue.landed(listing.shipped_seq)
         cp = listing.latest_checkpoint

@@ -16,6 +16,7 @@ import pytest
 from ingester import ship_queue
 from ingester import shipper as shipper_mod
 from ingester.logstore import ORPHANS_MAX, RestoreError, drop_wal_behind_log, list_log, restore
+from ingester.replay import replay
 from ingester.ship_queue import ShipQueue
 from ingester.shipper import GATE_ATTEMPTS, Shipper, StoreAhead
 from ingester.wal import GroupCommitter, WalEnv
@@ -158,6 +159,25 @@ async def test_a_superseded_owners_late_segment_under_our_key_is_replaced(
     gate = s.on_logged(commit(2, b"ours"))
     assert await s.ship_once() == 1 and gate is not None and gate.exception() is None
     assert await restored_keys(objects, tmp_path / "restored") == (2, [b"k1", b"ours2"])
+
+
+async def test_a_superseded_owners_late_segment_past_our_end_is_not_a_log_ahead(
+        tmp_path: Path, wal: WalEnv, objects: FlakyStore) -> None:
+    """Our WAL ends at commit 2 (ours, epoch 2); a superseded owner's late re-cut segment of
+    epoch 1 reaches to commit 4. No restore takes its 3 and 4 (the chain holds commit 2 under
+    epoch 2), so it is no log ahead of ours: a restart must not refuse (StoreAhead), and the
+    segment goes."""
+    await objects.put(segment_key(1, 2), encode([commit(1), commit(2)], epoch=2))
+    await objects.put(segment_key(2, 4), encode([commit(2, b"old"), commit(3, b"old"), commit(4, b"old")], epoch=1))
+    replay(wal, [commit(1), commit(2)])
+    s = Shipper(wal, objects, asyncio.get_running_loop(), durability="local")
+    await s.prepare(2)
+    assert s.shipped_seq == 2
+    assert segment_key(2, 4) not in [r.key for r in (await list_log(objects)).segments]
+    # another owner's (a higher epoch) past our end is still a log ahead of ours
+    await objects.put(segment_key(3, 3), encode([commit(3, b"new")], epoch=3))
+    with pytest.raises(StoreAhead):
+        await s.prepare(2)
 
 
 class HeldEpoch:
