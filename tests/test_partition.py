@@ -85,7 +85,7 @@ def test_an_owner_cut_off_by_the_network_loses_nothing_it_may_not(
     stop = threading.Event()
     writers: list[Writer] = []
     threads: list[threading.Thread] = []
-    with MotoS3(main.ip) as s3:
+    with MotoS3(main.ip) as s3, _stopping(started):
         store = f"s3://{s3.new_bucket()}/p"
         common = ["--store", store, "--s3-endpoint", s3.endpoint, "--durability", durability,
                   "--lease-seconds", str(LEASE), "--write-rate", "0"]
@@ -138,62 +138,69 @@ def test_an_owner_cut_off_by_the_network_loses_nothing_it_may_not(
             for t in threads:
                 t.join(35)
 
-        try:
-            side = read_attempts(side_log.read_text())
-            body = procs.read_all(reader, path)
-            seqs = _lines(body)
-            # Every producer's appends are there once each, in order, and every acknowledged one
-            # is (local durability: but those the old owner had not shipped); at most the one
-            # attempt in flight when a writer stopped is there unacknowledged.
-            lost: list[Attempt] = []
-            everyone: dict[str, list[Attempt]] = _by_epoch("a0", side)
-            for w in writers:
-                everyone |= _by_epoch(w.producer, w.attempts)
-            for producer, attempts in everyone.items():
-                acked = {x.seq: x for x in attempts if x.acked}
-                got = seqs.get(producer, [])
-                assert got == sorted(set(got)), f"{producer}: duplicated or out of order: {got}"
-                lost += [x for s, x in acked.items() if s not in got]
-                if got:
-                    assert got[-1] <= max(acked, default=-1) + 1, f"{producer}: unacknowledged appends: {got[-5:]}"
-            assert set(seqs) <= set(everyone), f"appends of epochs no writer used: {set(seqs) - set(everyone)}"
-            side_after = [x for x in side if x.acked and x.answered > cut]
-            if durability == "store":
-                assert not lost, f"acknowledged and lost: {lost}"
-                # The old owner acknowledges only once a segment is in the store: not across the cut.
-                assert all(x.answered < cut + 0.5 for x in side_after), side_after
-            else:
-                # The old owner acknowledged until the log was --max-ship-lag behind, no longer,
-                # and what is lost was acknowledged at most a ship interval or so before the cut.
-                assert all(x.answered < cut + MAX_SHIP_LAG + 0.5 for x in side_after), side_after
-                assert all(x.answered > cut - SHIP_INTERVAL - 0.5 for x in lost), lost
-            # The client beside the old owner was answered (503), not left hanging.
-            waits = [x.answered - x.sent for x in side if x.sent > cut]
-            assert waits and max(waits) < 10, f"the old owner kept its client waiting {max(waits, default=0):.1f} s"
-            assert not [x for x in side if x.acked and x.sent > healed], "the old owner acknowledged after the heal"
-            from_standby = min(x.answered for w in writers for x in w.acked if x.sent > cut)
-            print(f"\n{durability}: the standby's first acknowledgement through the reader {from_standby - cut:.2f} s after "
-                  f"the cut; the old owner's last {max((x.answered for x in side_after), default=cut) - cut:.2f} s "
-                  f"after it; {sum(len(v) for v in seqs.values())} appends, {len(lost)} acknowledged and lost")
+        side = read_attempts(side_log.read_text())
+        body = procs.read_all(reader, path)
+        seqs = _lines(body)
+        # Every producer's appends are there once each, in order, and every acknowledged one
+        # is (local durability: but those the old owner had not shipped); at most the one
+        # attempt in flight when a writer stopped is there unacknowledged.
+        lost: list[Attempt] = []
+        everyone: dict[str, list[Attempt]] = _by_epoch("a0", side)
+        for w in writers:
+            everyone |= _by_epoch(w.producer, w.attempts)
+        for producer, attempts in everyone.items():
+            acked = {x.seq: x for x in attempts if x.acked}
+            got = seqs.get(producer, [])
+            assert got == sorted(set(got)), f"{producer}: duplicated or out of order: {got}"
+            lost += [x for s, x in acked.items() if s not in got]
+            if got:
+                assert got[-1] <= max(acked, default=-1) + 1, f"{producer}: unacknowledged appends: {got[-5:]}"
+        assert set(seqs) <= set(everyone), f"appends of epochs no writer used: {set(seqs) - set(everyone)}"
+        side_after = [x for x in side if x.acked and x.answered > cut]
+        if durability == "store":
+            assert not lost, f"acknowledged and lost: {lost}"
+            # The old owner acknowledges only once a segment is in the store: not across the cut.
+            assert all(x.answered < cut + 0.5 for x in side_after), side_after
+        else:
+            # The old owner acknowledged until the log was --max-ship-lag behind, no longer,
+            # and what is lost was acknowledged at most a ship interval or so before the cut.
+            assert all(x.answered < cut + MAX_SHIP_LAG + 0.5 for x in side_after), side_after
+            assert all(x.answered > cut - SHIP_INTERVAL - 0.5 for x in lost), lost
+        # The client beside the old owner was answered (503), not left hanging.
+        waits = [x.answered - x.sent for x in side if x.sent > cut]
+        assert waits and max(waits) < 10, f"the old owner kept its client waiting {max(waits, default=0):.1f} s"
+        assert not [x for x in side if x.acked and x.sent > healed], "the old owner acknowledged after the heal"
+        from_standby = min(x.answered for w in writers for x in w.acked if x.sent > cut)
+        print(f"\n{durability}: the standby's first acknowledgement through the reader {from_standby - cut:.2f} s after "
+              f"the cut; the old owner's last {max((x.answered for x in side_after), default=cut) - cut:.2f} s "
+              f"after it; {sum(len(v) for v in seqs.values())} appends, {len(lost)} acknowledged and lost")
 
-            # An empty disk restoring from the store (the standby gone too) serves the same bytes,
-            # once the standby's log has caught up (local durability: it ships in the background).
-            deadline = time.monotonic() + 10
-            while procs.metric(procs.metrics(standby), "ds3_log_queued_commits") != 0:
-                assert time.monotonic() < deadline, "the standby's log does not catch up"
-                time.sleep(0.1)
-            standby.kill()
-            fresh = procs.ingester(tmp_path / "fresh", *common, "--standby")
-            started.append(fresh.start())
-            deadline = time.monotonic() + TAKEOVER_WITHIN
-            while (status := request(reader, "HEAD", path)[0]) != 200:
-                assert time.monotonic() < deadline, f"the restored ingester does not serve: {status}"
-                time.sleep(0.2)
-            assert procs.read_all(reader, path) == body
-        finally:
-            for p in reversed(started):
-                with contextlib.suppress(ProcessLookupError):
-                    p.stop()
+        # An empty disk restoring from the store (the standby gone too) serves the same bytes,
+        # once the standby's log has caught up (local durability: it ships in the background).
+        deadline = time.monotonic() + 10
+        while procs.metric(procs.metrics(standby), "ds3_log_queued_commits") != 0:
+            assert time.monotonic() < deadline, "the standby's log does not catch up"
+            time.sleep(0.1)
+        standby.kill()
+        fresh = procs.ingester(tmp_path / "fresh", *common, "--standby")
+        started.append(fresh.start())
+        deadline = time.monotonic() + TAKEOVER_WITHIN
+        while (status := request(reader, "HEAD", path)[0]) != 200:
+            assert time.monotonic() < deadline, f"the restored ingester does not serve: {status}"
+            time.sleep(0.2)
+        assert procs.read_all(reader, path) == body
+
+
+@contextlib.contextmanager
+def _stopping(started: list[procs.Proc]) -> Iterator[None]:
+    """Stop every process in `started` on the way out, however the test ends (a process left in
+    the owner's namespace would keep it, and its ports, alive)."""
+    try:
+        yield
+    finally:
+        for p in reversed(started):
+            with contextlib.suppress(ProcessLookupError):
+                p.stop()
 
 
 def _since(writers: list[Writer], t: float) -> dict[str, list[tuple[int, int, int]]]:
