@@ -101,8 +101,8 @@ class IngesterService:
         # and the owner's record as last read.
         self.standby_status: str | None = None
         self.standby_owner: OwnerRecord | None = None
-        self.follower: LogFollower | None = None
-        self.visibility: Visibility | None = None  # --durability store: what readers see (ingester/visibility.py)  # a standby's copy of the store's log (ingester/log_follow.py)
+        self.follower: LogFollower | None = None  # a standby's copy of the store's log (ingester/log_follow.py)
+        self.visibility: Visibility | None = None  # --durability store: what readers see (ingester/visibility.py)
         self._standby_task: asyncio.Task[None] | None = None
         # Collected by ingester.metrics at scrape time; observed on the event loop only.
         self.append_seconds = LoopHistogram(
