@@ -25,9 +25,8 @@ import shutil
 import time
 from pathlib import Path
 
-from ingester.logstore import Chain, LogListing, extend, list_log, restore_chain
+from ingester.logstore import Chain, LogListing, extend, list_log, restore_chain, segment_epoch
 from ingester.wal import WalEnv
-from shared.logsegment import PRELUDE_SIZE, parse_prelude
 from shared.objectstore import ObjectStore
 
 log = logging.getLogger("ds3.ingester")
@@ -84,7 +83,7 @@ class LogFollower:
         for ref in listing.segments:
             if ref.key in chain.seen or ref.first > chain.seq or ref.last <= base:
                 continue
-            epoch = parse_prelude(await self.objects.get(ref.key, 0, PRELUDE_SIZE))[2]
+            epoch = await segment_epoch(self.objects, ref.key)
             at = max(ref.first, base + 1)
             if epoch > chain.epoch_at(at):
                 return (f"segment {ref.key} (epoch {epoch}) landed since over commit {at}, which the followed log "

@@ -96,6 +96,11 @@ async def list_log(objects: ObjectStore) -> LogListing:
     return out
 
 
+async def segment_epoch(objects: ObjectStore, key: str) -> int:
+    """The epoch a segment in the store was written under (its prelude alone is read)."""
+    return parse_prelude(await objects.get(key, 0, PRELUDE_SIZE))[2]
+
+
 async def _drop_orphans(objects: ObjectStore, listing: LogListing, nxt: int, epoch: int, seq: int) -> None:
     """The log ends at commit nxt - 1; segments after it are orphans: ones that landed while
     an earlier segment's upload failed (at most ORPHANS_MAX of the chain's epoch: store mode
@@ -107,7 +112,7 @@ async def _drop_orphans(objects: ObjectStore, listing: LogListing, nxt: int, epo
     orphans = [ref for ref in listing.segments if ref.first > nxt]
     current = 0
     for ref in orphans:
-        if parse_prelude(await objects.get(ref.key, 0, PRELUDE_SIZE))[2] >= epoch:
+        if await segment_epoch(objects, ref.key) >= epoch:
             current += 1
     if current > ORPHANS_MAX:
         raise RestoreError(f"the store's log has a gap: no segment holds commit {nxt} (next segment: "
@@ -129,7 +134,7 @@ async def drop_dead_beyond(objects: ObjectStore, listing: LogListing, seq: int) 
     holding = [ref for ref in listing.segments if ref.first <= seq <= ref.last]
     if not beyond or not holding:
         return listing
-    epochs = {ref.key: parse_prelude(await objects.get(ref.key, 0, PRELUDE_SIZE))[2] for ref in beyond + holding}
+    epochs = {ref.key: await segment_epoch(objects, ref.key) for ref in beyond + holding}
     at = max(epochs[ref.key] for ref in holding)
     dead = [ref for ref in beyond if epochs[ref.key] < at]
     for ref in dead:

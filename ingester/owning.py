@@ -12,7 +12,8 @@ import asyncio
 import logging
 import secrets
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 from ingester.logstore import StartRefused, drop_wal_behind_log, list_log, restore, wal_is_empty
 from shared.config import IngesterConfig
@@ -100,14 +101,14 @@ async def restore_wal(config: IngesterConfig, own_objects: ObjectStore) -> None:
 
 
 async def restore_keeping_the_lease(config: IngesterConfig, own: Ownership, own_objects: ObjectStore,
-                                    restore: Callable[[], Awaitable[object]] | None = None) -> object:
+                                    restore: Callable[[], Coroutine[Any, Any, object]] | None = None) -> object:
     """Restore (restore_wal, or `restore`: a standby's followed log brought up to date) while
     renewing the lease just taken: a restore may outlast it (a long log, a slow store), and a
     lapsed lease would let another standby take the prefix meanwhile. Returns what `restore`
     did; Superseded if the lease is lost before the restore is done."""
     lease = LeaseKeeper(own)
     keeper = asyncio.create_task(lease.run(), name="ds3-lease-restoring")
-    restoring = asyncio.create_task(_run(restore() if restore is not None else restore_wal(config, own_objects)),
+    restoring = asyncio.create_task(restore() if restore is not None else restore_wal(config, own_objects),
                                     name="ds3-restore")
     try:
         await asyncio.wait({keeper, restoring}, return_when=asyncio.FIRST_COMPLETED)
@@ -129,7 +130,3 @@ async def restore_keeping_the_lease(config: IngesterConfig, own: Ownership, own_
         lease.stop()
         restoring.cancel()
         await asyncio.gather(keeper, restoring, return_exceptions=True)
-
-
-async def _run(aw: Awaitable[object]) -> object:
-    return await aw

@@ -50,9 +50,6 @@ class Visibility:
         self._staged: tuple[int, list[str]] | None = None  # the commit being written
         self._held: deque[tuple[int, list[str], Any]] = deque()  # (seq, paths, changed), commit order
         self.released_upto = 0
-        self.held_max = 0  # metrics: the most commits hidden at once
-        # metrics
-        self.hidden_reads = 0
 
     # --- the writer thread ------------------------------------------------------------
 
@@ -89,7 +86,6 @@ class Visibility:
             if seq <= self.released_upto:
                 return False
             self._held.append((seq, paths, changed))
-            self.held_max = max(self.held_max, len(self._held))
             return True
 
     # --- the event loop ---------------------------------------------------------------
@@ -133,9 +129,7 @@ class Visibility:
             entries = self._hidden.get(path)
             if not entries:
                 return False, None
-            meta = entries[0][1]
-        self.hidden_reads += 1
-        return True, meta
+            return True, entries[0][1]
 
     @property
     def held(self) -> int:

@@ -39,11 +39,6 @@ from shared.logsegment import DB_IDS, Commit
 log = logging.getLogger("ds3.wal")
 
 
-def _in_wal(e: DS3Error) -> DS3Error:
-    e.in_wal = True
-    return e
-
-
 def relies_on_state(outcome: object) -> bool:
     """A refusal that says what the streams are (gone, closed, a sequence conflict, a stale
     producer epoch), unlike one about the request itself (malformed, too large): true only if
@@ -446,15 +441,19 @@ class GroupCommitter:
                     why = None if gate.cancelled() else gate.exception()
                     # the shipper's reason when it gave one (a lapsed lease, a log too far
                     # behind); one exception per outcome (each is raised on its own)
-                    def refusal() -> Unavailable:
+                    # (in_wal: it replaces a success, whose commit is in the WAL and may ship yet)
+                    def refusal(in_wal: bool) -> Unavailable:
                         if isinstance(why, Superseded):  # (it says so to readers: a header)
-                            return Superseded(why.message, why.epoch)
-                        if isinstance(why, Unavailable):
-                            return Unavailable(why.message, why.retry_after)
-                        return Unavailable(NOT_SHIPPED_MESSAGE, 5)
+                            e: Unavailable = Superseded(why.message, why.epoch)
+                        elif isinstance(why, Unavailable):
+                            e = Unavailable(why.message, why.retry_after)
+                        else:
+                            e = Unavailable(NOT_SHIPPED_MESSAGE, 5)
+                        e.in_wal = in_wal
+                        return e
 
-                    out = [(p, _in_wal(refusal()) if ok else refusal(), False) if ok or relies_on_state(value)
-                           else (p, value, ok) for p, value, ok in results]
+                    out = [(p, refusal(in_wal=ok), False) if ok or relies_on_state(value) else (p, value, ok)
+                           for p, value, ok in results]
                 self._deliver_threadsafe(out, changed)
             finally:
                 done.set_result(None)
