@@ -57,14 +57,13 @@ async def handle(request: web.Request) -> web.StreamResponse:
 
 async def naming_missing_bucket(svc: IngesterService, bucket_id: str, error: NotFound) -> NotFound:
     """A bucketed stream's NotFound, or the bucket's when the bucket itself is missing."""
-    if await svc.reads.run(bucket_sync, svc, bucket_id) is None:
+    if await bucket_stored(svc, bucket_id) is None:
         return NotFound(f"bucket {bucket_id!r} not found")
     return error
 
 
-def bucket_sync(svc: IngesterService, bucket_id: str) -> buckets.BucketMeta | None:
-    with svc.wal.env.begin(buffers=False) as txn:
-        return buckets.get(txn, svc.wal, bucket_id)
+async def bucket_stored(svc: IngesterService, bucket_id: str) -> buckets.BucketMeta | None:
+    return await svc.read_stored(lambda txn: buckets.get(txn, svc.wal, bucket_id))
 
 
 async def handle_bucket(request: web.Request, svc: IngesterService, bucket_id: str) -> web.Response:
@@ -79,7 +78,7 @@ async def handle_bucket(request: web.Request, svc: IngesterService, bucket_id: s
         meta = await svc.committer.submit(create)
         return json_response(201, meta.describe(bucket_id), {"Location": str(request.url.with_query(None))})
     if method in ("GET", "HEAD"):
-        found = await svc.reads.run(bucket_sync, svc, bucket_id)
+        found = await bucket_stored(svc, bucket_id)
         if found is None:
             raise NotFound(f"bucket {bucket_id!r} not found")
         return json_response(200, found.describe(bucket_id))
@@ -95,10 +94,6 @@ async def handle_bucket(request: web.Request, svc: IngesterService, bucket_id: s
     return method_not_allowed(method, "a bucket", BUCKET_METHODS)
 
 
-
-
-
-
 def parse_limit(text: str | None) -> int:
     if text is None:
         return DEFAULT_LIMIT
@@ -112,14 +107,13 @@ async def handle_listing(request: web.Request, svc: IngesterService, bucket_id: 
     prefix, after = one_param(query, "prefix"), one_param(query, "after")
     limit = parse_limit(one_param(query, "limit"))
 
-    def page() -> dict[str, Any]:
-        with svc.wal.env.begin(buffers=False) as txn:
-            return buckets.list_streams(
-                txn, svc.wal, bucket_id, prefix=prefix, after=after, limit=limit, now=time.time(),
-                touches=svc.store.touches, last_writes=svc.store.last_writes,
-            )
+    def page(txn: lmdb.Transaction) -> dict[str, Any]:
+        return buckets.list_streams(
+            txn, svc.wal, bucket_id, prefix=prefix, after=after, limit=limit, now=time.time(),
+            touches=svc.store.touches, last_writes=svc.store.last_writes,
+        )
 
-    return json_response(200, await svc.reads.run(page))
+    return json_response(200, await svc.read_stored(page))
 
 
 def add_routes(app: web.Application) -> None:

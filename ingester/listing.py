@@ -218,16 +218,15 @@ async def handle(request: web.Request) -> web.StreamResponse:
     def seal(key: bytes) -> str:
         return seal_cursor(cipher, key)
 
-    def page() -> dict[str, Any]:
-        with wal.env.begin(buffers=False) as txn:
-            if listing_streams:
-                return list_plain_streams(
-                    txn, wal, prefix=prefix, after=after, limit=limit, now=time.time(),
-                    touches=svc.store.touches, last_writes=svc.store.last_writes, visible=visible, seal=seal,
-                )
-            return list_buckets(txn, wal, prefix=prefix, after=after, limit=limit, visible=visible, seal=seal)
+    def page(txn: lmdb.Transaction) -> dict[str, Any]:
+        if listing_streams:
+            return list_plain_streams(
+                txn, wal, prefix=prefix, after=after, limit=limit, now=time.time(),
+                touches=svc.store.touches, last_writes=svc.store.last_writes, visible=visible, seal=seal,
+            )
+        return list_buckets(txn, wal, prefix=prefix, after=after, limit=limit, visible=visible, seal=seal)
 
-    return json_response(200, await svc.reads.run(page))
+    return json_response(200, await svc.read_stored(page))
 
 
 def add_routes(app: web.Application) -> None:

@@ -39,7 +39,7 @@ from ingester.shipper import Durability, Shipper
 from ingester.snapshots import Snapshots
 from ingester.store import Store
 from ingester.visibility import Visibility
-from ingester.wal import GroupCommitter, WalEnv
+from ingester.wal import GroupCommitter, WalEnv, gate_refusal
 from ingester.writes import (
     AppendRequest,
     AppendResult,
@@ -397,6 +397,31 @@ class IngesterService:
         if renew and res.meta.ttl is not None:
             self.store.touches[path] = time.time()
         return res
+
+    async def read_stored(self, fn: Callable[[lmdb.Transaction], T]) -> T:
+        """`fn` in a read transaction, for what readers see without a stream's hidden state (a
+        bucket, the listings). In `--durability store` the answer waits until the store holds
+        the commits it read (503 if they fail to get there), as an acknowledgement would: a
+        bucket whose create was answered 503 is never shown, nor a stream a standby taking
+        over would not have (ingester/visibility.py)."""
+        wal = self.wal
+
+        def run() -> tuple[int, T]:
+            with wal.env.begin(buffers=False) as txn:
+                return wal.commit_seq(txn), fn(txn)
+
+        seq, out = await self.reads.run(run)
+        if self.visibility is not None and seq > self.visibility.released_upto:
+            assert self.shipper is not None
+            gate = self.shipper.on_logged.caught_up(seq)
+            if gate is not None:
+                try:  # (shielded: a client that leaves must not cancel the shipper's future)
+                    await asyncio.shield(asyncio.wrap_future(gate))
+                except asyncio.CancelledError:
+                    raise
+                except BaseException as why:
+                    raise gate_refusal(why) from None
+        return out
 
     def touch(self, meta: StreamMeta) -> None:
         if meta.ttl is not None:

@@ -20,7 +20,8 @@ objects were gone. So, in store mode:
   then, and see the data.
 A failed gate (503) keeps its commit hidden until a later upload or checkpoint carries it to
 the store; a fenced owner's never shows. Listings (streams, buckets) and buckets' own metadata
-still read the WAL as it is.
+read the WAL and wait, as an acknowledgement does, until the store holds the commit they read
+(IngesterService.read_stored).
 """
 
 from __future__ import annotations

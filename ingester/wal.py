@@ -46,6 +46,20 @@ def relies_on_state(outcome: object) -> bool:
     if they fail to reach the store (found by QA: a close answered 503 made appends answer
     409 "stream is closed", and the standby that took over had the stream open)."""
     return isinstance(outcome, NotFound | Gone | Conflict | StaleProducerEpoch)
+def gate_refusal(why: BaseException | None, in_wal: bool = False) -> Unavailable:
+    """The 503 for an outcome whose commit's gate failed: the shipper's reason when it gave one
+    (fenced, a lapsed lease, a log too far behind); a new exception per outcome (each is raised
+    on its own). `in_wal`: it replaces a success, whose commit is in the WAL and may ship yet."""
+    if isinstance(why, Superseded):  # (it says so to readers: a header)
+        e: Unavailable = Superseded(why.message, why.epoch)
+    elif isinstance(why, Unavailable):
+        e = Unavailable(why.message, why.retry_after)
+    else:
+        e = Unavailable(NOT_SHIPPED_MESSAGE, 5)
+    e.in_wal = in_wal
+    return e
+
+
 T = TypeVar("T")
 _A = TypeVar("_A")
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
@@ -439,20 +453,8 @@ class GroupCommitter:
                 out = results
                 if gate is not None and (gate.cancelled() or gate.exception() is not None):
                     why = None if gate.cancelled() else gate.exception()
-                    # the shipper's reason when it gave one (a lapsed lease, a log too far
-                    # behind); one exception per outcome (each is raised on its own)
                     # (in_wal: it replaces a success, whose commit is in the WAL and may ship yet)
-                    def refusal(in_wal: bool) -> Unavailable:
-                        if isinstance(why, Superseded):  # (it says so to readers: a header)
-                            e: Unavailable = Superseded(why.message, why.epoch)
-                        elif isinstance(why, Unavailable):
-                            e = Unavailable(why.message, why.retry_after)
-                        else:
-                            e = Unavailable(NOT_SHIPPED_MESSAGE, 5)
-                        e.in_wal = in_wal
-                        return e
-
-                    out = [(p, refusal(in_wal=ok), False) if ok or relies_on_state(value) else (p, value, ok)
+                    out = [(p, gate_refusal(why, in_wal=ok), False) if ok or relies_on_state(value) else (p, value, ok)
                            for p, value, ok in results]
                 self._deliver_threadsafe(out, changed)
             finally:

@@ -226,3 +226,45 @@ async def test_a_snapshot_refused_for_the_stores_sake_is_there_once_it_ships(
     got = await client.get(f"{path}/snapshot/{offset}")
     assert (got.status, await got.read()) == (200, b"SNAP")
     assert (await client.get(f"{path}/bootstrap")).status == 200
+
+
+async def test_buckets_and_listings_show_only_what_the_store_holds(tmp_path: Path, make_ingester: Any) -> None:
+    """A bucket create, a stream create and a bucketed stream's create answered 503 (in the WAL,
+    not in the store's log) are not shown by the bucket's GET, its listing or the listings of
+    streams and buckets: those answer 503 until the store has the commits, then show them. (Before,
+    they read the WAL as it was: a bucket whose create was refused was there, and a standby
+    taking over would not have it.) In-process, so that only the log's PUTs fail."""
+    client = await make_ingester(store=(tmp_path / "objects").as_uri(), durability="store")
+    objects = client.server.app[SERVICE].shipper.objects
+    put, failing = objects.put, {"on": False}
+
+    async def log_puts_fail(key: str, data: bytes, **kw: Any) -> str:
+        if failing["on"] and key.startswith("log/"):
+            raise ObjectStoreUnavailable("the store is down for log segments (test)")
+        return await put(key, data, **kw)
+
+    async def listed(url: str, entries: str, key: str) -> list[str]:
+        got = await client.get(url)
+        assert got.status == 200, (url, got.status, await got.text())
+        return [entry[key] for entry in (await got.json())[entries]]
+
+    objects.put = log_puts_fail
+    assert (await client.put("/v1/buckets/olds")).status == 201
+    assert (await client.put("/v1/stream/old", headers=TEXT)).status == 201
+    failing["on"] = True
+    assert (await client.put("/v1/buckets/bbbb")).status == 503
+    assert (await client.put("/v1/stream/new", headers=TEXT)).status == 503
+    assert (await client.put("/v1/buckets/olds/x", headers=TEXT)).status == 503
+    for url in ("/v1/buckets/bbbb", "/ds3/buckets", "/ds3/streams", "/v1/buckets/olds", "/v1/buckets/olds/streams"):
+        got = await client.get(url)
+        assert got.status == 503, (url, got.status, await got.text())
+        assert "retry-after" in got.headers
+    failing["on"] = False
+    deadline = time.monotonic() + 20
+    while (got := await client.get("/v1/buckets/bbbb")).status != 200:
+        assert got.status == 503 and time.monotonic() < deadline, got.status
+        await asyncio.sleep(0.1)
+    assert (await got.json())["bucket_id"] == "bbbb"
+    assert await listed("/ds3/buckets", "buckets", "bucket_id") == ["bbbb", "olds"]
+    assert "/v1/stream/new" in await listed("/ds3/streams", "streams", "url")
+    assert (await (await client.get("/v1/buckets/olds")).json())["streams"] == 1
