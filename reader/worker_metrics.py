@@ -70,11 +70,13 @@ async def _sibling_text(me: WorkerIdentity, index: int) -> str:
 
 def handler(me: WorkerIdentity) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
     """GET /metrics for worker `me`: every worker's series, labelled (see the module doc)."""
-    from shared.http.metrics import metrics_handler
+    from shared.http.metrics import bad_scope, metrics_handler
 
     async def gather(request: web.Request) -> web.StreamResponse:
         if request.query.get("scope") == "worker":
             return await metrics_handler(request)
+        if (refusal := bad_scope(request)) is not None:
+            return refusal
         texts: dict[int, str] = {me.index: await _own_text(request.app)}
         others = [i for i in range(me.count) if i != me.index]
         results = await asyncio.gather(*(_sibling_text(me, i) for i in others), return_exceptions=True)

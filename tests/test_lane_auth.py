@@ -169,6 +169,29 @@ def test_the_lanes_judge_auth_as_aiohttp_does(sides: tuple[Side, Side], via: str
         assert "Authorization" in answers[0][1]["vary"]
 
 
+@pytest.mark.parametrize("via", ["reader", "ingester"])
+def test_a_target_in_absolute_form_is_served_and_judged_as_its_path(sides: tuple[Side, Side], via: str) -> None:
+    """RFC 9112 §3.2.2: a server must accept a request target in absolute form
+    (`POST http://host/v1/stream/x`). It got 404 (every handler read the raw target); it is now
+    the request for its path, auth's scopes and private streams included."""
+    p = sides[0].reader if via == "reader" else sides[0].ingester
+    name = f"abs-{via}-{time.monotonic_ns()}"
+    _setup(p.port, name)
+
+    def get(path: str, *headers: str) -> bytes:
+        head = f"GET {path} HTTP/1.1\r\nHost: t\r\n" + "".join(h + "\r\n" for h in headers) + "\r\n"
+        return head.encode("latin-1")
+
+    public = f"http://127.0.0.1:{p.port}/v1/stream/pub/{name}"
+    assert parsed(exchange(p.port, post(public, b"+ok", TEXT, RIGHT))[0])[0] == 204
+    assert parsed(exchange(p.port, post(public, b"+no", TEXT, WRONG))[0])[0] == 403
+    assert parsed(exchange(p.port, get(public + "?offset=-1"))[0])[::2] == (200, b"first+ok")
+    secret = f"HTTP://elsewhere.example/v1/stream/secret/{name}?offset=-1"
+    assert parsed(exchange(p.port, get(secret))[0])[0] == 401
+    assert parsed(exchange(p.port, get(secret, WRONG))[0])[0] == 403
+    assert parsed(exchange(p.port, get(secret, RIGHT))[0])[::2] == (200, b"first")
+
+
 @pytest.mark.parametrize("headers", [
     [],
     [("Cache-Control", "public, max-age=60")],

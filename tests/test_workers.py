@@ -86,6 +86,10 @@ def test_workers_share_the_port_and_one_scrape_counts_them_all(cluster: Cluster)
     # ?scope=worker: the answering worker's own figures, unlabelled
     own = parse_metrics(_request(port, "GET", "/metrics?scope=worker")[1].decode())
     assert "ds3_reader_workers" not in own and not any('worker="' in k for k in own)
+    # a scope that names none is refused, not taken for every worker's (a typo went unnoticed)
+    status, body = _request(port, "GET", "/metrics?scope=workers")
+    assert status == 400 and b"unknown metrics scope 'workers'" in body
+    assert _request(cluster.ingester.port, "GET", "/metrics?scope=x")[0] == 400
 
 
 def test_a_killed_worker_is_replaced_and_the_port_keeps_answering(cluster: Cluster) -> None:

@@ -19,6 +19,7 @@ from collections.abc import Awaitable, Callable
 from typing import Final
 
 from aiohttp import web
+from yarl import URL
 
 from shared import logs
 from shared.http import health
@@ -34,8 +35,24 @@ CLIENT_CLOSED: Final = 499  # nginx's status for "the client went away first"
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
+def origin_form(target: str) -> str | None:
+    """The origin form (`/path?query`) of a request target in absolute form
+    (`http://host:port/path?query`), which RFC 9112 §3.2.2 says a server must accept; None if
+    `target` is not one."""
+    scheme, sep, rest = target.partition("://")
+    if not sep or scheme.lower() not in ("http", "https"):
+        return None
+    cut = min((i for i in (rest.find("/"), rest.find("?")) if i >= 0), default=len(rest))
+    tail = rest[cut:]
+    return tail if tail.startswith("/") else "/" + tail
+
+
 @web.middleware
 async def access_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    if not request.raw_path.startswith("/") and (origin := origin_form(request.raw_path)) is not None:
+        # every handler and check reads raw_path (auth's scopes too): give them the origin
+        # form (aiohttp routed it by that already)
+        request = request.clone(rel_url=URL(origin, encoded=True))
     http = request.app[METRICS].http
     started = time.perf_counter()
     rid = logs.accept_request_id(request.headers.get(logs.REQUEST_ID_HEADER))

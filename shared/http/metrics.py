@@ -244,8 +244,22 @@ def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
     return GaugeMetricFamily(name, doc, value=value)
 
 
+SCOPES: Final = ("worker",)  # ?scope=worker: one reader worker's own series (reader/worker_metrics.py)
+
+
+def bad_scope(request: web.Request) -> web.Response | None:
+    """400 for a `?scope=` that names no scope (it was ignored: a typo gave every worker's)."""
+    scope = request.query.get("scope")
+    if scope is None or scope in SCOPES:
+        return None
+    return web.Response(status=400, text=f"unknown metrics scope {scope[:40]!r}: leave it out for every series, "
+                        "or scope=worker for the answering reader worker's own\n", headers={"Cache-Control": "no-store"})
+
+
 async def metrics_handler(request: web.Request) -> web.Response:
     """GET /metrics: the Prometheus text format (or OpenMetrics when the scraper asks)."""
+    if (refusal := bad_scope(request)) is not None:
+        return refusal
     encode, content_type = choose_encoder(request.headers.get("Accept", ""))
     body = encode(request.app[METRICS].registry)
     return web.Response(body=body, headers={"Content-Type": content_type, "Cache-Control": "no-store"})
