@@ -9,13 +9,14 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import click
 from aiohttp import web
 from aiohttp.web_runner import GracefulExit
 
 from ds3 import process
+from ds3.options import FC, apply_options, option
 from shared.config import (
     PRIVATE_NETWORKS,
     AuthConfig,
@@ -47,158 +48,145 @@ def _setup_logging(kw: dict[str, Any], service: str) -> None:
             os.environ.pop(name, None)
 
 
-FC = TypeVar("FC", bound=Callable[..., Any])
-
-
-def _opt(*names: str, env: str, **kw: Any) -> Callable[[FC], FC]:
-    return click.option(*names, envvar=env, show_envvar=True, show_default="default" in kw, **kw)
-
-
 def _log_options(f: FC) -> FC:
-    return _apply(f, [
-        _opt("--log-format", env="DS3_LOG_FORMAT", default="text", type=click.Choice(["text", "json"]),
-             help="text: one readable line per record; json: one JSON object per line (ts, level, logger, msg, "
+    return apply_options(f, [
+        option("--log-format", env="DS3_LOG_FORMAT", default="text", type=click.Choice(["text", "json"]),
+               help="text: one readable line per record; json: one JSON object per line (ts, level, logger, msg, "
                   "request_id, and the access log's fields), for log pipelines."),
-        _opt("--access-log/--no-access-log", env="DS3_ACCESS_LOG", default=None,
-             help="Log every request at info level (logger ds3.access; a line costs about 3 µs, written in batches). "
+        option("--access-log/--no-access-log", env="DS3_ACCESS_LOG", default=None,
+               help="Log every request at info level (logger ds3.access; a line costs about 3 µs, written in batches). "
                   "Default: on for readers, off for the ingester (its callers are readers, which log "
                   "the same request ids; it would cost every append)."),
     ])
 
 
-def _apply(f: FC, opts: list[Callable[[FC], FC]]) -> FC:
-    for opt in reversed(opts):
-        f = opt(f)
-    return f
-
-
 def _server_options(f: FC) -> FC:
-    return _apply(f, [
-        _opt("--host", env="DS3_HOST", default="127.0.0.1", help="Address to listen on."),
-        _opt("--port", env="DS3_PORT", type=int, default=4437,
-             help="TCP port (4437 is the protocol's default)."),
-        _opt("--long-poll-timeout", env="DS3_LONG_POLL_TIMEOUT", type=float, default=30.0,
-             help="Seconds a long-poll waits for data before answering 204."),
-        _opt("--tail-max-age", env="DS3_TAIL_MAX_AGE", type=int, default=1,
-             help="Seconds shared caches (a CDN, nginx) may keep an answer that says 'nothing more yet' "
+    return apply_options(f, [
+        option("--host", env="DS3_HOST", default="127.0.0.1", help="Address to listen on."),
+        option("--port", env="DS3_PORT", type=int, default=4437,
+               help="TCP port (4437 is the protocol's default)."),
+        option("--long-poll-timeout", env="DS3_LONG_POLL_TIMEOUT", type=float, default=30.0,
+               help="Seconds a long-poll waits for data before answering 204."),
+        option("--tail-max-age", env="DS3_TAIL_MAX_AGE", type=int, default=1,
+               help="Seconds shared caches (a CDN, nginx) may keep an answer that says 'nothing more yet' "
                   "(an empty tail page, a long-poll 204), so a crowd at the tail costs one origin request "
                   "per that long; 0: never stored."),
-        _opt("--max-body-bytes", env="DS3_MAX_BODY_BYTES", type=int, default=64 * MiB,
-             help="Largest request body (413 above)."),
-        _opt("--max-path-bytes", env="DS3_MAX_PATH_BYTES", type=int, default=480,
-             help="Longest stream path in bytes (400 above)."),
-        _opt("--max-snapshot-bytes", env="DS3_MAX_SNAPSHOT_BYTES", type=int, default=64 * MiB,
-             help="Largest snapshot a PUT {stream}/snapshot/{offset} may publish (413 above)."),
-        _opt("--s3-endpoint", env="DS3_S3_ENDPOINT", default=None,
-             help="S3 endpoint URL (MinIO, moto). Default: AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL, else AWS."),
-        _opt("--log-level", env="DS3_LOG_LEVEL", default="info",
-             type=click.Choice(["debug", "info", "warning", "error"])),
+        option("--max-body-bytes", env="DS3_MAX_BODY_BYTES", type=int, default=64 * MiB,
+               help="Largest request body (413 above)."),
+        option("--max-path-bytes", env="DS3_MAX_PATH_BYTES", type=int, default=480,
+               help="Longest stream path in bytes (400 above)."),
+        option("--max-snapshot-bytes", env="DS3_MAX_SNAPSHOT_BYTES", type=int, default=64 * MiB,
+               help="Largest snapshot a PUT {stream}/snapshot/{offset} may publish (413 above)."),
+        option("--s3-endpoint", env="DS3_S3_ENDPOINT", default=None,
+               help="S3 endpoint URL (MinIO, moto). Default: AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL, else AWS."),
+        option("--log-level", env="DS3_LOG_LEVEL", default="info",
+               type=click.Choice(["debug", "info", "warning", "error"])),
         _log_options,
     ])
 
 
 def _ingester_options(f: FC) -> FC:
-    return _apply(f, [
-        _opt("--data-dir", env="DS3_DATA_DIR", type=click.Path(path_type=Path), default=Path(".ds3"),
-             help="Directory for the LMDB write-ahead log (created if missing)."),
-        _opt("--store", env="DS3_STORE", default=None,
-             help="Object store for sealed chunks: s3://bucket/prefix or file:///path. "
+    return apply_options(f, [
+        option("--data-dir", env="DS3_DATA_DIR", type=click.Path(path_type=Path), default=Path(".ds3"),
+               help="Directory for the LMDB write-ahead log (created if missing)."),
+        option("--store", env="DS3_STORE", default=None,
+               help="Object store for sealed chunks: s3://bucket/prefix or file:///path. "
                   "Without it the WAL keeps everything and nothing is sealed."),
-        _opt("--seal-bytes", env="DS3_SEAL_BYTES", type=int, default=8 * MiB,
-             help="Seal a stream's open chunk when it reaches this size."),
-        _opt("--seal-age", env="DS3_SEAL_AGE", type=float, default=60.0,
-             help="Seal a stream's open chunk when it is this many seconds old."),
-        _opt("--wal-max-bytes", env="DS3_WAL_MAX_BYTES", type=int, default=4 * GiB,
-             help="Unsealed data the WAL may hold while the store is down; past it appends get 503."),
-        _opt("--uploads", env="DS3_UPLOADS", type=int, default=4, help="Concurrent chunk uploads."),
-        _opt("--ingester-id", env="DS3_INGESTER_ID", default=None,
-             help="This ingester's id in the cluster description (several ingesters sharing one store; "
+        option("--seal-bytes", env="DS3_SEAL_BYTES", type=int, default=8 * MiB,
+               help="Seal a stream's open chunk when it reaches this size."),
+        option("--seal-age", env="DS3_SEAL_AGE", type=float, default=60.0,
+               help="Seal a stream's open chunk when it is this many seconds old."),
+        option("--wal-max-bytes", env="DS3_WAL_MAX_BYTES", type=int, default=4 * GiB,
+               help="Unsealed data the WAL may hold while the store is down; past it appends get 503."),
+        option("--uploads", env="DS3_UPLOADS", type=int, default=4, help="Concurrent chunk uploads."),
+        option("--ingester-id", env="DS3_INGESTER_ID", default=None,
+               help="This ingester's id in the cluster description (several ingesters sharing one store; "
                   "docs/architecture.md \"Placement\"): it serves only the streams placed on it and answers "
                   "421 naming the owner for the others. Without it: no cluster, it owns every stream."),
-        _opt("--cluster", env="DS3_CLUSTER", type=click.Path(path_type=Path), default=None,
-             help="Read the cluster description from this JSON file instead of the store's _ds3/cluster.json "
+        option("--cluster", env="DS3_CLUSTER", type=click.Path(path_type=Path), default=None,
+               help="Read the cluster description from this JSON file instead of the store's _ds3/cluster.json "
                   "(ds3 dev, tests). Needs --ingester-id."),
-        _opt("--cluster-refresh", env="DS3_CLUSTER_REFRESH", type=float, default=5.0,
-             help="Seconds between reads of the cluster description."),
-        _opt("--durability", env="DS3_DURABILITY", default="local", type=click.Choice(["local", "store"]),
-             help="With --store, every commit is also logged to the store. local: an append is "
+        option("--cluster-refresh", env="DS3_CLUSTER_REFRESH", type=float, default=5.0,
+               help="Seconds between reads of the cluster description."),
+        option("--durability", env="DS3_DURABILITY", default="local", type=click.Choice(["local", "store"]),
+               help="With --store, every commit is also logged to the store. local: an append is "
                   "acknowledged after the local fsync and the log follows within --ship-interval; "
                   "store: only once its log segment is in the object store (nothing acknowledged is "
                   "lost with the machine)."),
-        _opt("--ship-interval", env="DS3_SHIP_INTERVAL", type=float, default=1.0,
-             help="local durability: the log in the store follows the WAL within about this many seconds."),
-        _opt("--max-ship-lag", env="DS3_MAX_SHIP_LAG", type=float, default=None,
-             help="local durability: once the log in the store is this many seconds behind (the store "
+        option("--ship-interval", env="DS3_SHIP_INTERVAL", type=float, default=1.0,
+               help="local durability: the log in the store follows the WAL within about this many seconds."),
+        option("--max-ship-lag", env="DS3_MAX_SHIP_LAG", type=float, default=None,
+               help="local durability: once the log in the store is this many seconds behind (the store "
                   "failing), appends answer 503 until it catches up, so a lost disk loses at most this "
                   "much; 0: no bound (keep acknowledging). Default: 5, or 3 x --ship-interval if larger."),
-        _opt("--log-uploads", env="DS3_LOG_UPLOADS", type=int, default=4,
-             help="store durability: log segment uploads in flight at once (1-4); appends are still "
+        option("--log-uploads", env="DS3_LOG_UPLOADS", type=int, default=4,
+               help="store durability: log segment uploads in flight at once (1-4); appends are still "
                   "acknowledged in commit order."),
-        _opt("--checkpoint-interval", env="DS3_CHECKPOINT_INTERVAL", type=float, default=300.0,
-             help="Seconds between checkpoints of the WAL into the store (they bound recovery)."),
-        _opt("--advertise-url", env="DS3_ADVERTISE_URL", default=None,
-             help="URL of this ingester named in the store's ownership record. Default: http://HOST:PORT."),
-        _opt("--owner-id", env="DS3_OWNER_ID", default=None,
-             help="This ingester's name in the ownership record. Default: a random id kept in the data dir "
+        option("--checkpoint-interval", env="DS3_CHECKPOINT_INTERVAL", type=float, default=300.0,
+               help="Seconds between checkpoints of the WAL into the store (they bound recovery)."),
+        option("--advertise-url", env="DS3_ADVERTISE_URL", default=None,
+               help="URL of this ingester named in the store's ownership record. Default: http://HOST:PORT."),
+        option("--owner-id", env="DS3_OWNER_ID", default=None,
+               help="This ingester's name in the ownership record. Default: a random id kept in the data dir "
                   "(a restart on the same disk takes its prefix back at once)."),
-        _opt("--lease-seconds", env="DS3_LEASE_SECONDS", type=float, default=10.0,
-             help="Lease on the store prefix; renewed every third of it. Another ingester may take the "
+        option("--lease-seconds", env="DS3_LEASE_SECONDS", type=float, default=10.0,
+               help="Lease on the store prefix; renewed every third of it. Another ingester may take the "
                   "prefix over once it lapses."),
-        _opt("--standby", env="DS3_STANDBY", is_flag=True, default=False,
-             help="Start as a standby for the ingester owning --store's prefix: acknowledge no writes (stream "
+        option("--standby", env="DS3_STANDBY", is_flag=True, default=False,
+               help="Start as a standby for the ingester owning --store's prefix: acknowledge no writes (stream "
                   "requests answer 503 naming the owner's URL), watch its lease, and when it lapses take the "
                   "prefix over, restore the WAL from the store's log (this data dir's WAL is discarded) and "
                   "serve."),
-        _opt("--sse-max-seconds", env="DS3_SSE_MAX_SECONDS", type=float, default=60.0,
-             help="SSE connections are closed after this long so CDNs can collapse them."),
-        _opt("--max-read-bytes", env="DS3_MAX_READ_BYTES", type=int, default=1 * MiB,
-             help="Largest catch-up response from the WAL; longer reads page by Stream-Next-Offset."),
-        _opt("--wal-map-size", env="DS3_WAL_MAP_SIZE", type=int, default=256 * GiB,
-             help="LMDB map size in bytes (address space reserved, not disk used)."),
+        option("--sse-max-seconds", env="DS3_SSE_MAX_SECONDS", type=float, default=60.0,
+               help="SSE connections are closed after this long so CDNs can collapse them."),
+        option("--max-read-bytes", env="DS3_MAX_READ_BYTES", type=int, default=1 * MiB,
+               help="Largest catch-up response from the WAL; longer reads page by Stream-Next-Offset."),
+        option("--wal-map-size", env="DS3_WAL_MAP_SIZE", type=int, default=256 * GiB,
+               help="LMDB map size in bytes (address space reserved, not disk used)."),
     ])
 
 
 def _access_options(f: FC) -> FC:
     """Access control and per-client limits (README "Deploying with auth"), both processes."""
     secret = " Prefer the environment variable: command lines are visible to other local users."
-    return _apply(f, [
-        _opt("--tokens-file", env="DS3_TOKENS_FILE", type=click.Path(path_type=Path), default=None,
-             help='Static bearer tokens: a JSON list of {"token", "sub", "read": [grants], "write": [grants]}.'),
-        _opt("--tokens", env="DS3_TOKENS", default=None, help="The same JSON list, inline." + secret),
-        _opt("--jwt-secret", env="DS3_JWT_SECRET", default=None,
-             help="Accept HS256 JWTs signed with this secret (at least 32 bytes)." + secret),
-        _opt("--jwks-file", env="DS3_JWKS_FILE", type=click.Path(path_type=Path), default=None,
-             help="Accept RS256/ES256 JWTs signed by a key in this JWK Set file."),
-        _opt("--jwks-url", env="DS3_JWKS_URL", default=None,
-             help="Accept RS256/ES256 JWTs signed by a key from this JWKS URL (cached)."),
-        _opt("--jwt-issuer", env="DS3_JWT_ISSUER", default=None, help="Required `iss` of JWTs."),
-        _opt("--jwt-audience", env="DS3_JWT_AUDIENCE", default=None, help="Required `aud` of JWTs."),
-        _opt("--jwt-leeway", env="DS3_JWT_LEEWAY", type=float, default=30.0,
-             help="Seconds of clock skew allowed on exp/nbf."),
-        _opt("--jwks-cache-seconds", env="DS3_JWKS_CACHE_SECONDS", type=float, default=300.0,
-             help="How long keys fetched from --jwks-url are used before they are fetched again."),
-        _opt("--private", env="DS3_PRIVATE", multiple=True,
-             help="Reads of these need a token with read scope: stream:<prefix>, bucket:<id>[/<prefix>] or *. "
+    return apply_options(f, [
+        option("--tokens-file", env="DS3_TOKENS_FILE", type=click.Path(path_type=Path), default=None,
+               help='Static bearer tokens: a JSON list of {"token", "sub", "read": [grants], "write": [grants]}.'),
+        option("--tokens", env="DS3_TOKENS", default=None, help="The same JSON list, inline." + secret),
+        option("--jwt-secret", env="DS3_JWT_SECRET", default=None,
+               help="Accept HS256 JWTs signed with this secret (at least 32 bytes)." + secret),
+        option("--jwks-file", env="DS3_JWKS_FILE", type=click.Path(path_type=Path), default=None,
+               help="Accept RS256/ES256 JWTs signed by a key in this JWK Set file."),
+        option("--jwks-url", env="DS3_JWKS_URL", default=None,
+               help="Accept RS256/ES256 JWTs signed by a key from this JWKS URL (cached)."),
+        option("--jwt-issuer", env="DS3_JWT_ISSUER", default=None, help="Required `iss` of JWTs."),
+        option("--jwt-audience", env="DS3_JWT_AUDIENCE", default=None, help="Required `aud` of JWTs."),
+        option("--jwt-leeway", env="DS3_JWT_LEEWAY", type=float, default=30.0,
+               help="Seconds of clock skew allowed on exp/nbf."),
+        option("--jwks-cache-seconds", env="DS3_JWKS_CACHE_SECONDS", type=float, default=300.0,
+               help="How long keys fetched from --jwks-url are used before they are fetched again."),
+        option("--private", env="DS3_PRIVATE", multiple=True,
+               help="Reads of these need a token with read scope: stream:<prefix>, bucket:<id>[/<prefix>] or *. "
                   "Repeat it (the variable: separated by spaces)."),
-        _opt("--internal-token", env="DS3_INTERNAL_TOKEN", default=None,
-             help="Shared by the ingester and its readers: readers send it to read private streams, call "
+        option("--internal-token", env="DS3_INTERNAL_TOKEN", default=None,
+               help="Shared by the ingester and its readers: readers send it to read private streams, call "
                   "/_ds3/ and be exempt from the ingester's per-client limits." + secret),
-        _opt("--write-rate", env="DS3_WRITE_RATE", type=float, default=500.0,
-             help="Writes (PUT/POST/DELETE) per second per client; 0: unlimited."),
-        _opt("--write-burst", env="DS3_WRITE_BURST", type=int, default=2000, help="Writes a client may burst."),
-        _opt("--create-rate", env="DS3_CREATE_RATE", type=float, default=50.0,
-             help="Creates (PUT of a stream or bucket) per second per client; 0: unlimited."),
-        _opt("--create-burst", env="DS3_CREATE_BURST", type=int, default=500, help="Creates a client may burst."),
-        _opt("--max-live-per-client", env="DS3_MAX_LIVE_PER_CLIENT", type=int, default=100,
-             help="Long-polls + SSE connections one client may hold at once (429 beyond); 0: no cap."),
-        _opt("--body-timeout", env="DS3_BODY_TIMEOUT", type=float, default=60.0,
-             help="Seconds a request body may take to arrive (408 and the connection closes after)."),
-        _opt("--send-timeout", env="DS3_SEND_TIMEOUT", type=float, default=30.0,
-             help="A client that takes none of the data we send for this long is disconnected."),
-        _opt("--keepalive-timeout", env="DS3_KEEPALIVE_TIMEOUT", type=float, default=75.0,
-             help="Idle connections close after this long; it also bounds sending a request head."),
-        _opt("--trusted-proxies", env="DS3_TRUSTED_PROXIES", multiple=True, default=PRIVATE_NETWORKS,
-             help="Addresses/CIDRs of proxies (readers, load balancers) whose X-Forwarded-For names the client; "
+        option("--write-rate", env="DS3_WRITE_RATE", type=float, default=500.0,
+               help="Writes (PUT/POST/DELETE) per second per client; 0: unlimited."),
+        option("--write-burst", env="DS3_WRITE_BURST", type=int, default=2000, help="Writes a client may burst."),
+        option("--create-rate", env="DS3_CREATE_RATE", type=float, default=50.0,
+               help="Creates (PUT of a stream or bucket) per second per client; 0: unlimited."),
+        option("--create-burst", env="DS3_CREATE_BURST", type=int, default=500, help="Creates a client may burst."),
+        option("--max-live-per-client", env="DS3_MAX_LIVE_PER_CLIENT", type=int, default=100,
+               help="Long-polls + SSE connections one client may hold at once (429 beyond); 0: no cap."),
+        option("--body-timeout", env="DS3_BODY_TIMEOUT", type=float, default=60.0,
+               help="Seconds a request body may take to arrive (408 and the connection closes after)."),
+        option("--send-timeout", env="DS3_SEND_TIMEOUT", type=float, default=30.0,
+               help="A client that takes none of the data we send for this long is disconnected."),
+        option("--keepalive-timeout", env="DS3_KEEPALIVE_TIMEOUT", type=float, default=75.0,
+               help="Idle connections close after this long; it also bounds sending a request head."),
+        option("--trusted-proxies", env="DS3_TRUSTED_PROXIES", multiple=True, default=PRIVATE_NETWORKS,
+               help="Addresses/CIDRs of proxies (readers, load balancers) whose X-Forwarded-For names the client; "
                   "their own requests are not limited. `none`: trust no one."),
     ])
 
@@ -366,25 +354,25 @@ def ingester(**kw: Any) -> None:
 
 @main.command()
 @_server_options
-@_opt("--ingester", env="DS3_INGESTER", default=None,
-      help="Base URL of the ingester: where every request goes while there is no cluster description "
+@option("--ingester", env="DS3_INGESTER", default=None,
+        help="Base URL of the ingester: where every request goes while there is no cluster description "
            "(none in the store's _ds3/cluster.json and no --cluster). Omit it to follow the store prefix's "
            "owner, the URL its ownership record advertises: a standby's takeover then needs no reader restart.")
-@_opt("--cluster", env="DS3_CLUSTER", type=click.Path(path_type=Path), default=None,
-      help="Route by the cluster description in this JSON file instead of the store's _ds3/cluster.json "
+@option("--cluster", env="DS3_CLUSTER", type=click.Path(path_type=Path), default=None,
+        help="Route by the cluster description in this JSON file instead of the store's _ds3/cluster.json "
            "(ds3 dev, tests): every request goes to its stream's owner (docs/architecture.md \"Routing\").")
-@_opt("--cluster-refresh", env="DS3_CLUSTER_REFRESH", type=float, default=5.0,
-      help="Seconds between reads of the cluster description.")
-@_opt("--store", env="DS3_STORE", required=True, help="Object store: s3://bucket/prefix or file:///path.")
-@_opt("--max-read-bytes", env="DS3_MAX_READ_BYTES", type=int, default=16 * MiB,
-      help="Most bytes of a sealed chunk one response carries.")
-@_opt("--descriptor-ttl", env="DS3_DESCRIPTOR_TTL", type=float, default=1.0,
-      help="Seconds the reader trusts what it read from the store about a stream: its descriptor, "
+@option("--cluster-refresh", env="DS3_CLUSTER_REFRESH", type=float, default=5.0,
+        help="Seconds between reads of the cluster description.")
+@option("--store", env="DS3_STORE", required=True, help="Object store: s3://bucket/prefix or file:///path.")
+@option("--max-read-bytes", env="DS3_MAX_READ_BYTES", type=int, default=16 * MiB,
+        help="Most bytes of a sealed chunk one response carries.")
+@option("--descriptor-ttl", env="DS3_DESCRIPTOR_TTL", type=float, default=1.0,
+        help="Seconds the reader trusts what it read from the store about a stream: its descriptor, "
            "and that a chunk was not sealed yet (reads there go to the ingester meanwhile).")
-@_opt("--sse-max-seconds", env="DS3_SSE_MAX_SECONDS", type=float, default=60.0,
-      help="SSE connections are closed after this long so CDNs can collapse them.")
-@_opt("--workers", env="DS3_WORKERS", type=int, default=None,
-      help="Reader processes sharing the port (SO_REUSEPORT), supervised by this one. Default: the "
+@option("--sse-max-seconds", env="DS3_SSE_MAX_SECONDS", type=float, default=60.0,
+        help="SSE connections are closed after this long so CDNs can collapse them.")
+@option("--workers", env="DS3_WORKERS", type=int, default=None,
+        help="Reader processes sharing the port (SO_REUSEPORT), supervised by this one. Default: the "
            "number of CPUs.")
 @_access_options
 def reader(**kw: Any) -> None:
@@ -412,19 +400,19 @@ def reader(**kw: Any) -> None:
 
 
 @main.command()
-@_opt("--host", env="DS3_HOST", default="127.0.0.1", help="Address the reader listens on.")
-@_opt("--port", env="DS3_PORT", type=int, default=4437, help="Public port (the reader's).")
-@_opt("--data-dir", env="DS3_DATA_DIR", type=click.Path(path_type=Path), default=Path(".ds3"),
-      help="WAL in DIR/wal, sealed chunks in DIR/objects.")
-@_opt("--long-poll-timeout", env="DS3_LONG_POLL_TIMEOUT", type=float, default=30.0,
-      help="Seconds a long-poll waits for data.")
-@_opt("--seal-bytes", env="DS3_SEAL_BYTES", type=int, default=8 * MiB, help="Chunk size that triggers a seal.")
-@_opt("--seal-age", env="DS3_SEAL_AGE", type=float, default=60.0, help="Chunk age that triggers a seal.")
-@_opt("--log-level", env="DS3_LOG_LEVEL", default="info", type=click.Choice(["debug", "info", "warning", "error"]))
-@_opt("--workers", env="DS3_WORKERS", type=int, default=None,
-      help="Reader processes sharing the public port. Default: the number of CPUs.")
-@_opt("--ingesters", env="DS3_INGESTERS", type=int, default=1,
-      help="Ingesters sharing the store (ids i1..iN, WALs in DIR/iK, the cluster description in "
+@option("--host", env="DS3_HOST", default="127.0.0.1", help="Address the reader listens on.")
+@option("--port", env="DS3_PORT", type=int, default=4437, help="Public port (the reader's).")
+@option("--data-dir", env="DS3_DATA_DIR", type=click.Path(path_type=Path), default=Path(".ds3"),
+        help="WAL in DIR/wal, sealed chunks in DIR/objects.")
+@option("--long-poll-timeout", env="DS3_LONG_POLL_TIMEOUT", type=float, default=30.0,
+        help="Seconds a long-poll waits for data.")
+@option("--seal-bytes", env="DS3_SEAL_BYTES", type=int, default=8 * MiB, help="Chunk size that triggers a seal.")
+@option("--seal-age", env="DS3_SEAL_AGE", type=float, default=60.0, help="Chunk age that triggers a seal.")
+@option("--log-level", env="DS3_LOG_LEVEL", default="info", type=click.Choice(["debug", "info", "warning", "error"]))
+@option("--workers", env="DS3_WORKERS", type=int, default=None,
+        help="Reader processes sharing the public port. Default: the number of CPUs.")
+@option("--ingesters", env="DS3_INGESTERS", type=int, default=1,
+        help="Ingesters sharing the store (ids i1..iN, WALs in DIR/iK, the cluster description in "
            "DIR/cluster.json); the reader routes each stream to its owner. 1: one ingester, no cluster.")
 @_log_options
 def dev(**kw: Any) -> None:
@@ -494,164 +482,10 @@ def _naming_the_variable(message: str, env: dict[str, str]) -> str:
     return f"{named.group()}={env[named.group()]}: {message}"
 
 
-@main.group()
-def cluster() -> None:
-    """The cluster description: which ingesters share the store and own which streams
-    (docs/architecture.md "Placement"). Kept in the store at _ds3/cluster.json; every ingester
-    started with --ingester-id re-reads it every --cluster-refresh seconds. (A file given to the
-    servers with --cluster instead is not seen by these commands: `ds3 dev --ingesters N` keeps
-    its description in DATA_DIR/cluster.json.)"""
-
-
-def _cluster_store_options(f: FC) -> FC:
-    return _apply(f, [
-        _opt("--store", env="DS3_STORE", required=True, help="Object store: s3://bucket/prefix or file:///path."),
-        _opt("--s3-endpoint", env="DS3_S3_ENDPOINT", default=None,
-             help="S3 endpoint URL (MinIO, moto). Default: AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL, else AWS."),
-    ])
-
-
-def _cluster_run(store_url: str, s3_endpoint: str | None, action: Callable[[Any], Any], *,
-                 creates: bool = False) -> Any:
-    """`action(store)` on the store at `store_url`. A local store that does not exist is refused
-    (a typo would read as "no description"), or, for a command that writes (`creates`), made
-    with a warning (a new deployment writes its description before any ingester runs)."""
-    from shared.config import _check_store_url
-    from shared.errors import DS3Error
-    from shared.objectstore import open_store
-    from shared.objectstore.url import FileStoreURL, parse_store_url
-
-    try:
-        _check_store_url(store_url)
-    except ConfigError as e:
-        raise click.UsageError(str(e)) from e
-    parsed = parse_store_url(store_url)
-    if isinstance(parsed, FileStoreURL) and not parsed.root.exists():
-        if not creates:
-            raise click.ClickException(f"the local store {parsed.root} does not exist (check --store)")
-        click.echo(f"warning: the local store {parsed.root} does not exist: creating it (check --store if your "
-                   "ingesters already use one)", err=True)
-
-    async def run() -> Any:
-        async with open_store(store_url, s3_endpoint=s3_endpoint) as store:
-            return await action(store)
-
-    try:
-        return asyncio.run(run())
-    except DS3Error as e:
-        raise click.ClickException(e.message) from e
-
-
-@cluster.command("show")
-@_cluster_store_options
-def cluster_show(store: str, s3_endpoint: str | None) -> None:
-    """Print the description (JSON, with its ETag); exit 1 when there is none."""
-    import json
-
-    from shared.cluster import read_cluster
-
-    found = _cluster_run(store, s3_endpoint, read_cluster)
-    if found is None:
-        raise click.ClickException(f"no cluster description in {store} yet: write one with `ds3 cluster set`")
-    click.echo(json.dumps({**found.cluster.to_json(), "etag": found.etag}, indent=2))
-
-
-@cluster.command("set")
-@_cluster_store_options
-@click.option("--ingester", "ingesters", multiple=True, required=True, metavar="ID=URL",
-              help="An ingester: its id (what placement hashes; keep it when the machine changes) and the URL "
-                   "readers reach it at. Repeat it for each; the list replaces the current one.")
-@click.option("--if-generation", type=int, default=None,
-              help="Write only if the description is at this generation now (0: none yet).")
-def cluster_set(store: str, s3_endpoint: str | None, ingesters: tuple[str, ...], if_generation: int | None) -> None:
-    """Replace the ingester list: writes the next generation with If-Match on the version read,
-    so two admins cannot overwrite each other (the loser changes nothing and is told).
-
-    Placement moves about 1/N of the streams when an ingester is added: each moved stream goes
-    to its new owner with its data, offsets and producer state, pulled on its first request
-    there (docs/architecture.md "Moves")."""
-    import json
-
-    from shared.cluster import set_cluster
-    from shared.placement import Cluster, PlacementError, parse_ingester_spec
-
-    try:
-        pairs = [parse_ingester_spec(spec) for spec in ingesters]
-        Cluster.of(pairs)  # duplicates and the like, before the store is asked
-    except PlacementError as e:
-        raise click.UsageError(str(e)) from e
-    new = _cluster_run(store, s3_endpoint,
-                       lambda objects: set_cluster(objects, pairs, expected_generation=if_generation), creates=True)
-    click.echo(json.dumps(new.to_json(), indent=2))
-    for line in _cluster_set_advice(new):
-        click.echo(line, err=True)
-
-
-def _cluster_set_advice(new: Any) -> list[str]:
-    """What an admin should know after `cluster set`: members that do not answer (a typo in a
-    URL, or one not started yet: its streams answer 503 until it runs), and removed ingesters
-    (keep each running until it has handed its streams over and retired)."""
-    import json
-    import urllib.error
-    import urllib.request
-
-    out = []
-    for ing in new.ingesters:
-        try:
-            with urllib.request.urlopen(f"{ing.url}/readyz", timeout=2) as r:
-                body = r.read()
-        except urllib.error.HTTPError as e:  # it answers (not ready, or not a ds3 ingester)
-            body = e.read()
-        except (OSError, ValueError) as e:
-            out.append(f"warning: ingester {ing.id} at {ing.url} does not answer ({getattr(e, 'reason', e)}): "
-                       "the streams placed on it answer 503 until it runs there")
-            continue
-        try:
-            there = json.loads(body)["cluster"]["ingester_id"]
-        except (ValueError, KeyError, TypeError):
-            continue
-        if isinstance(there, str) and there != ing.id:
-            out.append(f"warning: {ing.url} answers as ingester {there}, not {ing.id}: the URLs are swapped or "
-                       f"mistyped, and {ing.id}'s streams will answer 503 until they are right")
-    previous = new.previous
-    for ing in previous.ingesters if previous is not None else ():
-        if new.get(ing.id) is None:
-            out.append(f"ingester {ing.id} ({ing.url}) is removed: keep it running until it has handed its streams "
-                       f"over; its /readyz then shows cluster.moves.retired_at {new.generation} and its log says "
-                       "it may be stopped")
-    return out
-
-
-@cluster.command("owner")
-@_cluster_store_options
-@click.argument("urls", nargs=-1, required=True, metavar="URL_PATH...")
-def cluster_owner(store: str, s3_endpoint: str | None, urls: tuple[str, ...]) -> None:
-    """Which ingester owns each stream or bucket, by URL path (/v1/stream/{path},
-    /v1/buckets/{bucket}[/{stream}]; percent-encoded as in a request), under the description
-    in the store: one line each, `<url path> <id> <url>`."""
-    from shared import buckets
-    from shared.cluster import read_cluster
-    from shared.config import LMDB_MAX_KEY
-    from shared.errors import DS3Error
-    from shared.http.handlers import stream_path_of
-
-    found = _cluster_run(store, s3_endpoint, read_cluster)
-    if found is None:
-        raise click.ClickException(f"no cluster description in {store} yet: write one with `ds3 cluster set`")
-    for url in urls:
-        try:
-            raw = url.split("?", 1)[0]
-            if raw.startswith(buckets.BUCKETS_PREFIX) and buckets.parse_url(raw)[1] is None:
-                owner = found.cluster.bucket_owner(buckets.parse_url(raw)[0])
-            else:
-                owner = found.cluster.owner(stream_path_of(raw, LMDB_MAX_KEY))
-        except DS3Error as e:
-            raise click.UsageError(f"{url}: {e.message}") from e
-        click.echo(f"{url} {owner.id} {owner.url}")
-
-
+from ds3.cluster_cli import cluster  # noqa: E402 - `ds3 cluster ...`
 from pipeline.cli import pipeline_group  # noqa: E402 - the Spark jobs (docs/pipeline.md)
 
+main.add_command(cluster)
 main.add_command(pipeline_group)
 
 if __name__ == "__main__":  # pragma: no cover

@@ -13,32 +13,23 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import click
 
-FC = TypeVar("FC", bound=Callable[..., Any])
-
-
-def _opt(*names: str, env: str, **kw: Any) -> Callable[[FC], FC]:
-    return click.option(*names, envvar=env, show_envvar=True, show_default="default" in kw, **kw)
+from ds3.options import FC, apply_options, option, store_options
 
 
 def _source_options(f: FC) -> FC:
-    for opt in reversed([
-        _opt("--store", env="DS3_STORE", required=True, help="Object store: s3://bucket/prefix or file:///path."),
-        _opt("--s3-endpoint", env="DS3_S3_ENDPOINT", default=None,
-             help="S3 endpoint URL (MinIO, moto). Default: AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL, else AWS."),
-        _opt("--stream", env="DS3_STREAM", default=None, help="A plain stream path (/v1/stream/{path})."),
-        _opt("--bucket", env="DS3_BUCKET", default=None, help="A bucket: all its streams, or --stream-id / --prefix."),
-        _opt("--stream-id", env="DS3_STREAM_ID", default=None, help="A stream id in --bucket."),
-        _opt("--prefix", env="DS3_PREFIX", default=None, help="Every stream whose path (or id in --bucket) starts so."),
-        _opt("--token", env="DS3_TOKEN", default=None,
-             help="Bearer token for the reader / ingester (prefer the environment variable)."),
-        _opt("--master", env="DS3_MASTER", default="local[*]", help="Spark master: local[*], spark://host:7077, ..."),
-    ]):
-        f = opt(f)
-    return f
+    return store_options(apply_options(f, [
+        option("--stream", env="DS3_STREAM", default=None, help="A plain stream path (/v1/stream/{path})."),
+        option("--bucket", env="DS3_BUCKET", default=None, help="A bucket: all its streams, or --stream-id / --prefix."),
+        option("--stream-id", env="DS3_STREAM_ID", default=None, help="A stream id in --bucket."),
+        option("--prefix", env="DS3_PREFIX", default=None, help="Every stream whose path (or id in --bucket) starts so."),
+        option("--token", env="DS3_TOKEN", default=None,
+               help="Bearer token for the reader / ingester (prefer the environment variable)."),
+        option("--master", env="DS3_MASTER", default="local[*]", help="Spark master: local[*], spark://host:7077, ..."),
+    ]))
 
 
 def _read_options(kw: dict[str, Any]) -> dict[str, str]:
@@ -84,10 +75,10 @@ def pipeline_group() -> None:
 
 @pipeline_group.command()
 @_source_options
-@_opt("--output", env="DS3_OUTPUT", required=True, type=click.Path(path_type=Path),
-      help="Parquet directory (partitioned by stream and date).")
-@_opt("--state", env="DS3_STATE", default=None, type=click.Path(path_type=Path),
-      help="Offsets exported so far. Default: OUTPUT/_ds3_export_state.json.")
+@option("--output", env="DS3_OUTPUT", required=True, type=click.Path(path_type=Path),
+        help="Parquet directory (partitioned by stream and date).")
+@option("--state", env="DS3_STATE", default=None, type=click.Path(path_type=Path),
+        help="Offsets exported so far. Default: OUTPUT/_ds3_export_state.json.")
 def export(**kw: Any) -> None:
     """Append every sealed message after the last export to Parquet, incrementally."""
     from pipeline.jobs import export as run_export
@@ -99,9 +90,9 @@ def export(**kw: Any) -> None:
 
 @pipeline_group.command()
 @_source_options
-@_opt("--url", env="DS3_URL", required=True, help="Base URL of a ds3 reader or ingester (tail, publishing).")
-@_opt("--offset", env="DS3_OFFSET", default=None, help="Fold up to this offset. Default: the tail now.")
-@_opt("--dry-run", env="DS3_DRY_RUN", is_flag=True, default=False, help="Fold and print; publish nothing.")
+@option("--url", env="DS3_URL", required=True, help="Base URL of a ds3 reader or ingester (tail, publishing).")
+@option("--offset", env="DS3_OFFSET", default=None, help="Fold up to this offset. Default: the tail now.")
+@option("--dry-run", env="DS3_DRY_RUN", is_flag=True, default=False, help="Fold and print; publish nothing.")
 def compact(**kw: Any) -> None:
     """Fold a JSON stream of state events into a snapshot and publish it."""
     from pipeline.jobs import compact as run_compact
