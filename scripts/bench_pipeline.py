@@ -16,7 +16,11 @@ sealed) and waits for the uploads. Then, per stream, each read twice (the better
   every row with all ten columns built and handed to the JVM (Python data sources are not
   told which columns a query uses);
 - `spark, 1 column`: the same query with the schema declared as `message binary` (the
-  data source's projection: only that column is built).
+  data source's projection: only that column is built);
+- `Spark floor`: the same one-column query over a Python data source that reads nothing and
+  decodes nothing: it yields Arrow batches built once, of the same messages (count, sizes,
+  messages per batch, partitions). What Spark's Python data sources cost on --master before
+  any data source's own work: no Python data source can read faster here.
 
 MB/s counts stored message bytes (each JSON message with its ',' delimiter); `x http` is the
 read's messages/s over the HTTP read's, same stream, same run; `CPU s` is the CPU time the read
@@ -181,6 +185,12 @@ def main() -> None:
                         run = best(args.runs, read)
                         assert (run.messages, run.size) == (messages, end), (run, messages, end)
                         results.append((name, f"Spark data source, {args.master}{label}", run))
+                    partitions = spark.read.format("ds3").options(**opts).load().rdd.getNumPartitions()
+                    floor = partial(spark_floor, spark, name, messages, end, streams[name][2], partitions)
+                    floor()
+                    run = best(args.runs, floor)  # (the same bytes but for the sizes' rounding)
+                    assert run.messages == messages and 0 <= end - run.size < messages, (run, messages, end)
+                    results.append((name, "Spark floor: no I/O, no decoding, 1 column", run))
             finally:
                 spark.stop()
 
@@ -236,6 +246,46 @@ def spark_read(spark: Any, opts: dict[str, str], schema: str | None, delimiter: 
     row = reader.load().selectExpr("count(*) AS n", f"sum(length(message) + {delimiter}) AS bytes").first()
     assert row is not None
     return int(row["n"]), int(row["bytes"])
+
+def spark_floor(spark: Any, name: str, messages: int, stored: int, chunks: int, partitions: int) -> tuple[int, int]:
+    """The one-column query over a Python data source yielding prebuilt batches of messages
+    of the stream's mean size (JSON messages' stored bytes count their ',' delimiter), one
+    batch per chunk, spread over `partitions` partitions: the query's cost with nothing read."""
+    from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
+
+    delimiter = 1 if name == "json" else 0
+    size = stored // messages - delimiter
+    per_chunk = -(-messages // chunks)
+
+    class FloorReader(DataSourceReader):
+        def partitions(self) -> list[InputPartition]:
+            return [InputPartition(i) for i in range(partitions)]
+
+        def read(self, partition: InputPartition) -> Any:
+            import pyarrow as pa  # type: ignore[import-untyped]
+
+            mine = [c for c in range(chunks) if c % partitions == partition.value]
+            batch = pa.RecordBatch.from_arrays([pa.array([b"x" * size] * per_chunk, pa.binary())], ["message"])
+            for c in mine:
+                yield batch.slice(0, min(per_chunk, messages - c * per_chunk))
+
+    class Floor(DataSource):
+        @classmethod
+        def name(cls) -> str:
+            return "ds3benchfloor"
+
+        def schema(self) -> str:
+            return "message binary"
+
+        def reader(self, schema: Any) -> DataSourceReader:
+            return FloorReader()
+
+    spark.dataSource.register(Floor)
+    row = spark.read.format("ds3benchfloor").load().selectExpr(
+        "count(*) AS n", f"sum(length(message) + {delimiter}) AS bytes").first()
+    assert row is not None
+    return int(row["n"]), int(row["bytes"])
+
 
 if __name__ == "__main__":
     main()
