@@ -52,11 +52,11 @@ def _log_options(f: FC) -> FC:
     return apply_options(f, [
         option("--log-format", env="DS3_LOG_FORMAT", default="text", type=click.Choice(["text", "json"]),
                help="text: one readable line per record; json: one JSON object per line (ts, level, logger, msg, "
-                  "request_id, and the access log's fields), for log pipelines."),
+                    "request_id, and the access log's fields), for log pipelines."),
         option("--access-log/--no-access-log", env="DS3_ACCESS_LOG", default=None,
                help="Log every request at info level (logger ds3.access; a line costs about 3 µs, written in batches). "
-                  "Default: on for readers, off for the ingester (its callers are readers, which log "
-                  "the same request ids; it would cost every append)."),
+                    "Default: on for readers, off for the ingester (its callers are readers, which log "
+                    "the same request ids; it would cost every append)."),
     ])
 
 
@@ -69,8 +69,8 @@ def _server_options(f: FC) -> FC:
                help="Seconds a long-poll waits for data before answering 204."),
         option("--tail-max-age", env="DS3_TAIL_MAX_AGE", type=int, default=1,
                help="Seconds shared caches (a CDN, nginx) may keep an answer that says 'nothing more yet' "
-                  "(an empty tail page, a long-poll 204), so a crowd at the tail costs one origin request "
-                  "per that long; 0: never stored."),
+                    "(an empty tail page, a long-poll 204), so a crowd at the tail costs one origin request "
+                    "per that long; 0: never stored."),
         option("--max-body-bytes", env="DS3_MAX_BODY_BYTES", type=int, default=64 * MiB,
                help="Largest request body (413 above)."),
         option("--max-path-bytes", env="DS3_MAX_PATH_BYTES", type=int, default=480,
@@ -91,7 +91,7 @@ def _ingester_options(f: FC) -> FC:
                help="Directory for the LMDB write-ahead log (created if missing)."),
         option("--store", env="DS3_STORE", default=None,
                help="Object store for sealed chunks: s3://bucket/prefix or file:///path. "
-                  "Without it the WAL keeps everything and nothing is sealed."),
+                    "Without it the WAL keeps everything and nothing is sealed."),
         option("--seal-bytes", env="DS3_SEAL_BYTES", type=int, default=8 * MiB,
                help="Seal a stream's open chunk when it reaches this size."),
         option("--seal-age", env="DS3_SEAL_AGE", type=float, default=60.0,
@@ -101,42 +101,42 @@ def _ingester_options(f: FC) -> FC:
         option("--uploads", env="DS3_UPLOADS", type=int, default=4, help="Concurrent chunk uploads."),
         option("--ingester-id", env="DS3_INGESTER_ID", default=None,
                help="This ingester's id in the cluster description (several ingesters sharing one store; "
-                  "docs/architecture.md \"Placement\"): it serves only the streams placed on it and answers "
-                  "421 naming the owner for the others. Without it: no cluster, it owns every stream."),
+                    "docs/architecture.md \"Placement\"): it serves only the streams placed on it and answers "
+                    "421 naming the owner for the others. Without it: no cluster, it owns every stream."),
         option("--cluster", env="DS3_CLUSTER", type=click.Path(path_type=Path), default=None,
                help="Read the cluster description from this JSON file instead of the store's _ds3/cluster.json "
-                  "(ds3 dev, tests). Needs --ingester-id."),
+                    "(ds3 dev, tests). Needs --ingester-id."),
         option("--cluster-refresh", env="DS3_CLUSTER_REFRESH", type=float, default=5.0,
                help="Seconds between reads of the cluster description."),
         option("--durability", env="DS3_DURABILITY", default="local", type=click.Choice(["local", "store"]),
                help="With --store, every commit is also logged to the store. local: an append is "
-                  "acknowledged after the local fsync and the log follows within --ship-interval; "
-                  "store: only once its log segment is in the object store (nothing acknowledged is "
-                  "lost with the machine)."),
+                    "acknowledged after the local fsync and the log follows within --ship-interval; "
+                    "store: only once its log segment is in the object store (nothing acknowledged is "
+                    "lost with the machine)."),
         option("--ship-interval", env="DS3_SHIP_INTERVAL", type=float, default=1.0,
                help="local durability: the log in the store follows the WAL within about this many seconds."),
         option("--max-ship-lag", env="DS3_MAX_SHIP_LAG", type=float, default=None,
                help="local durability: once the log in the store is this many seconds behind (the store "
-                  "failing), appends answer 503 until it catches up, so a lost disk loses at most this "
-                  "much; 0: no bound (keep acknowledging). Default: 5, or 3 x --ship-interval if larger."),
+                    "failing), appends answer 503 until it catches up, so a lost disk loses at most this "
+                    "much; 0: no bound (keep acknowledging). Default: 5, or 3 x --ship-interval if larger."),
         option("--log-uploads", env="DS3_LOG_UPLOADS", type=int, default=4,
                help="store durability: log segment uploads in flight at once (1-4); appends are still "
-                  "acknowledged in commit order."),
+                    "acknowledged in commit order."),
         option("--checkpoint-interval", env="DS3_CHECKPOINT_INTERVAL", type=float, default=300.0,
                help="Seconds between checkpoints of the WAL into the store (they bound recovery)."),
         option("--advertise-url", env="DS3_ADVERTISE_URL", default=None,
                help="URL of this ingester named in the store's ownership record. Default: http://HOST:PORT."),
         option("--owner-id", env="DS3_OWNER_ID", default=None,
                help="This ingester's name in the ownership record. Default: a random id kept in the data dir "
-                  "(a restart on the same disk takes its prefix back at once)."),
+                    "(a restart on the same disk takes its prefix back at once)."),
         option("--lease-seconds", env="DS3_LEASE_SECONDS", type=float, default=10.0,
                help="Lease on the store prefix; renewed every third of it. Another ingester may take the "
-                  "prefix over once it lapses."),
+                    "prefix over once it lapses."),
         option("--standby", env="DS3_STANDBY", is_flag=True, default=False,
                help="Start as a standby for the ingester owning --store's prefix: acknowledge no writes (stream "
-                  "requests answer 503 naming the owner's URL), watch its lease, and when it lapses take the "
-                  "prefix over, restore the WAL from the store's log (this data dir's WAL is discarded) and "
-                  "serve."),
+                    "requests answer 503 naming the owner's URL), watch its lease, and when it lapses take the "
+                    "prefix over, restore the WAL from the store's log (this data dir's WAL is discarded) and "
+                    "serve."),
         option("--sse-max-seconds", env="DS3_SSE_MAX_SECONDS", type=float, default=60.0,
                help="SSE connections are closed after this long so CDNs can collapse them."),
         option("--max-read-bytes", env="DS3_MAX_READ_BYTES", type=int, default=1 * MiB,
@@ -167,10 +167,10 @@ def _access_options(f: FC) -> FC:
                help="How long keys fetched from --jwks-url are used before they are fetched again."),
         option("--private", env="DS3_PRIVATE", multiple=True,
                help="Reads of these need a token with read scope: stream:<prefix>, bucket:<id>[/<prefix>] or *. "
-                  "Repeat it (the variable: separated by spaces)."),
+                    "Repeat it (the variable: separated by spaces)."),
         option("--internal-token", env="DS3_INTERNAL_TOKEN", default=None,
                help="Shared by the ingester and its readers: readers send it to read private streams, call "
-                  "/_ds3/ and be exempt from the ingester's per-client limits." + secret),
+                    "/_ds3/ and be exempt from the ingester's per-client limits." + secret),
         option("--write-rate", env="DS3_WRITE_RATE", type=float, default=500.0,
                help="Writes (PUT/POST/DELETE) per second per client; 0: unlimited."),
         option("--write-burst", env="DS3_WRITE_BURST", type=int, default=2000, help="Writes a client may burst."),
@@ -187,7 +187,7 @@ def _access_options(f: FC) -> FC:
                help="Idle connections close after this long; it also bounds sending a request head."),
         option("--trusted-proxies", env="DS3_TRUSTED_PROXIES", multiple=True, default=PRIVATE_NETWORKS,
                help="Addresses/CIDRs of proxies (readers, load balancers) whose X-Forwarded-For names the client; "
-                  "their own requests are not limited. `none`: trust no one."),
+                    "their own requests are not limited. `none`: trust no one."),
     ])
 
 
@@ -356,11 +356,11 @@ def ingester(**kw: Any) -> None:
 @_server_options
 @option("--ingester", env="DS3_INGESTER", default=None,
         help="Base URL of the ingester: where every request goes while there is no cluster description "
-           "(none in the store's _ds3/cluster.json and no --cluster). Omit it to follow the store prefix's "
-           "owner, the URL its ownership record advertises: a standby's takeover then needs no reader restart.")
+             "(none in the store's _ds3/cluster.json and no --cluster). Omit it to follow the store prefix's "
+             "owner, the URL its ownership record advertises: a standby's takeover then needs no reader restart.")
 @option("--cluster", env="DS3_CLUSTER", type=click.Path(path_type=Path), default=None,
         help="Route by the cluster description in this JSON file instead of the store's _ds3/cluster.json "
-           "(ds3 dev, tests): every request goes to its stream's owner (docs/architecture.md \"Routing\").")
+             "(ds3 dev, tests): every request goes to its stream's owner (docs/architecture.md \"Routing\").")
 @option("--cluster-refresh", env="DS3_CLUSTER_REFRESH", type=float, default=5.0,
         help="Seconds between reads of the cluster description.")
 @option("--store", env="DS3_STORE", required=True, help="Object store: s3://bucket/prefix or file:///path.")
@@ -368,12 +368,12 @@ def ingester(**kw: Any) -> None:
         help="Most bytes of a sealed chunk one response carries.")
 @option("--descriptor-ttl", env="DS3_DESCRIPTOR_TTL", type=float, default=1.0,
         help="Seconds the reader trusts what it read from the store about a stream: its descriptor, "
-           "and that a chunk was not sealed yet (reads there go to the ingester meanwhile).")
+             "and that a chunk was not sealed yet (reads there go to the ingester meanwhile).")
 @option("--sse-max-seconds", env="DS3_SSE_MAX_SECONDS", type=float, default=60.0,
         help="SSE connections are closed after this long so CDNs can collapse them.")
 @option("--workers", env="DS3_WORKERS", type=int, default=None,
         help="Reader processes sharing the port (SO_REUSEPORT), supervised by this one. Default: the "
-           "number of CPUs.")
+             "number of CPUs.")
 @_access_options
 def reader(**kw: Any) -> None:
     """Run a stateless reader: sealed history straight from the object store, the rest
@@ -413,7 +413,7 @@ def reader(**kw: Any) -> None:
         help="Reader processes sharing the public port. Default: the number of CPUs.")
 @option("--ingesters", env="DS3_INGESTERS", type=int, default=1,
         help="Ingesters sharing the store (ids i1..iN, WALs in DIR/iK, the cluster description in "
-           "DIR/cluster.json); the reader routes each stream to its owner. 1: one ingester, no cluster.")
+             "DIR/cluster.json); the reader routes each stream to its owner. 1: one ingester, no cluster.")
 @_log_options
 def dev(**kw: Any) -> None:
     """Run an ingester and a reader on this machine with a local-directory object store
