@@ -192,6 +192,24 @@ def test_a_target_in_absolute_form_is_served_and_judged_as_its_path(sides: tuple
     assert parsed(exchange(p.port, get(secret, RIGHT))[0])[::2] == (200, b"first")
 
 
+@pytest.mark.parametrize("via", ["reader", "ingester"])
+def test_an_upgrade_request_is_answered_and_harms_no_other(sides: tuple[Side, Side], via: str) -> None:
+    """A request with Upgrade (curl --http2 sends `Upgrade: h2c`) pipelined after an append the
+    lane forwards: both are answered, in order. (Found by QA: httptools' HttpParserUpgrade escaped
+    the lane, the connection got no answer, and in the reader it killed the pooled upstream
+    connection, so other clients' stored appends were answered 503.)"""
+    p = sides[0].reader if via == "reader" else sides[0].ingester
+    name = f"upgrade-{via}-{time.monotonic_ns()}"
+    _setup(p.port, name)
+    path = f"/v1/stream/pub/{name}"
+    upgrade = (f"GET {path}?offset=-1 HTTP/1.1\r\nHost: t\r\nConnection: Upgrade, HTTP2-Settings\r\n"
+               "Upgrade: h2c\r\nHTTP2-Settings: AAMAAABkAAQCAAAAAAIAAAAA\r\n\r\n").encode()
+    answers = exchange(p.port, post(path, b"+up", TEXT, RIGHT) + upgrade, answers=2)
+    assert [parsed(a)[0] for a in answers] == [204, 200]
+    assert parsed(answers[1])[2] == b"first+up"
+    assert parsed(exchange(p.port, post(path, b"+after", TEXT, RIGHT))[0])[0] == 204
+
+
 @pytest.mark.parametrize("headers", [
     [],
     [("Cache-Control", "public, max-age=60")],

@@ -346,8 +346,11 @@ class LaneHandler(RequestHandler):
         self._pos = len(buf)
         try:
             self._follower.parser.feed_data(chunk)
-        except httptools.HttpParserError:
-            self._lane_off = True  # aiohttp parses the same bytes and answers 400
+        except (httptools.HttpParserError, httptools.HttpParserUpgrade):
+            # aiohttp parses the same bytes and answers 400, or takes the Upgrade (QA: an
+            # Upgrade escaped here and killed the connection, and with it, when raised in an
+            # upstream answer's callback, the reader's pooled connection to the ingester)
+            self._lane_off = True
         super().data_received(chunk)
         return True
 
@@ -392,8 +395,8 @@ class LaneHandler(RequestHandler):
         parser = h.parser = httptools.HttpRequestParser(h)
         try:
             parser.feed_data(head)
-        except httptools.HttpParserError:
-            return False  # aiohttp answers the 400
+        except (httptools.HttpParserError, httptools.HttpParserUpgrade):
+            return False  # aiohttp answers the 400 (or takes the Upgrade: not a lane request)
         finally:
             h.parser = None  # (no reference cycle left for the collector)
         if h.duplicate:
