@@ -46,6 +46,8 @@ def relies_on_state(outcome: object) -> bool:
     if they fail to reach the store (found by QA: a close answered 503 made appends answer
     409 "stream is closed", and the standby that took over had the stream open)."""
     return isinstance(outcome, NotFound | Gone | Conflict | StaleProducerEpoch)
+
+
 def gate_refusal(why: BaseException | None, in_wal: bool = False) -> Unavailable:
     """The 503 for an outcome whose commit's gate failed: the shipper's reason when it gave one
     (fenced, a lapsed lease, a log too far behind); a new exception per outcome (each is raised
