@@ -417,9 +417,7 @@ class IngesterService:
             if gate is not None:
                 try:  # (shielded: a client that leaves must not cancel the shipper's future)
                     await asyncio.shield(asyncio.wrap_future(gate))
-                except asyncio.CancelledError:
-                    raise
-                except BaseException as why:
+                except Exception as why:
                     raise gate_refusal(why) from None
         return out
 

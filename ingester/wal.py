@@ -455,7 +455,6 @@ class GroupCommitter:
                 out = results
                 if gate is not None and (gate.cancelled() or gate.exception() is not None):
                     why = None if gate.cancelled() else gate.exception()
-                    # (in_wal: it replaces a success, whose commit is in the WAL and may ship yet)
                     out = [(p, gate_refusal(why, in_wal=ok), False) if ok or relies_on_state(value) else (p, value, ok)
                            for p, value, ok in results]
                 self._deliver_threadsafe(out, changed)
