@@ -86,6 +86,8 @@ class Reads:
             if hidden:  # a commit the store lacks changed it: what readers saw before it
                 if seen is None:
                     return None
+                if seen.expired(time.time(), self.touches.get(path)):
+                    return copy.copy(seen)  # gone whatever the store holds: its expiry is already decided
                 if raw is None or StreamMeta.decode(raw).sid != seen.sid:  # deleted or recreated meanwhile
                     raise Unavailable(HIDDEN_CHANGING, 1)
                 return copy.copy(seen)
