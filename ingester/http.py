@@ -356,7 +356,8 @@ async def stream_sse(
 
 async def touch(request: web.Request) -> web.Response:
     """A reader served this stream from the object store: renew its sliding TTL, and say
-    whether it still exists (204), expired or never did (404), or was deleted (410)."""
+    whether it still exists (204), expired or never did (404), or was deleted (410), and where
+    its tail is and whether it is closed (so a sealed page ending there says so, §5.6)."""
     svc = request.app[SERVICE]
     path = request.query.get("path")
     if path is None:
@@ -365,7 +366,10 @@ async def touch(request: web.Request) -> web.Response:
         await svc.owned(path)
     meta = await svc.head(path)  # NotFound / Gone map to 404 / 410
     svc.touch(meta)
-    return web.Response(status=204)
+    headers = {P.NEXT_OFFSET: meta.tail_offset}
+    if meta.closed:
+        headers[P.CLOSED] = "true"
+    return web.Response(status=204, headers=headers)
 
 
 def add_routes(app: web.Application) -> None:

@@ -3,8 +3,10 @@ forwarded to the ingester, so one public URL serves the whole protocol."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import Final, cast
 from urllib.parse import urlencode
 
@@ -51,6 +53,8 @@ START_URL_CACHE: Final = "public, max-age=60, stale-while-revalidate=300"
 # Pages of a catch-up asked of the store ahead of their requests: the next one's time to first
 # byte and the one after's pass while a page is sent (scripts/bench_catchup.py).
 NEXT_PAGES_AHEAD: Final = 2
+# How long the last sealed page waits to learn whether it ends at the tail (reader/http.py tail_of).
+TAIL_CHECK_SECONDS: Final = 0.25
 
 
 async def handle_stream(request: web.Request) -> web.StreamResponse:
@@ -110,9 +114,13 @@ async def handle_get(request: web.Request, st: ReaderState, path: str) -> web.St
             if desc is not None and servable(desc):
                 found = await st.locator.find(desc, start)
                 if found is not None:
+                    tail = None
                     if desc.ttl is not None:
-                        await renew(st, path)
-                    return await serve_sealed(request, st, found, live, start_url=not isinstance(given, offsets.Offset))
+                        tail = await renew(st, path)
+                    elif await _may_end_at_tail(st, found):
+                        tail = await tail_of(st, path)
+                    return await serve_sealed(request, st, found, live, start_url=not isinstance(given, offsets.Offset),
+                                              tail=tail)
         except (ObjectStoreError, Unavailable) as e:
             if request.get(PREPARED):
                 raise  # headers are out: a second response is impossible, drop the connection
@@ -225,23 +233,32 @@ def _eof_from_descriptor(desc: Descriptor | None, given: offsets.Offset | str | 
 
 
 async def serve_sealed(
-    request: web.Request, st: ReaderState, found: SealedRead, live: str | None, *, start_url: bool
+    request: web.Request, st: ReaderState, found: SealedRead, live: str | None, *, start_url: bool,
+    tail: Tail | None = None,
 ) -> web.StreamResponse:
     """A sealed range: immutable under its offset URL. The start URL (offset -1) is not: a
-    path deleted and created again keeps that URL, so caches may hold it only briefly."""
+    path deleted and created again keeps that URL, so caches may hold it only briefly. A page
+    that ends at the tail (`tail`: the ingester's, when asked) says so, and is not immutable
+    then, since the stream goes on; one that ends where the stream was closed says that."""
     desc, piece = found.descriptor, found.piece
     json_mode = P.is_json(desc.content_type)
     if json_mode and not piece.head.is_boundary(piece.start):
         raise BadRequest("offset is not at a message boundary of this JSON stream")
     st.sealed_responses += 1
-    etag = f'"{found.owner_uid}.{found.chunk}.{piece.start}.{piece.end}"'
+    at_tail = tail is not None and tail.position == piece.end and found.owner_uid == desc.uid
+    final = found.final or (at_tail and tail is not None and tail.closed)
+    # The ETag varies with closure (§8.1): a 304 must not hide that the stream ended here.
+    etag = f'"{found.owner_uid}.{found.chunk}.{piece.start}.{piece.end}{".c" if final else ""}"'
     cache = START_URL_CACHE if start_url else IMMUTABLE
+    if at_tail and not final:
+        cache = P.tail_cache_control(st.config.tail_max_age)
     headers = {
         "Content-Type": desc.content_type, P.NEXT_OFFSET: found.next_offset, "ETag": etag,
         "Cache-Control": cache,
     }
-    if found.final:
+    if final:
         headers[P.CLOSED] = "true"
+    if final or at_tail:
         headers[P.UP_TO_DATE] = "true"
     if live == "long-poll":
         headers[P.CURSOR] = P.response_cursor(request.query.get("cursor"))
@@ -266,7 +283,7 @@ async def serve_sealed(
             # The store's answer before ours: a store failing here is still an error answer
             # (or the ingester's), not a cut body.
             body = await relay.body()
-            if not found.final:
+            if not final and not at_tail:
                 _start_next_page(st, found)
         resp = web.StreamResponse(status=200, headers=headers)
         await resp.prepare(request)
@@ -376,21 +393,49 @@ async def _nothing() -> AsyncIterator[bytes]:
     yield b""
 
 
-async def renew(st: ReaderState, path: str) -> None:
+async def _may_end_at_tail(st: ReaderState, found: SealedRead) -> bool:
+    """A page ending its chunk, the stream not closed there and no later chunk sealed: the
+    stream's last sealed page, which ends at the tail if nothing was appended since."""
+    piece = found.piece
+    return piece.end == piece.head.header.end and not found.final and not await st.locator.sealed_after(found)
+
+
+async def tail_of(st: ReaderState, path: str) -> Tail | None:
+    """Where the ingester has the tail (renew, for a stream without a TTL, renews nothing).
+    Asked only at the sealed history's end, and briefly: if the ingester is slow to say, the
+    page goes out as any sealed page (without Stream-Up-To-Date; the next read says it)."""
+    try:
+        return await asyncio.wait_for(renew(st, path), TAIL_CHECK_SECONDS)
+    except TimeoutError:
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class Tail:
+    position: int
+    closed: bool
+
+
+async def renew(st: ReaderState, path: str) -> Tail | None:
     """A stream with a sliding TTL: reads renew it, and only the ingester knows whether it
-    has expired. Ask it (one request shared by concurrent readers of the stream); with the
-    ingester down, keep serving the sealed history rather than fail."""
+    has expired. Ask it (one request shared by concurrent readers of the stream), and where
+    its tail is; with the ingester down, keep serving the sealed history rather than fail."""
     qs = "/_ds3/touch?" + urlencode({"path": path})
     try:
         up = await st.router.collapsed_call(placement_key(path), "POST", qs, {}, flight="touch\x00" + path)
     except Unavailable:
-        return
+        return None
     if up.status == 404:
         st.descriptors.forget(path)
         raise NotFound("stream not found")
     if up.status == 410:
         st.descriptors.forget(path)
         raise Gone("stream was deleted")
+    offset = up.headers.get(P.NEXT_OFFSET) if up.status == 204 else None
+    try:
+        return Tail(offsets.parse(offset).position, up.headers.get(P.CLOSED) == "true") if offset else None
+    except ValueError:
+        return None
 
 
 def add_routes(app: web.Application) -> None:

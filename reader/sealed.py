@@ -43,9 +43,12 @@ class SealedRead:
 
     @property
     def final(self) -> bool:
-        """This response ends at the final offset of a closed stream."""
-        h = self.piece.head.header
-        return h.closed and self.piece.end == h.end and self.owner_uid == self.descriptor.uid
+        """This response ends at the final offset of a closed stream: its chunk was sealed by
+        the close, or the descriptor says the stream was closed where the chunk ends."""
+        h, d = self.piece.head.header, self.descriptor
+        if self.owner_uid != d.uid or self.piece.end != h.end:
+            return False
+        return h.closed or (d.closed and d.final_offset is not None and _position(d.final_offset) == h.end)
 
 
 class SealedLocator:
@@ -72,6 +75,19 @@ class SealedLocator:
             return False
         self.lookups += len(candidates)
         self.missing_hits += len(candidates)
+        return True
+
+    async def sealed_after(self, found: SealedRead) -> bool:
+        """Whether the chunk after `found`'s is in the store: then a page ending at its chunk's
+        end is not at the stream's tail (no need to ask the ingester where the tail is)."""
+        uid, chunk = found.owner_uid, found.chunk + 1
+        if self._is_missing(uid, chunk, time.monotonic()):
+            return False
+        try:
+            await self.chunks.head(uid, chunk)
+        except ObjectNotFound:
+            self._remember_missing(uid, chunk)
+            return False
         return True
 
     def forget_missing(self, uid: str) -> None:

@@ -349,7 +349,9 @@ async def test_nginx_cache_in_front_of_reader(stack: Stack, s3_server: MotoS3, s
         tail = urls[-1]
         assert tail not in sealed_urls and "max-age=" in results[0].cache_control[tail]
         assert statuses[tail]["MISS"] <= 1, statuses[tail]
-        assert forwarded_after - forwarded_before <= 1
+        # The ingester is asked for the tail page, and where the tail is by the last sealed
+        # page's one origin request (it would say Stream-Up-To-Date if it ended there).
+        assert forwarded_after - forwarded_before <= 2
         # Past the tail the page is empty: cacheable for --tail-max-age (1 s), so a crowd at the
         # tail costs one reader request a second; a client that got it goes live at that offset.
         async with session.get(tail) as r:
