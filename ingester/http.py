@@ -26,6 +26,7 @@ from shared.http.handlers import (
     method_not_allowed,
     preflight,
     read_body,
+    refuse_repeated_headers,
     start_offset,
     stream_path_of,
 )
@@ -42,6 +43,7 @@ async def handle_stream(request: web.Request) -> web.StreamResponse:
     method = request.method
     if method == "OPTIONS":
         return preflight()
+    refuse_repeated_headers(request)
     raw, endpoint = extensions.split(request.raw_path.split("?", 1)[0])
     path = stream_path_of(raw, svc.config.max_path_bytes)
     if svc.membership is not None:  # another ingester's stream: 421 naming it; or wait for its move
@@ -150,7 +152,10 @@ def append_request(header: Callable[[str], str | None], body: bytes, path: str) 
         if not P.is_valid_content_type(content_type):
             raise BadRequest(f"invalid Content-Type {content_type[:100]!r}")
         if P.is_json(content_type):
-            messages = jsonmode.split_messages(body, allow_empty_array=False)
+            try:
+                messages = jsonmode.split_messages(body, allow_empty_array=False)
+            except BadRequest:  # the writer splits it again and says so, once the stream's state
+                messages = None  # is known: a closed stream's 409 comes first (as the reference's)
     elif not close:
         raise BadRequest("empty body: an append needs data (or Stream-Closed: true to close)")
     return AppendRequest(path, content_type, body, messages, close=close, stream_seq=stream_seq, producer=producer)

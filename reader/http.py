@@ -41,6 +41,7 @@ from shared.http.handlers import (
     method_not_allowed,
     preflight,
     read_body,
+    refuse_repeated_headers,
     start_offset,
     stream_path_of,
 )
@@ -62,6 +63,7 @@ async def handle_stream(request: web.Request) -> web.StreamResponse:
     method = request.method
     if method == "OPTIONS":
         return preflight()
+    refuse_repeated_headers(request)
     raw, endpoint = extensions.split(request.raw_path.split("?", 1)[0])
     path = stream_path_of(raw, st.config.max_path_bytes)
     if endpoint is not None:
@@ -70,9 +72,6 @@ async def handle_stream(request: web.Request) -> web.StreamResponse:
         return await handle_get(request, st, path)
     if method not in ("PUT", "POST", "DELETE", "HEAD"):
         return method_not_allowed(method)
-    if method == "PUT" and len(request.headers.getall(P.FORKED_FROM, ())) > 1:
-        # auth checks the first, and forwarding would keep one of them: refuse rather than guess
-        raise BadRequest("send one Stream-Forked-From header, not several")
     body = await read_body(request, st.config.max_body_bytes) if method in ("PUT", "POST") else None
     headers = IngesterClient._request_headers(request)
     st.forwarded += 1

@@ -53,6 +53,10 @@ CORS_EXPOSE_HEADERS: Final = ", ".join(
     ]
 )
 CORS_ALLOW_METHODS: Final = "GET, POST, PUT, DELETE, HEAD, OPTIONS"
+# Request headers that carry one value: sent twice, which one counts would be a guess (400).
+SINGLE_VALUE_HEADERS: Final = (
+    SEQ, TTL, EXPIRES_AT, CLOSED, PRODUCER_ID, PRODUCER_EPOCH, PRODUCER_SEQ, FORKED_FROM, FORK_OFFSET, FORK_SUB_OFFSET,
+)
 
 DECIMAL_RE: Final = re.compile(r"\A(0|[1-9][0-9]*)\Z")
 _DIGITS_RE: Final = re.compile(r"\A[0-9]+\Z")

@@ -176,6 +176,14 @@ def method_not_allowed(method: str, what: str = "a stream", allow: str = P.CORS_
     return web.Response(status=405, text=f"method {method} is not allowed on {what}\n", headers={"Allow": allow})
 
 
+def refuse_repeated_headers(request: web.Request) -> None:
+    """400 for a protocol header sent more than once (P.SINGLE_VALUE_HEADERS): the fast lanes
+    hand such requests here, so both paths answer alike."""
+    for name in P.SINGLE_VALUE_HEADERS:
+        if name in request.headers and len(request.headers.getall(name)) > 1:
+            raise BadRequest(f"send one {name} header, not several")
+
+
 def stream_path(request: web.Request, max_bytes: int) -> str:
     """The stream path from the raw URL (not normalized: '..' is rejected, not resolved)."""
     return stream_path_of(request.raw_path.split("?", 1)[0], max_bytes)

@@ -40,6 +40,7 @@ from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_runner import GracefulExit
 
 from shared import extensions, logs
+from shared import protocol as P
 from shared.errors import DS3Error, RequestTimeout
 from shared.http.access import CLIENT_CLOSED, log_access
 from shared.http.auth import private_head, private_headers
@@ -54,8 +55,12 @@ access_log = logging.getLogger("ds3.access")
 _PLAIN_URL: Final = re.compile(rb"/v1/(?:stream/|buckets/[A-Za-z0-9_~!$&'()*+,;=:@.-]+/)[A-Za-z0-9_~!$&'()*+,;=:@./-]+")
 _REFUSED_HEADERS: Final = frozenset({b"transfer-encoding", b"content-encoding", b"expect", b"upgrade"})
 _MAX_HEAD: Final = 16 * 1024  # a candidate's head must be complete within this many bytes
-# aiohttp answers 400 if one of these is repeated (Authorization: the auth middleware)
-_SINGLE_HEADERS: Final = frozenset({b"content-type", b"host", b"content-length", b"authorization"})
+# aiohttp answers 400 if one of these is repeated (Authorization: the auth middleware; the
+# protocol's own: refuse_repeated_headers)
+_SINGLE_HEADERS: Final = frozenset(
+    {b"content-type", b"host", b"content-length", b"authorization"}
+    | {name.lower().encode() for name in P.SINGLE_VALUE_HEADERS}
+)
 _PAUSE_ABOVE: Final = 256 * 1024  # unprocessed bytes held while an answer is pending
 _STATUS_LINES: dict[int, bytes] = {}
 
