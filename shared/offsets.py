@@ -62,9 +62,7 @@ def parse(text: str) -> Offset:
     """Parse a concrete offset (not a sentinel)."""
     m = _OFFSET_RE.match(text)
     if m is None:
-        raise OffsetSyntaxError(
-            f"malformed offset {text[:80]!r}: expected -1, now, or 16 digits '_' 16 digits"
-        )
+        raise OffsetSyntaxError(f"malformed offset {text[:80]!r}: expected 16 digits '_' 16 digits")
     return Offset(int(m.group(1)), int(m.group(2)))
 
 
@@ -74,4 +72,7 @@ def parse_query(text: str | None) -> Offset | str:
         return START
     if text == NOW:
         return NOW
-    return parse(text)
+    m = _OFFSET_RE.match(text)
+    if m is None:  # (here the sentinels are offsets too: the message names them)
+        raise OffsetSyntaxError(f"malformed offset {text[:80]!r}: expected -1, now, or 16 digits '_' 16 digits")
+    return Offset(int(m.group(1)), int(m.group(2)))

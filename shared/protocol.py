@@ -68,7 +68,7 @@ _CONTROL_RE: Final = re.compile(r"[\x00-\x1f\x7f]")
 _HEADER_TEXT_RE: Final = re.compile(r"\A[\t\x20-\x7e]*\Z")
 _MEDIA_TYPE_RE: Final = re.compile(r"\A[A-Za-z0-9!#$&^_.+-]+/[A-Za-z0-9!#$&^_.+-]+\Z")
 _RFC3339_RE: Final = re.compile(
-    r"\A\d{4}-\d{2}-\d{2}[Tt ]\d{2}:\d{2}:\d{2}(\.\d{1,9})?([Zz]|[+-]\d{2}:\d{2})\Z", re.ASCII
+    r"\A\d{4}-\d{2}-\d{2}[Tt ]\d{2}:\d{2}:\d{2}(\.\d{1,9})?([Zz]|[+-](?:[01]\d|2[0-3]):[0-5]\d)\Z", re.ASCII
 )
 
 

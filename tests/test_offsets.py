@@ -4,6 +4,7 @@ spelling or a wrong order loses or repeats data; malformed input must be refused
 from __future__ import annotations
 
 import itertools
+from typing import Any
 
 import pytest
 
@@ -139,3 +140,22 @@ def test_sentinels_are_never_valid_offsets() -> None:
     # an issued offset can never be mistaken for a sentinel
     for chunk, position in _POINTS:
         assert offsets.encode(chunk, position) not in (START, NOW)
+
+
+@pytest.mark.parametrize(
+    ("parse", "text", "offers_sentinels"),
+    [
+        (offsets.parse, "-1", False),  # a concrete offset is wanted (Stream-Fork-Offset, snapshots)
+        (offsets.parse, "now", False),
+        (offsets.parse, "abc", False),
+        (offsets.parse_query, "abc", True),  # the offset query parameter takes -1 and now too
+        (offsets.parse_query, "1_2", True),
+    ],
+)
+def test_a_malformed_offset_says_what_would_do(parse: Any, text: str, offers_sentinels: bool) -> None:
+    """The message offered "-1, now" even where they are refused (Stream-Fork-Offset: -1 was
+    told 'expected -1, now, or ...'; found by QA)."""
+    with pytest.raises(offsets.OffsetSyntaxError) as e:
+        parse(text)
+    assert "16 digits '_' 16 digits" in str(e.value)
+    assert ("-1, now" in str(e.value)) is offers_sentinels
