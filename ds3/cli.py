@@ -312,8 +312,14 @@ async def _wait_while_parent_lives() -> None:
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="ds3")
-def main() -> None:
+@click.pass_context
+def main(ctx: click.Context) -> None:
     """ds3: a Durable Streams server whose history lives in S3-compatible object storage."""
+    if ctx.invoked_subcommand in ("pipeline", "cluster"):  # (the servers say it in their logs)
+        from ds3.settings import known_settings, unknown_settings
+
+        for warning in unknown_settings(os.environ, known_settings(ctx.command)).values():
+            click.echo(f"warning: {warning}", err=True)
 
 
 @main.command()

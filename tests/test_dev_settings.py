@@ -209,3 +209,17 @@ def test_unknown_settings(environ: dict[str, str], said: dict[str, str]) -> None
     assert set(found) == set(said)
     for name, text in said.items():
         assert text in found[name]
+
+
+@pytest.mark.parametrize("args", [["cluster", "show"], ["pipeline", "export", "--help"]])
+def test_pipeline_and_cluster_commands_name_a_misspelt_setting(tmp_path: Path, args: list[str]) -> None:
+    """`ds3 pipeline` and `ds3 cluster` read DS3_* variables too, and said nothing of a misspelt
+    one (the servers log it). Now they say it on stderr, once, and carry on."""
+    from click.testing import CliRunner
+
+    from ds3.cli import main
+
+    env = {"DS3_STOR": (tmp_path / "objects").as_uri(), "DS3_STORE": (tmp_path / "objects").as_uri()}
+    result = CliRunner().invoke(main, args, env=env)
+    said = "warning: DS3_STOR is not a ds3 setting: it is ignored (did you mean DS3_STORE?)"
+    assert result.stderr.count(said) == 1, (result.stdout, result.stderr)
