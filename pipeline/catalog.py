@@ -132,13 +132,15 @@ class Catalog:
             return None
         return desc if desc.path == path else None  # a sha256 collision would be news
 
-    def descriptors_under(self, path_prefix: str) -> list[Descriptor]:
+    def descriptors_under(self, path_prefix: str, deleted: bool = False) -> list[Descriptor]:
         """Live streams whose internal path starts with `path_prefix` (descriptors are keyed
-        by a hash of the path, so this reads every descriptor in the store)."""
+        by a hash of the path, so this reads every descriptor in the store); `deleted`: the
+        soft-deleted ones too."""
         listed = [o.key for o in self.store.list("streams/") if o.key.endswith(".json")]
         with ThreadPoolExecutor(self.workers) as pool:
             found = list(pool.map(self._descriptor_at, listed))
-        out = [d for d in found if d is not None and d.path.startswith(path_prefix) and not d.soft_deleted]
+        out = [d for d in found
+               if d is not None and d.path.startswith(path_prefix) and (deleted or not d.soft_deleted)]
         if not path_prefix.startswith(buckets.INTERNAL_PREFIX):  # plain prefixes never match buckets
             out = [d for d in out if buckets.split_internal(d.path) is None]
         return sorted(out, key=lambda d: d.path)

@@ -11,6 +11,7 @@ job runs, so `ds3 ingester` and `ds3 reader` start without it.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -38,6 +39,10 @@ def _read_options(kw: dict[str, Any]) -> dict[str, str]:
     return {opt: str(kw[k]) for k, opt in names.items() if kw.get(k) is not None}
 
 
+# the last line of an executor's traceback that Spark's exception carries
+_STORE_ERROR = re.compile(r"^shared\.errors\.ObjectStore(?:Error|Unavailable): (.+)$", re.MULTILINE)
+
+
 def _run(master: str, app: str, job: Callable[[Any], Any]) -> Any:
     """Run `job(spark)` on an active session if there is one (stopping nothing), else on a
     new session for `master` that is stopped afterwards."""
@@ -48,6 +53,7 @@ def _run(master: str, app: str, job: Callable[[Any], Any]) -> Any:
     from pipeline.jobs import CompactRefused
     from pipeline.options import OptionError
     from pipeline.session import spark_session
+    from shared.errors import ObjectStoreError
 
     active = SparkSession.getActiveSession()
     spark = active or spark_session(master, app)
@@ -63,6 +69,13 @@ def _run(master: str, app: str, job: Callable[[Any], Any]) -> Any:
         raise click.ClickException(str(e)) from None
     except Unreachable as e:  # a wrong --url, or the server is down: say so, not a traceback
         raise click.ClickException(f"{e}; check --url") from None
+    except ObjectStoreError as e:  # no such S3 bucket, bad credentials, the endpoint unreachable
+        raise click.ClickException(f"{e.message}; check --store, --s3-endpoint and the AWS settings") from None
+    except Exception as e:  # the same on an executor, inside Spark's error (its Python traceback)
+        found = _STORE_ERROR.findall(str(e))
+        if not found:
+            raise
+        raise click.ClickException(f"{found[-1].strip()}; check the store settings of the executors") from None
     finally:
         if active is None:
             spark.stop()

@@ -3,9 +3,10 @@
 export   streams -> Parquet partitioned by stream and date (the day their chunk was sealed),
          incrementally: a state file remembers each stream's exported offset, and a run reads
          only the sealed chunks after it. The run first records what it is about to write
-         ("pending"), writes, then commits the state; a run that finds a pending record checks
-         the output for it, so a crash between the write and the commit neither loses nor
-         duplicates a message.
+         ("pending"), has Spark write it into a staging directory of its own, records it as
+         staged, moves the files into the output and commits the state; a run that finds a
+         pending record finishes the move (staged) or drops the staging (not staged), so a
+         crash anywhere neither loses nor duplicates a message.
 
 compact  a JSON stream of state-change events (the Durable Streams state protocol, as in
          @durable-streams/state: {"type", "key", "value", "headers": {"operation"}}) folded
@@ -22,6 +23,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,15 +33,17 @@ from urllib.parse import quote
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
-from pipeline.catalog import Catalog, display_name, resolve
+from pipeline.catalog import Catalog, StreamNotFound, display_name, resolve
 from pipeline.http import Client, HTTPError
 from pipeline.options import OptionError, ReadOptions
 from pipeline.statefold import fold
-from shared import offsets
+from pipeline.store import check_store
+from shared import buckets, offsets
 from shared import protocol as P
 from shared.buckets import url_path
 
 STATE_FILE = "_ds3_export_state.json"
+STAGING_DIR = "_ds3_export_staging"  # a run's files before they move into the output (`_`: not data)
 
 
 # ---------------------------------------------------------------- export
@@ -71,10 +76,21 @@ def _save_state(path: Path, state: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
+def _has_data(output: Path) -> bool:
+    """Whether `output` holds a file Spark would read as data (not `_`- or `.`-named, nor in
+    such a directory: the state file, `_SUCCESS`, `_temporary/`, the staging directory)."""
+    for _dirpath, dirs, files in os.walk(output):
+        dirs[:] = [d for d in dirs if not d.startswith(("_", "."))]
+        if any(not f.startswith(("_", ".")) for f in files):
+            return True
+    return False
+
+
 def _pending_written(spark: SparkSession, output: Path, pending: dict[str, Any]) -> bool:
-    """Whether the run that recorded `pending` got its rows into the output (Spark commits a
-    file write as a whole, so one stream's first new row tells)."""
-    if not output.exists() or not pending.get("first"):
+    """Whether the run that recorded `pending` got its rows into the output: a record of an
+    earlier version, which wrote into the output directly (Spark committing a file write as a
+    whole, one stream's first new row told)."""
+    if not pending.get("first") or not _has_data(output):  # (a first run that died before its write)
         return False
     stream, position, *since = pending["first"]
     found = spark.read.parquet(str(output)).where((F.col("stream") == stream) & (F.col("position") >= position))
@@ -83,23 +99,68 @@ def _pending_written(spark: SparkSession, output: Path, pending: dict[str, Any])
     return bool(found.limit(1).count())
 
 
+def _publish(staged: Path, output: Path) -> None:
+    """Move the files Spark committed under `staged` to the same place under `output`, each
+    with one rename (their names are unique to the run). Again after a crash: what is still
+    there moves, what moved already is not there any more."""
+    for dirpath, dirs, files in os.walk(staged):
+        dirs[:] = [d for d in dirs if d != "_temporary"]
+        rel = Path(dirpath).relative_to(staged)
+        for f in sorted(files):
+            if rel == Path() and f.startswith("_"):  # _SUCCESS
+                continue
+            (output / rel).mkdir(parents=True, exist_ok=True)
+            os.replace(Path(dirpath) / f, output / rel / f)
+
+
+def _recover(spark: SparkSession, output: Path, state_path: Path, state: dict[str, Any]) -> None:
+    """Finish or undo what a run that died left (a pending record; its staging directory)."""
+    pending = state["pending"]
+    if pending:
+        if "run" in pending:  # staged: its files all reach the output; else none of them does
+            written = bool(pending.get("staged"))
+            if written:
+                _publish(output / STAGING_DIR / pending["run"], output)
+        else:
+            written = _pending_written(spark, output, pending)
+            shutil.rmtree(output / "_temporary", ignore_errors=True)  # its uncommitted tasks
+        if written:
+            state["offsets"].update(pending["ends"])
+            state["uids"].update(pending.get("uids", {}))
+        state["pending"] = None
+        _save_state(state_path, state)
+    shutil.rmtree(output / STAGING_DIR, ignore_errors=True)  # runs that died before their commit
+
+
+def _check_bucket(catalog: Catalog, opts: ReadOptions) -> None:
+    """A bucket read that found no stream: StreamNotFound unless the store knows the bucket
+    (some stream of it, deleted ones included). The store holds no record of a bucket itself,
+    so a bucket that has no stream yet is refused too."""
+    prefix = opts.selection.path_prefix
+    parts = buckets.split_internal(prefix or "")
+    if opts.selection.paths is not None or parts is None:
+        return
+    bucket = parts[0]
+    if not catalog.descriptors_under(buckets.bucket_key_prefix(bucket), deleted=True):
+        raise StreamNotFound(f"bucket {bucket!r} not found in store {catalog.store.url}: no stream of it is "
+                             f"there (a bucket with no stream yet has nothing to read either)")
+
+
 def export(spark: SparkSession, read_options: dict[str, str], output: Path,
            state_path: Path | None = None) -> ExportResult:
     """Append every sealed message after the saved offsets to Parquet under `output`,
     partitioned by `stream` and `date`; save the new offsets."""
     opts = ReadOptions.parse(read_options)  # before anything is created: a bad option leaves nothing behind
+    check_store(opts.store)  # a wrong endpoint, bucket or credentials: an error in seconds
+    catalog = Catalog(opts.store)
+    descs = resolve(catalog, opts.selection.paths, opts.selection.path_prefix)
+    if not descs:
+        _check_bucket(catalog, opts)
     output = output.resolve()
     state_path = state_path or output / STATE_FILE
     state_path.parent.mkdir(parents=True, exist_ok=True)
     state = _load_state(state_path)
-    if state["pending"]:
-        if _pending_written(spark, output, state["pending"]):
-            state["offsets"].update(state["pending"]["ends"])
-            state["uids"].update(state["pending"].get("uids", {}))
-        state["pending"] = None
-        _save_state(state_path, state)
-    catalog = Catalog(opts.store)
-    descs = resolve(catalog, opts.selection.paths, opts.selection.path_prefix)
+    _recover(spark, output, state_path, state)
     # A stream deleted and created again at the same path is another stream (another uid): the
     # offsets saved for the old one say nothing about it, and it is exported from its start.
     saved_uids: dict[str, str] = state["uids"]
@@ -107,7 +168,10 @@ def export(spark: SparkSession, read_options: dict[str, str], output: Path,
     done: dict[str, str] = {k: v for k, v in state["offsets"].items() if k not in renewed}
     # planned from where the last run stopped: a periodic export reads only the new chunks' headers
     plans = catalog.plans(descs, {k: offsets.parse(v) for k, v in done.items() if v != offsets.START})
-    ends = {p.url_path: p.sealed_end_offset for p in plans if p.sealed_end > _position(done.get(p.url_path))}
+    # Streams with sealed messages to read: past the exported offset and past the earliest
+    # retained one (a stream whose snapshot is at its sealed end has none).
+    ends = {p.url_path: p.sealed_end_offset for p in plans
+            if p.sealed_end > max(_position(done.get(p.url_path)), p.earliest)}
     if not ends:
         return ExportResult({}, state_path)
     # The read uses the user's selection (a prefix or a bucket), so every stream it finds needs
@@ -119,22 +183,27 @@ def export(spark: SparkSession, read_options: dict[str, str], output: Path,
     stops = {p.url_path: ends.get(p.url_path) or done.get(p.url_path) or p.sealed_end_offset for p in plans}
     names = sorted({display_name(p.path)[1] for p in plans if p.url_path in ends})
     uids = {p.url_path: p.uid for p in plans if p.url_path in ends}
-    first = next((p for p in plans if p.url_path in ends), None)
-    assert first is not None
-    name = display_name(first.path)[1]
-    begin = max(_position(starts.get(first.url_path)), first.earliest)
-    since = next(r.sealed_at for r in first.chunks if r.end > begin)
-    state["pending"] = {"ends": ends, "uids": uids, "first": [name, begin, since]}
+    # Exactly once: Spark writes the run's files into a staging directory of their own (a
+    # crash there leaves nothing in the output); the state then records them as staged, they
+    # move into the output one rename each, and the offsets are committed. A run that finds
+    # the record staged moves what is left and commits; not staged, it drops the staging.
+    run = uuid.uuid4().hex
+    staged = output / STAGING_DIR / run
+    state["pending"] = {"ends": ends, "uids": uids, "run": run}
     _save_state(state_path, state)
     df = (spark.read.format("ds3")
           .options(**read_options, start_offsets=json.dumps(starts), end_offsets=json.dumps(stops)).load()
           .where(F.col("stream").isin(names))
           .withColumn("date", F.to_date("sealed_at")))
-    df.write.mode("append").partitionBy("stream", "date").parquet(str(output))
+    df.write.mode("append").partitionBy("stream", "date").parquet(str(staged))
+    state["pending"]["staged"] = True
+    _save_state(state_path, state)
+    _publish(staged, output)
     state["offsets"].update(ends)
     state["uids"].update(uids)
     state["pending"] = None
     _save_state(state_path, state)
+    shutil.rmtree(output / STAGING_DIR, ignore_errors=True)
     return ExportResult(ends, state_path)
 
 
@@ -182,6 +251,7 @@ def compact(spark: SparkSession, read_options: dict[str, str], url: str, offset:
     opts = ReadOptions.parse({**read_options, "url": url})
     if opts.selection.paths is None or len(opts.selection.paths) != 1:
         raise OptionError("stream", "compact works on one stream: stream, or bucket + stream_id")
+    check_store(opts.store)
     catalog = Catalog(opts.store)
     plan = catalog.plan(resolve(catalog, opts.selection.paths, None)[0])
     if not P.is_json(plan.content_type):
