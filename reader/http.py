@@ -55,7 +55,7 @@ START_URL_CACHE: Final = "public, max-age=60, stale-while-revalidate=300"
 # byte and the one after's pass while a page is sent (scripts/bench_catchup.py).
 NEXT_PAGES_AHEAD: Final = 2
 # How long the last sealed page waits to learn whether it ends at the tail (reader/http.py tail_of).
-TAIL_CHECK_SECONDS: Final = 0.25
+TAIL_CHECK_SECONDS: Final = 0.5
 
 
 async def handle_stream(request: web.Request) -> web.StreamResponse:
@@ -403,6 +403,7 @@ async def tail_of(st: ReaderState, path: str) -> Tail | None:
     """Where the ingester has the tail (renew, for a stream without a TTL, renews nothing).
     Asked only at the sealed history's end, and briefly: if the ingester is slow to say, the
     page goes out as any sealed page (without Stream-Up-To-Date; the next read says it)."""
+    st.tail_checks += 1
     try:
         return await asyncio.wait_for(renew(st, path), TAIL_CHECK_SECONDS)
     except TimeoutError:

@@ -40,6 +40,10 @@ def collect(app: web.Application) -> Iterator[Metric]:
                   st.locator.missing_hits)
     yield counter("ds3_reader_forwarded", "Client requests forwarded to the ingester (before collapsing).",
                   st.forwarded)
+    yield counter("ds3_reader_tail_checks", "Sealed pages ending where the stream's sealed history ends, whose "
+                  "tail the ingester was asked for, to say Stream-Up-To-Date (concurrent ones share one request, "
+                  "counted in ds3_reader_ingester_requests).",
+                  st.tail_checks)
     yield counter("ds3_reader_ingester_requests", "Requests sent to the ingester (after collapsing; SSE "
                   "subscriptions and TTL renewals included; all ingesters).", st.router.requests)
     router = st.router

@@ -31,6 +31,7 @@ class ReaderState:
     next_pages: NextPages = field(default_factory=NextPages)  # catch-ups' next pages, already asked for
     sealed_responses: int = 0
     forwarded: int = 0
+    tail_checks: int = 0  # touches asking whether a last sealed page ends at the tail (reader/http.py tail_of)
 
 
 READER: Final = web.AppKey("reader_state", ReaderState)
