@@ -50,8 +50,8 @@ def refused_internal_token(status: int, challenge: str | bytes | None, ingester:
 DROP_REQUEST: Final = frozenset(
     {"host", "connection", "keep-alive", "proxy-connection", "te", "trailer", "transfer-encoding",
      "upgrade", "content-length", "accept-encoding", INTERNAL_HEADER.lower(),
-     # aiohttp's server decodes a gzip or deflate body as it reads it: what is forwarded is the
-     # decoded body, which must not say it is still encoded
+     # read_body decodes the body from its Content-Encoding (shared.http.codings): what is
+     # forwarded is the decoded body, which must not say it is still encoded
      "content-encoding",
      REQUEST_ID_HEADER.lower()}  # replaced by the id this reader accepted or made (shared.http.access)
 )

@@ -24,9 +24,11 @@ class BadRequest(DS3Error):
 
 
 class UnreadableBody(BadRequest):
-    """The request body cannot be read to its end, e.g. a Content-Encoding it does not decode
-    with (400; the connection is closed: where the next request would start is unknown, and
-    aiohttp would otherwise read on into the broken body and log its error as unhandled)."""
+    """The request body cannot be read to its end, e.g. it stops short of its Content-Length
+    or its chunked framing is broken (400; the connection is closed: where the next request
+    would start is unknown, and aiohttp would otherwise read on into the broken body and log
+    its error as unhandled). A body read whole that does not decode with its Content-Encoding
+    is a plain BadRequest (shared.http.codings)."""
 
 
 class NotFound(DS3Error):
@@ -60,6 +62,11 @@ class StreamClosed(Conflict):
 
 class PayloadTooLarge(DS3Error):
     """Request body over the configured limit (413)."""
+
+
+class UnsupportedMediaType(DS3Error):
+    """The request body's Content-Encoding names a coding the server does not decode (415,
+    with Accept-Encoding naming the ones it does: RFC 9110 §15.5.16, §12.5.3)."""
 
 
 class StaleProducerEpoch(DS3Error):

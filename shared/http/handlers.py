@@ -33,7 +33,9 @@ from shared.errors import (
     Unauthorized,
     Unavailable,
     UnreadableBody,
+    UnsupportedMediaType,
 )
+from shared.http import codings
 from shared.ownership import FENCED_HEADER
 from shared.placement import GENERATION_HEADER, OWNER_HEADER, OWNER_ID_HEADER
 
@@ -82,6 +84,9 @@ def error_response(e: DS3Error) -> web.Response:
         headers[P.PRODUCER_RECEIVED_SEQ] = str(e.received)
     elif isinstance(e, PayloadTooLarge):
         status = 413
+    elif isinstance(e, UnsupportedMediaType):
+        status = 415
+        headers["Accept-Encoding"] = codings.ACCEPTED
     elif isinstance(e, Unavailable):
         status = 503
         headers["Retry-After"] = str(e.retry_after)
@@ -203,6 +208,10 @@ def stream_path_of(raw: str, max_bytes: int) -> str:
 
 
 async def read_body(request: web.Request, limit: int) -> bytes:
+    """The request body, decoded from its Content-Encoding (shared.http.codings: 415 for a
+    coding not decoded, 400 for a stream that does not decode whole); `limit` holds for the
+    body as sent and as decoded (413)."""
+    encoded = codings.parse(request.headers.getall("Content-Encoding", ()))
     if request.content_length is not None and request.content_length > limit:
         raise PayloadTooLarge(f"request body is larger than {limit} bytes")
     buf = bytearray()
@@ -217,8 +226,12 @@ async def read_body(request: web.Request, limit: int) -> bytes:
                     raise PayloadTooLarge(f"request body is larger than {limit} bytes")
     except TimeoutError:
         raise RequestTimeout(f"the request body did not arrive within {timeout:g} s") from None
-    except web.RequestPayloadError as e:  # e.g. a Content-Encoding the body does not decode with
+    except web.RequestPayloadError as e:  # e.g. a body cut short of its Content-Length
         raise UnreadableBody(f"the request body could not be read: {str(e).splitlines()[-1].strip()[:200]}") from None
+    # (total_compressed_bytes is set when aiohttp decoded the body itself: a runner with its
+    # auto_decompress on, not the services' LaneRunner, e.g. aiohttp's TestServer in tests)
+    if encoded and request.content.total_compressed_bytes is None:
+        return await codings.decode_async(bytes(buf), encoded, limit)
     return bytes(buf)
 
 

@@ -53,6 +53,7 @@ access_log = logging.getLogger("ds3.access")
 
 # Plain stream URLs only: anything aiohttp might decode or normalise before routing is its.
 _PLAIN_URL: Final = re.compile(rb"/v1/(?:stream/|buckets/[A-Za-z0-9_~!$&'()*+,;=:@.-]+/)[A-Za-z0-9_~!$&'()*+,;=:@./-]+")
+# (a body with a Content-Encoding, identity included, is aiohttp's: read_body decodes it)
 _REFUSED_HEADERS: Final = frozenset({b"transfer-encoding", b"content-encoding", b"expect", b"upgrade"})
 _MAX_HEAD: Final = 16 * 1024  # a candidate's head must be complete within this many bytes
 # aiohttp answers 400 if one of these is repeated (Authorization: the auth middleware; the
@@ -96,7 +97,10 @@ class LaneRunner(web.AppRunner):
     drain_on_signal: bool = False
 
     def __init__(self, app: web.Application, **kwargs: Any) -> None:
-        super().__init__(app, **kwargs)
+        # Request bodies reach the handlers as sent: read_body decodes their Content-Encoding
+        # (shared.http.codings). aiohttp's own decoding took a truncated gzip stream for a whole
+        # one and passed codings it does not decode on still encoded.
+        super().__init__(app, **{**kwargs, "auto_decompress": False})
         self.lane = self.lane_class(app)
         app[LANE] = self.lane
         self._cleaning: asyncio.Future[None] | None = None
