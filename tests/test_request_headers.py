@@ -10,7 +10,7 @@ import aiohttp
 import pytest
 from multidict import CIMultiDict
 
-from tests import procs
+from tests import procs, rawhttp
 
 TEXT = {"Content-Type": "text/plain"}
 JSON = {"Content-Type": "application/json"}
@@ -83,3 +83,52 @@ async def test_a_closed_json_stream_says_closed_whatever_the_body(base: str) -> 
             assert r.status == 201
         async with s.post(path + "-open", headers=JSON, data=b"[1, 2") as r:
             assert r.status == 400 and "json" in (await r.text()).lower()
+
+
+BAD_HOSTS = [
+    b"evil.example/<script>",  # a path in the Host: it went into Location as is
+    b"a b",
+    b"example.com:80@evil.example",
+    b"x:99999",  # a port out of range: 500 after the stream was created
+    b"ho\xffst",  # not ASCII: 500
+    b"[::1",
+]
+
+
+def _port(base: str) -> int:
+    return int(base.rsplit(":", 1)[1])
+
+
+@pytest.mark.parametrize("host", BAD_HOSTS, ids=lambda h: h.decode("latin-1"))
+def test_an_invalid_host_is_refused_and_nothing_is_created(base: str, host: bytes) -> None:
+    """RFC 9112 §3.2: 400 for a Host that is not host[:port] (a server builds the Location of a
+    new stream from it). Sent twice on one keep-alive connection: the second request may take
+    the fast lane's path. Before, the Host went into Location verbatim, or the create was
+    answered 500 after the stream had been made."""
+    name = f"/v1/stream/host-{host.hex()}"
+    req = b"PUT " + name.encode() + b" HTTP/1.1\r\nHost: " + host + b"\r\nContent-Type: text/plain\r\nContent-Length: 0\r\n\r\n"
+    for answer in rawhttp.exchange(_port(base), req, req, answers=2):
+        status, _headers, body = rawhttp.parsed(answer)
+        assert status == 400, answer[:300]
+        assert b"Host" in body, body
+    [answer] = rawhttp.exchange(_port(base), rawhttp.put(name, "Content-Type: text/plain"))
+    assert rawhttp.parsed(answer)[0] == 201, "the invalid requests created the stream"
+
+
+@pytest.mark.parametrize("host", [b"ok.example", b"ok.example:8080", b"127.0.0.1:1", b"[::1]:443", b"xn--bcher-kva.example"])
+def test_a_valid_host_names_the_new_stream(base: str, host: bytes) -> None:
+    name = f"/v1/stream/good-host-{host.hex()}"
+    req = b"PUT " + name.encode() + b" HTTP/1.1\r\nHost: " + host + b"\r\nContent-Type: text/plain\r\nContent-Length: 0\r\n\r\n"
+    [answer] = rawhttp.exchange(_port(base), req)
+    status, headers, _body = rawhttp.parsed(answer)
+    assert status == 201 and headers["location"] == "http://" + host.decode() + name, answer[:300]
+
+
+def test_one_host_header_is_required(base: str) -> None:
+    name = "/v1/stream/no-host"
+    for head in (b"PUT " + name.encode() + b" HTTP/1.1\r\n",
+                 b"PUT " + name.encode() + b" HTTP/1.1\r\nHost: a.example\r\nHost: b.example\r\n"):
+        [answer] = rawhttp.exchange(_port(base), head + b"Content-Type: text/plain\r\nContent-Length: 0\r\n\r\n")
+        assert rawhttp.parsed(answer)[0] == 400, answer[:300]
+    [answer] = rawhttp.exchange(_port(base), b"GET " + name.encode() + b"?offset=-1 HTTP/1.1\r\nHost: t\r\n\r\n")
+    assert rawhttp.parsed(answer)[0] == 404, "a request without one Host created the stream"

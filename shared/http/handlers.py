@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+import re
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Final
 from urllib.parse import parse_qsl, unquote
 
@@ -132,10 +133,32 @@ async def _send_and_close(request: web.Request, response: web.Response) -> web.R
     return response
 
 
+# RFC 9112 §3.2 / RFC 3986 §3.2.2: uri-host [":" port], the host an IP-literal, or a reg-name
+# (IPv4 included) of unreserved, sub-delims and percent-encoded octets. Nothing else may reach
+# a Location header (a space, '/', '@', a byte over 0x7f), nor a port yarl refuses (a 500).
+_HOST: Final = re.compile(r"(?:\[[0-9A-Fa-f:.]+\]|(?:[A-Za-z0-9._~!$&'()*+,;=-]|%[0-9A-Fa-f]{2})*)(?::([0-9]*))?")
+
+
+def host_problem(values: Sequence[str]) -> str | None:
+    """Why the request's Host header lines are not one valid Host (a 400 for HTTP/1.1,
+    RFC 9112 §3.2), or None. An HTTP/1.0 request may leave it out."""
+    if len(values) > 1:
+        return "send one Host header, not several"
+    if not values:
+        return None
+    m = _HOST.fullmatch(values[0])
+    if m is None or (m.group(1) and int(m.group(1)) > 65535):
+        return f"the Host header is not a valid host[:port]: {values[0][:100]!r}"
+    return None
+
+
 @web.middleware
 async def errors_middleware(
     request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
 ) -> web.StreamResponse:
+    if (why := host_problem(request.headers.getall("Host", ()))) is not None \
+            or (request.version >= (1, 1) and "Host" not in request.headers and (why := "send a Host header")):
+        return error_response(BadRequest(why))
     try:
         return await handler(request)
     except DS3Error as e:

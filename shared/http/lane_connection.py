@@ -44,7 +44,7 @@ from shared import protocol as P
 from shared.errors import DS3Error, RequestTimeout
 from shared.http.access import CLIENT_CLOSED, log_access
 from shared.http.auth import private_head, private_headers
-from shared.http.handlers import error_response
+from shared.http.handlers import error_response, host_problem
 from shared.http.lane import COMMON_HEADERS, LANE, REASONS, Lane, Message
 from shared.limits import client_address, client_identity
 
@@ -246,6 +246,7 @@ class LaneHandler(RequestHandler):
         self._client: str | object | None = _UNKNOWN  # the limits' identity of this connection's peer
         self._peer: str | object | None = _UNKNOWN
         self._plain_url = b""  # the last URL judged plain (see _judge)
+        self._host_ok = b""  # the last Host judged valid (see _candidate)
         self.path_of: tuple[bytes, str] = (b"", "")  # a Lane's cache: the last URL path served and its stream path
         # a pending answer's way out when the client leaves or the server stops first (a long-poll's)
         self.pending_cancel: Callable[[], None] | None = None
@@ -410,6 +411,10 @@ class LaneHandler(RequestHandler):
             h.parser = None  # (no reference cycle left for the collector)
         if h.duplicate:
             return False
+        host = h.headers.get(b"host")
+        if host is None or (host != self._host_ok and host_problem([host.decode("latin-1")]) is not None):
+            return False  # aiohttp's path answers the 400 (errors_middleware)
+        self._host_ok = host
         method = parser.get_method()
         if method not in self._lane.methods or h.version != "1.1" or not h.keep_alive:
             return False
