@@ -14,7 +14,7 @@ import asyncio
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
@@ -195,6 +195,20 @@ def test_what_a_refused_close_would_mean_is_not_answered_either(
         owner.stop()
 
 
+
+def fail_log_puts(objects: Any) -> dict[str, bool]:
+    """The ingester's store `objects` refuses log segment PUTs (503 to the appends they carry)
+    while the returned switch's "on" is True; chunks, blobs and the rest still go through."""
+    put, failing = objects.put, {"on": False}
+
+    async def log_puts_fail(key: str, data: bytes, **kw: Any) -> str:
+        if failing["on"] and key.startswith("log/"):
+            raise ObjectStoreUnavailable("the store is down for log segments (test)")
+        return cast(str, await put(key, data, **kw))
+
+    objects.put = log_puts_fail
+    return failing
+
 async def test_a_snapshot_refused_for_the_stores_sake_is_there_once_it_ships(
         tmp_path: Path, make_ingester: Any) -> None:
     """A snapshot PUT answered 503 because its commit's log segment did not reach the store
@@ -203,15 +217,7 @@ async def test_a_snapshot_refused_for_the_stores_sake_is_there_once_it_ships(
     and both answered 404 once the commit shipped.) In-process, so that only the log's PUTs fail."""
     client = await make_ingester(store=(tmp_path / "objects").as_uri(), durability="store")
     svc = client.server.app[SERVICE]
-    objects = svc.shipper.objects
-    put, failing = objects.put, {"on": False}
-
-    async def log_puts_fail(key: str, data: bytes, **kw: Any) -> str:
-        if failing["on"] and key.startswith("log/"):
-            raise ObjectStoreUnavailable("the store is down for log segments (test)")
-        return await put(key, data, **kw)
-
-    objects.put = log_puts_fail
+    failing = fail_log_puts(svc.shipper.objects)
     path = "/v1/stream/s"
     assert (await client.put(path, headers=TEXT)).status == 201
     assert (await client.post(path, data=b"a\n", headers=TEXT)).status == 204
@@ -235,20 +241,13 @@ async def test_buckets_and_listings_show_only_what_the_store_holds(tmp_path: Pat
     they read the WAL as it was: a bucket whose create was refused was there, and a standby
     taking over would not have it.) In-process, so that only the log's PUTs fail."""
     client = await make_ingester(store=(tmp_path / "objects").as_uri(), durability="store")
-    objects = client.server.app[SERVICE].shipper.objects
-    put, failing = objects.put, {"on": False}
-
-    async def log_puts_fail(key: str, data: bytes, **kw: Any) -> str:
-        if failing["on"] and key.startswith("log/"):
-            raise ObjectStoreUnavailable("the store is down for log segments (test)")
-        return await put(key, data, **kw)
+    failing = fail_log_puts(client.server.app[SERVICE].shipper.objects)
 
     async def listed(url: str, entries: str, key: str) -> list[str]:
         got = await client.get(url)
         assert got.status == 200, (url, got.status, await got.text())
         return [entry[key] for entry in (await got.json())[entries]]
 
-    objects.put = log_puts_fail
     assert (await client.put("/v1/buckets/olds")).status == 201
     assert (await client.put("/v1/stream/old", headers=TEXT)).status == 201
     failing["on"] = True
@@ -276,17 +275,11 @@ async def test_a_stream_that_expired_is_gone_while_its_removal_ships(tmp_path: P
     wait for. (Before, HEAD answered 503 until the sweep's segment landed, and the reader, told
     503 by the touch it sends for a sealed stream with a TTL, served the expired stream's bytes
     with 200: seen in CI's conformance run in store mode.) In-process, so that only the log's PUTs fail."""
-    client = await make_ingester(store=(tmp_path / "objects").as_uri(), durability="store")
+    # (no sweep of its own meanwhile: it would remove the stream, shipped, before the cut)
+    client = await make_ingester(store=(tmp_path / "objects").as_uri(), durability="store",
+                                 sweep_interval=3600.0, seal_age=7200.0)
     svc = client.server.app[SERVICE]
-    objects = svc.shipper.objects
-    put, failing = objects.put, {"on": False}
-
-    async def log_puts_fail(key: str, data: bytes, **kw: Any) -> str:
-        if failing["on"] and key.startswith("log/"):
-            raise ObjectStoreUnavailable("the store is down for log segments (test)")
-        return await put(key, data, **kw)
-
-    objects.put = log_puts_fail
+    failing = fail_log_puts(svc.shipper.objects)
     path = "/v1/stream/brief"
     assert (await client.put(path, data=b"test data", headers={**TEXT, "Stream-TTL": "1"})).status == 201
     await asyncio.sleep(1.2)
