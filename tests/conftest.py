@@ -78,3 +78,18 @@ async def make_ingester(tmp_path: Path) -> AsyncIterator[MakeIngester]:
     yield make
     for c in clients:
         await c.close()
+
+
+# Tests that run alone: scripts/test runs the rest first, several at a time (pytest-xdist), then
+# these one by one (-m serial). Spark's (a JVM per session or per `ds3 pipeline` run, and its
+# Python workers must connect back within Spark's timeout: under a machine's full load they did
+# not) and the conformance suite (which runs its topologies side by side itself).
+SERIAL_MODULES = ("test_conformance", "test_pipeline_")
+
+
+@pytest.hookimpl(tryfirst=True)  # (before -m selects by the markers)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        module = item.nodeid.split("::", 1)[0].rsplit("/", 1)[-1]
+        if module.startswith(SERIAL_MODULES):
+            item.add_marker(pytest.mark.serial)

@@ -12,7 +12,10 @@ acknowledged only once its group commit's log segment is in the store.
 
 Runs tests/conformance/run-conformance.sh (vitest + @durable-streams/server-conformance-tests)
 with a 3 s long-poll timeout on both sides. Needs Node/npm; installs tests/conformance/node_modules
-when it is missing or package*.json changed (same stamp as scripts/test). About 40 s a topology.
+when it is missing or package*.json changed (same stamp as scripts/test). About 40-60 s a
+topology, most of it waiting (long-polls, TTLs, 0.5 s seals): the selected topologies run side by
+side, DS3_CONFORMANCE_PARALLEL (default 2) at a time, each in its own processes, ports, data
+directories and bucket, and each is still its own test.
 """
 
 from __future__ import annotations
@@ -24,13 +27,16 @@ import re
 import shutil
 import signal
 import subprocess
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from shared.placement import Cluster
 from tests.procs import Proc, free_port, ingester, reader
-from tests.s3server import TEST_ENV
+from tests.s3server import TEST_ENV, MotoS3
 
 pytestmark = [pytest.mark.conformance, pytest.mark.slow]
 
@@ -40,6 +46,8 @@ SUMMARY = re.compile(r"^conformance: (\d+) passed, (\d+) failed, (\d+) skipped$"
 RUN_TIMEOUT_S = 900
 NOT_FAILED = {"passed", "pending", "skipped", "todo", "disabled"}
 MAX_LISTED = 100  # failing tests named in the assertion message
+KINDS = ["ingester", "reader-s3", "reader-s3-store", "reader-local", "cluster-2", "cluster-3"]
+PARALLEL = int(os.environ.get("DS3_CONFORMANCE_PARALLEL", "2"))
 
 
 def _ensure_npm_deps() -> None:
@@ -95,8 +103,9 @@ def _tail(path: Path, lines: int = 40) -> str:
 SEAL = ["--seal-bytes", "4096", "--seal-age", "0.5"]
 
 
-def _topology(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> tuple[list[Proc], str]:
-    """Processes to start (in order) and the URL the suite talks to."""
+def _topology(kind: str, tmp_path: Path, s3: tuple[MotoS3, str] | None) -> tuple[list[Proc], str]:
+    """Processes to start (in order) and the URL the suite talks to (s3: the server and the
+    bucket of a reader-s3 kind)."""
     lp = ["--long-poll-timeout", "3"]
     if kind == "ingester":
         ing = ingester(tmp_path / "data", *lp)
@@ -105,9 +114,9 @@ def _topology(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> tupl
         return _cluster_topology(int(kind.split("-")[1]), tmp_path, lp)
     env: dict[str, str] = {}
     if kind.startswith("reader-s3"):
-        bucket = request.getfixturevalue("s3_bucket")
-        endpoint = request.getfixturevalue("s3_server").endpoint
-        store, extra, env = f"s3://{bucket}/conformance", ["--s3-endpoint", endpoint], dict(TEST_ENV)
+        assert s3 is not None
+        server, bucket = s3
+        store, extra, env = f"s3://{bucket}/conformance", ["--s3-endpoint", server.endpoint], dict(TEST_ENV)
     else:
         (tmp_path / "objects").mkdir()
         store, extra = (tmp_path / "objects").as_uri(), []
@@ -134,16 +143,24 @@ def _cluster_topology(n: int, tmp_path: Path, lp: list[str]) -> tuple[list[Proc]
     return [*ings, rdr], rdr.url
 
 
-@pytest.mark.parametrize("kind", ["ingester", "reader-s3", "reader-s3-store", "reader-local", "cluster-2", "cluster-3"])
-def test_conformance_suite(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> None:
-    _ensure_npm_deps()
+@dataclass
+class SuiteRun:
+    procs: list[Proc]
+    output: str
+    returncode: int | None
+    report: Path
+    timed_out: bool = False
+
+
+def _run_suite(kind: str, tmp_path: Path, s3: tuple[MotoS3, str] | None) -> SuiteRun:
+    """Start the topology, run the suite against it, stop it (in a worker thread)."""
     report = tmp_path / "conformance.json"
     env = {k: v for k, v in os.environ.items() if not k.startswith("CONFORMANCE_")}
     env.update(
         CONFORMANCE_LONG_POLL_MS="3000",
         CONFORMANCE_TIMEOUT_S=str(RUN_TIMEOUT_S - 60),  # the runner's own cap fires first
     )
-    procs, url = _topology(kind, tmp_path, request)
+    procs, url = _topology(kind, tmp_path, s3)
     try:
         for p in procs:
             p.start()
@@ -160,15 +177,44 @@ def test_conformance_suite(kind: str, tmp_path: Path, request: pytest.FixtureReq
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             output, _ = proc.communicate()
-            pytest.fail(f"conformance run exceeded {RUN_TIMEOUT_S}s:\n{output[-3000:]}")
+            return SuiteRun(procs, output, proc.returncode, report, timed_out=True)
     finally:
         for p in reversed(procs):
             p.stop()
+    return SuiteRun(procs, output, proc.returncode, report)
 
+
+@pytest.fixture(scope="module")
+def suite_runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Future[SuiteRun]]]:
+    """The suite against every topology this session selected, PARALLEL at a time, started at
+    the first test that asks: each test waits for its own."""
+    kinds = [item.callspec.params["kind"] for item in request.session.items
+             if getattr(item, "originalname", "") == "test_conformance_suite" and hasattr(item, "callspec")]
+    _ensure_npm_deps()
+    server: MotoS3 | None = request.getfixturevalue("s3_server") if any(k.startswith("reader-s3") for k in kinds) else None
+    buckets = {k: server.new_bucket() for k in kinds if server is not None and k.startswith("reader-s3")}
+    pool = ThreadPoolExecutor(max(1, PARALLEL), thread_name_prefix="conformance")
+    try:
+        yield {k: pool.submit(_run_suite, k, tmp_path_factory.mktemp(f"conformance-{k}"),
+                              (server, buckets[k]) if server is not None and k in buckets else None)
+               for k in kinds}
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)  # (a run in progress stops its processes itself)
+        for b in buckets.values():
+            assert server is not None
+            server.drop_bucket(b)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_conformance_suite(kind: str, suite_runs: dict[str, Future[SuiteRun]]) -> None:
+    run = suite_runs[kind].result()
+    procs, output, report = run.procs, run.output, run.report
+    if run.timed_out:
+        pytest.fail(f"conformance run exceeded {RUN_TIMEOUT_S}s:\n{output[-3000:]}")
     last = (output.strip().splitlines() or [""])[-1]
     m = SUMMARY.match(last)
-    assert proc.returncode == 0 and m, (
-        f"run-conformance.sh exited {proc.returncode} without a summary line:\n{output[-3000:]}\n"
+    assert run.returncode == 0 and m, (
+        f"run-conformance.sh exited {run.returncode} without a summary line:\n{output[-3000:]}\n"
         + "".join(f"\n--- log ({p.log_path}):\n{_tail(p.log_path)}" for p in procs)
     )
     passed, failed, _skipped = (int(g) for g in m.groups())
