@@ -139,13 +139,13 @@ async def _send_and_close(request: web.Request, response: web.Response) -> web.R
 _HOST: Final = re.compile(r"(?:\[[0-9A-Fa-f:.]+\]|(?:[A-Za-z0-9._~!$&'()*+,;=-]|%[0-9A-Fa-f]{2})*)(?::([0-9]*))?")
 
 
-def host_problem(values: Sequence[str]) -> str | None:
-    """Why the request's Host header lines are not one valid Host (a 400 for HTTP/1.1,
-    RFC 9112 §3.2), or None. An HTTP/1.0 request may leave it out."""
+def host_problem(values: Sequence[str], *, required: bool = True) -> str | None:
+    """Why the request's Host header lines are not one valid Host (a 400, RFC 9112 §3.2), or
+    None. `required`: HTTP/1.1 (an HTTP/1.0 request may leave it out)."""
     if len(values) > 1:
         return "send one Host header, not several"
     if not values:
-        return None
+        return "send a Host header" if required else None
     m = _HOST.fullmatch(values[0])
     if m is None or (m.group(1) and int(m.group(1)) > 65535):
         return f"the Host header is not a valid host[:port]: {values[0][:100]!r}"
@@ -156,8 +156,7 @@ def host_problem(values: Sequence[str]) -> str | None:
 async def errors_middleware(
     request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
 ) -> web.StreamResponse:
-    if (why := host_problem(request.headers.getall("Host", ()))) is not None \
-            or (request.version >= (1, 1) and "Host" not in request.headers and (why := "send a Host header")):
+    if (why := host_problem(request.headers.getall("Host", ()), required=request.version >= (1, 1))) is not None:
         return error_response(BadRequest(why))
     try:
         return await handler(request)

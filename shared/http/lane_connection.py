@@ -411,7 +411,7 @@ class LaneHandler(RequestHandler):
             h.parser = None  # (no reference cycle left for the collector)
         if h.duplicate:
             return False
-        host = h.headers.get(b"host")
+        host = h.headers.get(b"host")  # (HTTP/1.1 only here: one is required)
         if host is None or (host != self._host_ok and host_problem([host.decode("latin-1")]) is not None):
             return False  # aiohttp's path answers the 400 (errors_middleware)
         self._host_ok = host
