@@ -168,6 +168,22 @@ def chain_records(
     yield from own_records(txn, dbs, meta, start, end)
 
 
+def fork_points(meta: StreamMeta, lookup: MetaLookup) -> tuple[int, ...]:
+    """The fork positions of `meta`'s chain (its own first, then its source's below it...):
+    where a read passes from one stream's data to another's."""
+    points: list[int] = []
+    for _ in range(64):  # fork chains are short; the bound only guards against cycles
+        if meta.fork_source is None:
+            break
+        if not points or meta.fork_position < points[-1]:  # (a source's later fork point is not read)
+            points.append(meta.fork_position)
+        source = lookup(meta.fork_source_key or meta.fork_source)
+        if source is None or source.sid != meta.fork_source_sid:
+            break
+        meta = source
+    return tuple(points)
+
+
 def record_at(
     txn: lmdb.Transaction, dbs: Dbs, meta: StreamMeta, lookup: MetaLookup, position: int
 ) -> Record | Sealed | None:

@@ -53,7 +53,7 @@ from ingester.http import (
     no_content_headers,
 )
 from ingester.reads import ReadResult
-from ingester.sealed_reads import read_sealed
+from ingester.sealed_reads import complete_read
 from ingester.service import SERVICE, IngesterService
 from ingester.writes import CreateRequest
 from shared import offsets
@@ -304,7 +304,7 @@ class _Read(_LaneRead):
             self.got(fut.result())
 
     def got(self, res: ReadResult) -> None:
-        if res.sealed is not None:
+        if res.sealed is not None or res.continues:
             _start(self._sealed(res))
         else:
             self.finish(res)
@@ -312,8 +312,7 @@ class _Read(_LaneRead):
     async def _sealed(self, res: ReadResult) -> None:
         svc = self.svc
         try:
-            assert svc.chunk_reader is not None  # (something sealed: there is a store)
-            await read_sealed(svc.chunk_reader, res, svc.config.max_read_bytes)
+            await complete_read(svc.reads, svc.chunk_reader, self.path, res, svc.config.max_read_bytes)
         except Exception as e:  # (answer exactly once, whatever happens)
             self.refused(e)
             return

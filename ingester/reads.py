@@ -15,7 +15,15 @@ from typing import Any, TypeVar
 
 import lmdb
 
-from ingester.chain import Sealed, at_position, chain_records, record_at, refresh_tail
+from ingester.chain import (
+    MetaLookup,
+    Sealed,
+    at_position,
+    chain_records,
+    fork_points,
+    record_at,
+    refresh_tail,
+)
 from ingester.records import StreamMeta
 from ingester.visibility import HIDDEN_CHANGING, Visibility
 from ingester.wal import WalEnv
@@ -37,6 +45,13 @@ class ReadResult:
     end: int = 0
     next_offset: str = ""
     sealed: Sealed | None = None  # the read starts in a sealed chunk: fetch it from the store
+    fork_points: tuple[int, ...] = ()  # where the data of one stream of its fork chain begins
+
+    @property
+    def continues(self) -> bool:
+        """The read stopped where a fork's own data begins, short of the tail: a page goes on
+        into it (sealed_reads.complete_read), as a client reading a fork with one GET expects."""
+        return self.sealed is None and self.end < self.meta.tail and self.end in self.fork_points
 
     @property
     def up_to_date(self) -> bool:
@@ -195,27 +210,39 @@ class Reads:
                     raise BadRequest(NOT_ISSUED)
             if limit is not None and meta.tail - pos > limit:
                 return None
-            result = ReadResult(meta=meta, start=pos, end=pos)
-            size = 0
-            last_chunk = -1
-            for rec in chain_records(txn, self.wal, meta, lookup, pos, meta.tail):
-                if isinstance(rec, Sealed):
-                    if not result.messages:
-                        result.sealed = rec
-                    break
-                if result.messages and size + len(rec.data) > max_bytes:
-                    break
-                result.messages.append(rec.data)
-                size += len(rec.data)
-                result.end = rec.end
-                last_chunk = rec.chunk
-            if result.end >= meta.tail:
-                result.next_offset = meta.tail_offset
-            elif last_chunk >= 0:
-                result.next_offset = offsets.encode(last_chunk, result.end)
-            elif result.sealed is None:  # nothing read and not at the tail: a broken chain
-                raise LookupError(f"stream {path!r} has no data at position {pos}")
-            return result
+            return self._collect(txn, meta, lookup, pos, max_bytes)
+
+    def continue_sync(self, path: str, position: int, max_bytes: int) -> ReadResult:
+        """More of a read that reached a fork point at `position` (sealed_reads.complete_read):
+        no offset to check, the position is one this read reached."""
+        with self.wal.env.begin(buffers=False) as txn:
+            meta = self._visible(txn, path)
+            return self._collect(txn, meta, lambda p: self._meta(txn, p), min(position, meta.tail), max_bytes)
+
+    def _collect(self, txn: lmdb.Transaction, meta: StreamMeta, lookup: MetaLookup, pos: int,
+                 max_bytes: int) -> ReadResult:
+        """Records from `pos` up to about max_bytes (at least one), until a sealed chunk."""
+        result = ReadResult(meta=meta, start=pos, end=pos, fork_points=fork_points(meta, lookup))
+        size = 0
+        last_chunk = -1
+        for rec in chain_records(txn, self.wal, meta, lookup, pos, meta.tail):
+            if isinstance(rec, Sealed):
+                if not result.messages:
+                    result.sealed = rec
+                break
+            if result.messages and size + len(rec.data) > max_bytes:
+                break
+            result.messages.append(rec.data)
+            size += len(rec.data)
+            result.end = rec.end
+            last_chunk = rec.chunk
+        if result.end >= meta.tail:
+            result.next_offset = meta.tail_offset
+        elif last_chunk >= 0:
+            result.next_offset = offsets.encode(last_chunk, result.end)
+        elif result.sealed is None:  # nothing read and not at the tail: a broken chain
+            raise LookupError(f"stream {meta.path!r} has no data at position {pos}")
+        return result
 
     # --- async wrappers ------------------------------------------------------------------
 

@@ -33,7 +33,7 @@ from ingester.owning import own_and_restore, own_store, owner_id
 from ingester.reads import ReadResult, Reads
 from ingester.reaper import ObjectReaper
 from ingester.records import StreamMeta
-from ingester.sealed_reads import read_sealed, sealed_sub_offset
+from ingester.sealed_reads import complete_read, sealed_sub_offset
 from ingester.sealing import Sealer
 from ingester.shipper import Durability, Shipper
 from ingester.snapshots import Snapshots
@@ -391,9 +391,8 @@ class IngesterService:
 
     async def read(self, path: str, start: offsets.Offset | str, *, renew: bool = True) -> ReadResult:
         res = await self.reads.read(path, start, self.config.max_read_bytes)
-        if res.sealed is not None:
-            assert self.chunk_reader is not None
-            await read_sealed(self.chunk_reader, res, self.config.max_read_bytes)
+        if res.sealed is not None or res.continues:
+            await complete_read(self.reads, self.chunk_reader, path, res, self.config.max_read_bytes)
         if renew and res.meta.ttl is not None:
             self.store.touches[path] = time.time()
         return res

@@ -17,7 +17,7 @@ from reader import extension_http, sse_fanout
 from reader.fanout import Page
 from reader.proxy import IngesterClient, Upstream, to_response
 from reader.relay import Body, HeadStart, PageKey, splice_body
-from reader.sealed import SealedRead
+from reader.sealed import SealedRead, across_forks
 from reader.state import READER, ReaderState, servable
 from shared import extensions, jsonmode, offsets
 from shared import protocol as P
@@ -112,14 +112,17 @@ async def handle_get(request: web.Request, st: ReaderState, path: str) -> web.St
                 check_retained(desc, given)
             if desc is not None and servable(desc):
                 found = await st.locator.find(desc, start)
-                if found is not None:
+                run = None if found is None else await across_forks(st.locator, found)
+                if run is not None:  # (None: the rest of the page is the ingester's)
                     tail = None
                     if desc.ttl is not None:
                         tail = await renew(st, path)
-                    elif await _may_end_at_tail(st, found):
+                    elif await _may_end_at_tail(st, run[-1]):
                         tail = await tail_of(st, path)
-                    return await serve_sealed(request, st, found, live, start_url=not isinstance(given, offsets.Offset),
-                                              tail=tail)
+                    start_url = not isinstance(given, offsets.Offset)
+                    if len(run) > 1:
+                        return await serve_joined(request, st, run, live, start_url=start_url, tail=tail)
+                    return await serve_sealed(request, st, run[0], live, start_url=start_url, tail=tail)
         except (ObjectStoreError, Unavailable) as e:
             if request.get(PREPARED):
                 raise  # headers are out: a second response is impossible, drop the connection
@@ -241,26 +244,7 @@ async def serve_sealed(
     then, since the stream goes on; one that ends where the stream was closed says that."""
     desc, piece = found.descriptor, found.piece
     json_mode = P.is_json(desc.content_type)
-    if json_mode and not piece.head.is_boundary(piece.start):
-        raise BadRequest("offset is not at a message boundary of this JSON stream")
-    st.sealed_responses += 1
-    at_tail = tail is not None and tail.position == piece.end and found.owner_uid == desc.uid
-    final = found.final or (at_tail and tail is not None and tail.closed)
-    # The ETag varies with closure (§8.1): a 304 must not hide that the stream ended here.
-    etag = f'"{found.owner_uid}.{found.chunk}.{piece.start}.{piece.end}{".c" if final else ""}"'
-    cache = START_URL_CACHE if start_url else IMMUTABLE
-    if at_tail and not final:
-        cache = P.tail_cache_control(st.config.tail_max_age)
-    headers = {
-        "Content-Type": desc.content_type, P.NEXT_OFFSET: found.next_offset, "ETag": etag,
-        "Cache-Control": cache,
-    }
-    if final:
-        headers[P.CLOSED] = "true"
-    if final or at_tail:
-        headers[P.UP_TO_DATE] = "true"
-    if live == "long-poll":
-        headers[P.CURSOR] = P.response_cursor(request.query.get("cursor"))
+    headers, etag, cache, final, at_tail = _page_headers(request, st, [found], live, start_url, tail)
     if P.etag_matches(request.headers.get("If-None-Match"), etag):
         return web.Response(status=304, headers={"ETag": etag, "Cache-Control": cache})
     size = piece.obj_end - piece.obj_start
@@ -304,6 +288,56 @@ async def serve_sealed(
             await relay.aclose()
         if mapped is not None:
             mapped.close()
+
+
+async def serve_joined(
+    request: web.Request, st: ReaderState, run: list[SealedRead], live: str | None, *, start_url: bool,
+    tail: Tail | None = None,
+) -> web.Response:
+    """One page of several sealed reads (reader.sealed.across_forks: inherited data, then the
+    fork's own), read whole (a page of a fork's start: small, and rare enough)."""
+    headers, etag, cache, _, _ = _page_headers(request, st, run, live, start_url, tail)
+    if P.etag_matches(request.headers.get("If-None-Match"), etag):
+        return web.Response(status=304, headers={"ETag": etag, "Cache-Control": cache})
+    data = b"".join([await st.chunks.read(found.piece) for found in run])
+    body = jsonmode.render_stored(data) if P.is_json(run[0].descriptor.content_type) else data
+    return web.Response(status=200, body=body, headers=headers)
+
+
+def _page_headers(
+    request: web.Request, st: ReaderState, run: list[SealedRead], live: str | None, start_url: bool,
+    tail: Tail | None,
+) -> tuple[dict[str, str], str, str, bool, bool]:
+    """A sealed page's headers, its ETag and Cache-Control, whether it ends where the stream
+    was closed and whether at its tail. Counts the page as served from the store."""
+    first, last = run[0], run[-1]
+    desc, piece = last.descriptor, last.piece
+    if P.is_json(desc.content_type) and not first.piece.head.is_boundary(first.piece.start):
+        raise BadRequest("offset is not at a message boundary of this JSON stream")
+    st.sealed_responses += 1
+    at_tail = tail is not None and tail.position == piece.end and last.owner_uid == desc.uid
+    final = last.final or (at_tail and tail is not None and tail.closed)
+    # The ETag varies with closure (§8.1): a 304 must not hide that the stream ended here.
+    # A page across a fork point names both ends' chunks: the start URL of a fork created
+    # again from the same source must not match the old fork's page.
+    range_tag = f"{first.owner_uid}.{first.chunk}.{first.piece.start}."
+    if len(run) > 1:
+        range_tag += f"{last.owner_uid}.{last.chunk}."
+    etag = f'"{range_tag}{piece.end}{".c" if final else ""}"'
+    cache = START_URL_CACHE if start_url else IMMUTABLE
+    if at_tail and not final:
+        cache = P.tail_cache_control(st.config.tail_max_age)
+    headers = {
+        "Content-Type": desc.content_type, P.NEXT_OFFSET: last.next_offset, "ETag": etag,
+        "Cache-Control": cache,
+    }
+    if final:
+        headers[P.CLOSED] = "true"
+    if final or at_tail:
+        headers[P.UP_TO_DATE] = "true"
+    if live == "long-poll":
+        headers[P.CURSOR] = P.response_cursor(request.query.get("cursor"))
+    return headers, etag, cache, final, at_tail
 
 
 def _start_next_page(st: ReaderState, found: SealedRead) -> None:

@@ -40,6 +40,7 @@ class SealedRead:
     chunk: int
     piece: Slice
     next_offset: str
+    at_fork_point: bool = False  # inherited data ending where a fork's own begins
 
     @property
     def final(self) -> bool:
@@ -112,7 +113,8 @@ class SealedLocator:
                 del chunks[old]
         chunks[chunk] = now + self.recheck_seconds
 
-    async def find(self, desc: Descriptor, start: offsets.Offset, *, remembered: bool = True) -> SealedRead | None:
+    async def find(self, desc: Descriptor, start: offsets.Offset, *, remembered: bool = True,
+                   max_bytes: int | None = None) -> SealedRead | None:
         """The sealed read for `start`, or None when that position is not sealed (yet).
         remembered=False: ask the store even about chunks found missing a moment ago."""
         if _at_closed_end(desc, start):
@@ -142,9 +144,26 @@ class SealedLocator:
                 continue
             h = head.header
             if h.start <= start.position < h.end and _names(start, chunk, h.start, owner):
-                piece = await self.chunks.slice(owner.uid, chunk, start.position, self.max_bytes, cap=cap)
-                return SealedRead(desc, owner.uid, chunk, piece, offsets.encode(chunk, piece.end))
+                piece = await self.chunks.slice(owner.uid, chunk, start.position, max_bytes or self.max_bytes, cap=cap)
+                return SealedRead(desc, owner.uid, chunk, piece, offsets.encode(chunk, piece.end), piece.end == cap)
         return None
+
+
+async def across_forks(locator: SealedLocator, found: SealedRead) -> list[SealedRead] | None:
+    """The sealed reads making one page from `found`: a page does not end where a fork's own
+    data begins unless it is full (a client reading a fork at -1 with one GET gets the
+    inherited part and the fork's own; the ingester's pages do the same). None when what
+    follows is not sealed (yet): the ingester answers the whole page then."""
+    run = [found]
+    size = found.piece.end - found.piece.start
+    while run[-1].at_fork_point and size < locator.max_bytes:
+        nxt = await locator.find(found.descriptor, offsets.parse(run[-1].next_offset),
+                                 max_bytes=locator.max_bytes - size)
+        if nxt is None:
+            return None
+        run.append(nxt)
+        size += nxt.piece.end - nxt.piece.start
+    return run
 
 
 def _at_closed_end(desc: Descriptor, start: offsets.Offset) -> bool:
