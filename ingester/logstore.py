@@ -81,6 +81,25 @@ class LogListing:
         seqs = [c[0] for c in self.checkpoints] + [s.last for s in self.segments]
         return max(seqs, default=0)
 
+    @property
+    def chain_end(self) -> int:
+        """Where the log a restore can replay ends: the latest checkpoint, then segments
+        without a hole (the store may hold segments past a hole: store mode uploads a few at
+        a time, and a process killed while an earlier one was in flight leaves the later ones
+        beyond a commit the store lacks; they were never acknowledged)."""
+        cp = self.latest_checkpoint
+        end = cp[0] if cp is not None else 0
+        for ref in sorted(self.segments, key=lambda r: (r.first, r.last)):
+            if ref.first > end + 1:
+                break
+            end = max(end, ref.last)
+        return end
+
+    def beyond_chain(self) -> list[SegmentRef]:
+        """The segments past a hole (see chain_end)."""
+        end = self.chain_end
+        return [ref for ref in self.segments if ref.first > end + 1]
+
 
 async def list_log(objects: ObjectStore) -> LogListing:
     out = LogListing()
@@ -178,7 +197,9 @@ async def drop_wal_behind_log(objects: ObjectStore, wal_dir: Path, map_size: int
             local = wal.commit_seq(txn)
     finally:
         wal.close()
-    shipped = (await drop_dead_beyond(objects, await list_log(objects), local)).shipped_seq
+    # (the chain's end, not the highest seq: a restore replays no further, and segments past a
+    # hole were never acknowledged; the shipper's start covers the hole with a checkpoint)
+    shipped = (await drop_dead_beyond(objects, await list_log(objects), local)).chain_end
     if local >= shipped:
         return False
     log.warning("the store's log reaches commit %d, this data dir's WAL only %d: restoring the WAL from the store "

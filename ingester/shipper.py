@@ -224,16 +224,24 @@ class Shipper:
         shipped nowhere: the write-sets of a crashed process were only in memory), or holds
         no checkpoint yet (the log needs a base)."""
         listing = await drop_dead_beyond(self.objects, await list_log(self.objects), local_seq)
-        self.shipped_seq = listing.shipped_seq
-        self.queue.landed(listing.shipped_seq)
+        # Where a restore's replay ends, not the highest seq the store holds: past a hole (an
+        # upload in flight when the last process died, while a later one landed) the log must
+        # not carry on, or no restore could ever get past the hole again.
+        end = listing.chain_end
+        self.shipped_seq = end
+        self.queue.landed(end)
         cp = listing.latest_checkpoint
         self.checkpoints.last_seq = cp[0] if cp is not None else 0
-        if local_seq < listing.shipped_seq:
-            raise StoreAhead(local_seq, listing.shipped_seq)
-        if cp is None or local_seq > listing.shipped_seq:
+        if local_seq < end:
+            raise StoreAhead(local_seq, end)
+        if cp is None or local_seq > end:
             log.info("the store's log ends at commit %d, the local WAL at %d: checkpointing first",
-                     listing.shipped_seq, local_seq)
+                     end, local_seq)
             await self.checkpoint()
+        for ref in listing.beyond_chain():  # (covered by that checkpoint, or never acknowledged)
+            log.warning("deleting %s: past a hole in the store's log at commit %d (covered by a checkpoint now)",
+                        ref.key, end + 1)
+            await self.objects.delete(ref.key)
 
     # --- the loop ----------------------------------------------------------------------------
 

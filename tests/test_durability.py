@@ -9,7 +9,9 @@ writers, lose its data dir, start a new one on an empty dir with the same store.
 - a restart on the same disk after SIGKILL (local seq ahead of the shipped log: a
   checkpoint first), then an empty-disk recovery: still complete.
 - store mode, a restart on a disk whose WAL is behind the store's log (a kill between a
-  segment's PUT and its LMDB commit): restored from the store, complete.
+  segment's PUT and its LMDB commit): restored from the store, complete; and on a disk whose
+  WAL is ahead of a hole in the log (an earlier upload lost, a later one landed): the hole is
+  covered first, so a later restore from the store is complete.
 - two ingesters on one store: the second refuses to start while the first's lease is live.
 - a fenced ingester (its ownership record taken over) answers 503 to writes and uploads no
   further segment.
@@ -325,6 +327,41 @@ def test_store_mode_restart_with_a_wal_behind_the_log_restores_it(tmp_path: Path
         assert _read_all(b.url, "s0").endswith(b"after\n")
     finally:
         b.stop()
+
+
+def test_a_hole_in_the_stores_log_is_covered_before_the_log_goes_on(tmp_path: Path, file_store: StoreView) -> None:
+    """Store mode uploads a few segments at a time: a SIGKILL while an earlier upload is in
+    flight and a later one landed leaves a hole in the store's log (the commit is in the WAL,
+    never acknowledged). A restart on that disk must cover the hole (a checkpoint) before it
+    ships on: before, it carried on past it, and no restore could ever get beyond the hole
+    again (a standby or a lost disk lost everything acknowledged since). The hole is made by
+    deleting the segment after a SIGKILL."""
+    objects = tmp_path / "objects"
+    a = _ingester(tmp_path / "a", file_store, "--durability", "store").start()
+    try:
+        _req("PUT", f"{a.url}/v1/stream/s0", headers={"Content-Type": "text/plain"})
+        for n in range(20):
+            assert _req("POST", f"{a.url}/v1/stream/s0", b"one-%02d\n" % n, {"Content-Type": "text/plain"})[0] == 204
+    finally:
+        a.kill()
+    segments = sorted((objects / "log").iterdir())
+    checkpoints = sorted((objects / "checkpoint").iterdir())
+    assert len(segments) >= 10 and checkpoints
+    hole = segments[-3]  # (after the checkpoint: one a restore needs)
+    hole.unlink()
+    a2 = _ingester(tmp_path / "a", file_store, "--durability", "store").start()  # same disk
+    try:
+        for n in range(10):
+            assert _req("POST", f"{a2.url}/v1/stream/s0", b"two-%02d\n" % n, {"Content-Type": "text/plain"})[0] == 204
+    finally:
+        a2.kill()
+    b = _ingester(tmp_path / "b", file_store, "--durability", "store").start()  # a lost disk: from the store
+    try:
+        want = b"".join(b"one-%02d\n" % n for n in range(20)) + b"".join(b"two-%02d\n" % n for n in range(10))
+        assert _read_all(b.url, "s0") == want
+    finally:
+        b.stop()
+    assert "past a hole in the store's log" in a2.log_path.read_text()
 
 
 def test_a_start_refused_by_the_store_says_why_and_leaves_nothing_open(tmp_path: Path, s3_server: MotoS3) -> None:
