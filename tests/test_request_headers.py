@@ -132,3 +132,17 @@ def test_one_host_header_is_required(base: str) -> None:
         assert rawhttp.parsed(answer)[0] == 400, answer[:300]
     [answer] = rawhttp.exchange(_port(base), b"GET " + name.encode() + b"?offset=-1 HTTP/1.1\r\nHost: t\r\n\r\n")
     assert rawhttp.parsed(answer)[0] == 404, "a request without one Host created the stream"
+
+
+@pytest.mark.parametrize("version", [b"HTTP/2.0"])
+def test_a_request_in_another_major_version_is_answered_505(base: str, version: bytes) -> None:
+    """A plain-text request line naming HTTP/2 (not a prior-knowledge h2 preface): 505,
+    nothing created (before: answered as if it were HTTP/1.1). (HTTP/3.0 is a 400 from the
+    parser: no such request line exists.)"""
+    name = "/v1/stream/h" + version[5:6].decode()
+    [answer] = rawhttp.exchange(_port(base), b"PUT " + name.encode() + b" " + version +
+                                b"\r\nHost: t\r\nContent-Type: text/plain\r\nContent-Length: 0\r\n\r\n")
+    status, _headers, body = rawhttp.parsed(answer)
+    assert status == 505 and b"HTTP/1.1" in body, answer[:300]
+    [answer] = rawhttp.exchange(_port(base), b"GET " + name.encode() + b"?offset=-1 HTTP/1.1\r\nHost: t\r\n\r\n")
+    assert rawhttp.parsed(answer)[0] == 404, "the refused request created the stream"

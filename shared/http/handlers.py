@@ -156,6 +156,9 @@ def host_problem(values: Sequence[str], *, required: bool = True) -> str | None:
 async def errors_middleware(
     request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
 ) -> web.StreamResponse:
+    if request.version.major != 1:  # (RFC 9110 §15.6.6: HTTP/2 and 3 are not spoken on this port in plain text)
+        return web.Response(status=505, text=f"HTTP/{request.version.major}.{request.version.minor} is not "
+                            "supported here: send HTTP/1.1 (or 1.0)\n", headers={"Connection": "close"})
     if (why := host_problem(request.headers.getall("Host", ()), required=request.version >= (1, 1))) is not None:
         return error_response(BadRequest(why))
     try:
