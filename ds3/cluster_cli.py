@@ -5,21 +5,27 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
-from ds3.options import store_options
+from ds3.options import apply_options, option, store_options
 from shared.config import ConfigError
+
+if TYPE_CHECKING:
+    from shared.cluster import Cluster
+
+FC = TypeVar("FC", bound=Callable[..., Any])
 
 
 @click.group()
 def cluster() -> None:
     """The cluster description: which ingesters share the store and own which streams
     (docs/architecture.md "Placement"). Kept in the store at _ds3/cluster.json; every ingester
-    started with --ingester-id re-reads it every --cluster-refresh seconds. (A file given to the
-    servers with --cluster instead is not seen by these commands: `ds3 dev --ingesters N` keeps
-    its description in DATA_DIR/cluster.json.)"""
+    started with --ingester-id re-reads it every --cluster-refresh seconds. A file given to the
+    servers with --cluster instead (`ds3 dev --ingesters N` keeps its description in
+    DATA_DIR/cluster.json) is read by `show --file` and `owner --file`."""
 
 
 def _cluster_run(store_url: str, s3_endpoint: str | None, action: Callable[[Any], Any], *,
@@ -53,18 +59,46 @@ def _cluster_run(store_url: str, s3_endpoint: str | None, action: Callable[[Any]
         raise click.ClickException(e.message) from e
 
 
-@cluster.command("show")
-@store_options
-def cluster_show(store: str, s3_endpoint: str | None) -> None:
-    """Print the description (JSON, with its ETag); exit 1 when there is none."""
-    import json
+def _read_options(f: FC) -> FC:
+    """--store / --s3-endpoint, or --file: where `show` and `owner` read the description."""
+    return apply_options(f, [
+        option("--store", env="DS3_STORE", default=None, help="Object store: s3://bucket/prefix or file:///path."),
+        option("--s3-endpoint", env="DS3_S3_ENDPOINT", default=None,
+               help="S3 endpoint URL (MinIO, moto). Default: AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL, else AWS."),
+        click.option("--file", "cluster_file", type=click.Path(dir_okay=False, path_type=Path), default=None,
+                     help="Read the description from this file instead of the store (what the servers take "
+                          "as --cluster; `ds3 dev --ingesters N` keeps its own in DATA_DIR/cluster.json)."),
+    ])
 
-    from shared.cluster import read_cluster
 
+def _description(store: str | None, s3_endpoint: str | None, cluster_file: Path | None) -> tuple[Cluster, str | None]:
+    """The description and its ETag (None for a file), from --file or the store."""
+    from shared.cluster import load_cluster_file, read_cluster
+    from shared.placement import PlacementError
+
+    if cluster_file is not None:
+        if store is not None:
+            raise click.UsageError("give --store or --file, not both")
+        try:
+            return load_cluster_file(cluster_file), None
+        except PlacementError as e:
+            raise click.ClickException(str(e)) from e
+    if store is None:
+        raise click.UsageError("Missing option '--store' (or DS3_STORE), or give --file")
     found = _cluster_run(store, s3_endpoint, read_cluster)
     if found is None:
         raise click.ClickException(f"no cluster description in {store} yet: write one with `ds3 cluster set`")
-    click.echo(json.dumps({**found.cluster.to_json(), "etag": found.etag}, indent=2))
+    return found.cluster, found.etag
+
+
+@cluster.command("show")
+@_read_options
+def cluster_show(store: str | None, s3_endpoint: str | None, cluster_file: Path | None) -> None:
+    """Print the description (JSON, with its ETag when it is the store's); exit 1 when there is none."""
+    import json
+
+    found, etag = _description(store, s3_endpoint, cluster_file)
+    click.echo(json.dumps({**found.to_json(), **({"etag": etag} if etag is not None else {})}, indent=2))
 
 
 @cluster.command("set")
@@ -134,28 +168,25 @@ def _cluster_set_advice(new: Any) -> list[str]:
 
 
 @cluster.command("owner")
-@store_options
+@_read_options
 @click.argument("urls", nargs=-1, required=True, metavar="URL_PATH...")
-def cluster_owner(store: str, s3_endpoint: str | None, urls: tuple[str, ...]) -> None:
+def cluster_owner(store: str | None, s3_endpoint: str | None, cluster_file: Path | None, urls: tuple[str, ...]) -> None:
     """Which ingester owns each stream or bucket, by URL path (/v1/stream/{path},
     /v1/buckets/{bucket}[/{stream}]; percent-encoded as in a request), under the description
-    in the store: one line each, `<url path> <id> <url>`."""
+    in the store (or --file): one line each, `<url path> <id> <url>`."""
     from shared import buckets
-    from shared.cluster import read_cluster
     from shared.config import LMDB_MAX_KEY
     from shared.errors import DS3Error
     from shared.http.handlers import stream_path_of
 
-    found = _cluster_run(store, s3_endpoint, read_cluster)
-    if found is None:
-        raise click.ClickException(f"no cluster description in {store} yet: write one with `ds3 cluster set`")
+    description, _ = _description(store, s3_endpoint, cluster_file)
     for url in urls:
         try:
             raw = url.split("?", 1)[0]
             if raw.startswith(buckets.BUCKETS_PREFIX) and buckets.parse_url(raw)[1] is None:
-                owner = found.cluster.bucket_owner(buckets.parse_url(raw)[0])
+                owner = description.bucket_owner(buckets.parse_url(raw)[0])
             else:
-                owner = found.cluster.owner(stream_path_of(raw, LMDB_MAX_KEY))
+                owner = description.owner(stream_path_of(raw, LMDB_MAX_KEY))
         except DS3Error as e:
             raise click.UsageError(f"{url}: {e.message}") from e
         click.echo(f"{url} {owner.id} {owner.url}")

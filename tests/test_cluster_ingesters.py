@@ -370,6 +370,19 @@ def test_cluster_command(tmp_path: Path) -> None:
                                      "/v1/buckets/tenant-1/s%20s a http://127.0.0.1:1"]
     r = run(main, ["cluster", "owner", "--store", store, "/v1/nope"])
     assert r.exit_code == 2 and "not a stream URL" in r.output
+    # a description file (the servers' --cluster, `ds3 dev --ingesters N`'s DATA_DIR/cluster.json)
+    described = tmp_path / "cluster.json"
+    described.write_text('{"generation": 3, "ingesters": [{"id": "i1", "url": "http://127.0.0.1:7"}]}')
+    r = run(main, ["cluster", "owner", "--file", str(described), "/v1/stream/x"])
+    assert r.exit_code == 0 and r.output.splitlines() == ["/v1/stream/x i1 http://127.0.0.1:7"], r.output
+    r = run(main, ["cluster", "show", "--file", str(described)])
+    assert r.exit_code == 0 and json.loads(r.output)["generation"] == 3 and "etag" not in json.loads(r.output)
+    r = run(main, ["cluster", "show", "--file", str(tmp_path / "missing.json")])
+    assert r.exit_code == 1 and "missing.json" in r.output, r.output
+    r = run(main, ["cluster", "show", "--file", str(described), "--store", store])
+    assert r.exit_code == 2 and "not both" in r.output, r.output
+    r = run(main, ["cluster", "owner", "/v1/stream/x"], env={"DS3_STORE": ""})
+    assert r.exit_code == 2 and "--store" in r.output and "--file" in r.output, r.output
     for bad, message in [(["--ingester", "a"], "write it as id=url"),
                          (["--ingester", "a=http://h:1", "--ingester", "a=http://h:2"], "appears more than once")]:
         r = run(main, ["cluster", "set", "--store", store, *bad])
