@@ -14,7 +14,7 @@ from ds3.options import apply_options, option, store_options
 from shared.config import ConfigError
 
 if TYPE_CHECKING:
-    from shared.cluster import Cluster
+    from shared.placement import Cluster
 
 FC = TypeVar("FC", bound=Callable[..., Any])
 
