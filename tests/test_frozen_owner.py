@@ -50,6 +50,15 @@ class Setup:
             p.stop()
 
 
+def _logs(setup: Setup) -> str:
+    """The last lines of every process's log (what a failure needs: the dirs do not outlive it)."""
+    out = []
+    for p in (setup.reader, setup.standby, setup.a, *setup.others):
+        text = p.log_path.read_text(errors="replace") if p.log_path.exists() else "(no log)"
+        out.append(f"--- {p.log_path}:\n" + "\n".join(text.splitlines()[-25:]))
+    return "\n".join(out)
+
+
 def _start(tmp_path: Path, topology: str) -> Setup:
     store_root = tmp_path / "objects"
     pa, pa2, pb = procs.free_port(), procs.free_port(), procs.free_port()
@@ -97,7 +106,7 @@ def test_requests_waiting_at_a_frozen_owner_fail_fast_once_a_standby_takes_over(
             t.start()
         for t in sending:
             t.join(50)
-        assert set(answers) == {"append", "create"}, f"unanswered in 45 s: {answers}"
+        assert set(answers) == {"append", "create"}, f"unanswered in 45 s: {answers}\n{_logs(setup)}"
         for name, (status, headers, took) in answers.items():
             assert status == 503 and headers.get("retry-after"), (name, status)
             assert took < ANSWERED_WITHIN, f"the {name} waited {took:.1f} s at the frozen owner"
@@ -161,7 +170,10 @@ def test_a_request_on_aiohttps_path_at_a_frozen_owner_fails_fast_too(tmp_path: P
         assert request(reader, "PUT", path, headers=TEXT)[0] == 201
         os.kill(a.popen.pid, signal.SIGSTOP)
         started = time.monotonic()
-        status, headers, _ = request(reader, "POST", path, b"x\n", {**TEXT, "Connection": "close"}, timeout=45)
+        try:
+            status, headers, _ = request(reader, "POST", path, b"x\n", {**TEXT, "Connection": "close"}, timeout=45)
+        except TimeoutError:
+            pytest.fail("no answer in 45 s at the frozen owner:\n" + _logs(setup))
         took = time.monotonic() - started
         assert status == 503 and headers.get("retry-after"), status
         assert took < ANSWERED_WITHIN, f"waited {took:.1f} s at the frozen owner"
