@@ -45,6 +45,14 @@ def s3_bucket(s3_server: MotoS3, aws_env: None) -> Iterator[str]:
     s3_server.drop_bucket(bucket)
 
 
+@pytest.fixture(params=["file", "s3"])
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> StoreView:
+    """Each test that asks for it runs against a local-directory store and moto's S3."""
+    if request.param == "s3":
+        return StoreView.s3_store(request.getfixturevalue("s3_server"), request.getfixturevalue("s3_bucket"))
+    return StoreView.local(tmp_path / "objects")
+
+
 @pytest.fixture
 def gated_s3(s3_server: MotoS3, s3_bucket: str) -> Iterator[tuple[StoreView, TcpGate]]:
     """An S3 bucket on moto plus a gate in front of moto for the ingester to go through

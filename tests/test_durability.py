@@ -50,12 +50,6 @@ OWNER = "node-a"
 LOCAL_INTERVAL = float(os.environ.get("DS3_TEST_SHIP_INTERVAL", "0.5"))  # local mode's --ship-interval  # the replacement takes the dead one's record over at once (same owner id)
 
 
-@pytest.fixture(params=["file", "s3"])
-def store(request: pytest.FixtureRequest, tmp_path: Path) -> StoreView:
-    if request.param == "file":
-        return StoreView.local(tmp_path / "objects")
-    return StoreView.s3_store(request.getfixturevalue("s3_server"), request.getfixturevalue("s3_bucket"))
-
 
 @pytest.fixture
 def file_store(tmp_path: Path) -> StoreView:

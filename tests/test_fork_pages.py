@@ -20,7 +20,6 @@ import json
 from pathlib import Path
 
 import aiohttp
-import pytest
 
 from tests.cluster import TIMEOUT, Cluster, StoreView, create, get_page, reader_metrics, sealed_end, wait_for
 
@@ -30,12 +29,6 @@ JSON = "application/json"
 UPSTREAM = "ds3_reader_ingester_requests_total"
 TAIL_CHECKS = "ds3_reader_tail_checks_total"
 
-
-@pytest.fixture(params=["file", "s3"])
-def store(request: pytest.FixtureRequest, tmp_path: Path) -> StoreView:
-    if request.param == "s3":
-        return StoreView.s3_store(request.getfixturevalue("s3_server"), request.getfixturevalue("s3_bucket"))
-    return StoreView.local(tmp_path / "objects")
 
 
 def body_of(level: int, sealed: bool, json_mode: bool) -> bytes:

@@ -53,12 +53,6 @@ UPSTREAM = "ds3_reader_ingester_requests_total"
 COLLAPSED = "ds3_reader_collapsed_total"
 
 
-@pytest.fixture(params=["file", "s3"])
-def store(request: pytest.FixtureRequest, tmp_path: Path) -> StoreView:
-    if request.param == "s3":
-        return StoreView.s3_store(request.getfixturevalue("s3_server"), request.getfixturevalue("s3_bucket"))
-    return StoreView.local(tmp_path / "objects")
-
 
 @pytest.fixture
 def local_store(tmp_path: Path) -> StoreView:

@@ -12,7 +12,6 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import aiohttp
-import pytest
 
 from reader.relay import NEXT_PAGE_TTL, Body, NextPages, PageKey
 from shared.errors import ObjectStoreUnavailable
@@ -36,12 +35,6 @@ from tests.tcpgate import TcpGate
 OCTET = "application/octet-stream"
 JSON = "application/json"
 
-
-@pytest.fixture(params=["file", "s3"])
-def store(request: pytest.FixtureRequest, tmp_path: Path) -> StoreView:
-    if request.param == "s3":
-        return StoreView.s3_store(request.getfixturevalue("s3_server"), request.getfixturevalue("s3_bucket"))
-    return StoreView.local(tmp_path / "objects")
 
 
 async def _seal(c: Cluster, s: aiohttp.ClientSession, name: str, ctype: str, bodies: list[bytes]) -> str:

@@ -39,12 +39,6 @@ STREAMS = ["s0", "s1", "s2", "s3"]
 TEXT = {"Content-Type": "text/plain"}
 
 
-@pytest.fixture(params=["file", "s3"])
-def store(request: pytest.FixtureRequest, tmp_path: Path) -> StoreView:
-    if request.param == "file":
-        return StoreView.local(tmp_path / "objects")
-    return StoreView.s3_store(request.getfixturevalue("s3_server"), request.getfixturevalue("s3_bucket"))
-
 
 def _node(data: Path, store: StoreView, *extra: str, endpoint: str | None = None) -> Proc:
     return ingester(data, *store.server_args(endpoint), "--lease-seconds", str(LEASE), "--seal-bytes", "4096",
