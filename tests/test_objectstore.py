@@ -7,6 +7,7 @@ import asyncio
 import hashlib
 import multiprocessing
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -21,6 +22,7 @@ from botocore.exceptions import ClientError
 from shared.config import ConfigError
 from shared.errors import ObjectNotFound, ObjectStoreUnavailable, PreconditionFailed, Unavailable
 from shared.objectstore import LocalStore, ObjectStore, open_store
+from shared.objectstore import local as local_module
 from shared.objectstore import s3 as s3_module
 from shared.objectstore.base import TEMP_PREFIX, StoreCounters
 from shared.objectstore.local import LOCK_NAME
@@ -465,6 +467,36 @@ def test_local_conditional_writes_across_processes(tmp_path: Path) -> None:
 async def _put_once(root: Path, key: str, data: bytes) -> None:
     async with LocalStore(root) as store:
         await store.put(key, data)
+
+
+async def test_local_conditional_write_waits_a_bounded_time_for_a_stopped_lock_holder(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A process stopped (SIGSTOP) while it holds the store's write lock: another writer's
+    if_match fails as the store being unavailable after LOCK_WAIT (the caller retries; a
+    standby's takeover says why in its log) instead of hanging a worker thread for as long as
+    the holder stays stopped; once the holder runs again and lets go, writes go through."""
+    monkeypatch.setattr(local_module, "LOCK_WAIT", 0.5)
+    async with LocalStore(tmp_path) as store:
+        etag = await store.put("owner.json", b"1")
+        holder = subprocess.Popen([sys.executable, "-c", (
+            "import fcntl, os, signal, sys\n"
+            f"fd = os.open({str(tmp_path / LOCK_NAME)!r}, os.O_RDWR | os.O_CREAT)\n"
+            "fcntl.flock(fd, fcntl.LOCK_EX)\n"
+            "print('held', flush=True)\n"
+            "os.kill(os.getpid(), signal.SIGSTOP)\n"  # frozen holding it, as a SIGSTOPped ingester
+            "sys.stdin.read()\n")], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        try:
+            assert holder.stdout is not None and holder.stdout.readline() == b"held\n"
+            started = time.monotonic()
+            with pytest.raises(ObjectStoreUnavailable, match="held by another process"):
+                await asyncio.wait_for(store.put("owner.json", b"2", if_match=etag), 10)
+            assert time.monotonic() - started < 5
+            assert await store.get("owner.json") == b"1"  # nothing half-written
+        finally:
+            holder.send_signal(signal.SIGCONT)
+            holder.communicate(timeout=10)  # (stdin closed: it exits, the kernel drops the flock)
+        await store.put("owner.json", b"2", if_match=etag)
+        assert await store.get("owner.json") == b"2"
 
 
 async def test_local_lock_file_is_never_a_key(tmp_path: Path) -> None:

@@ -21,8 +21,14 @@ Conditional writes are atomic across threads and processes on this machine:
 - if_match holds an exclusive lock on the store's lock file (flock on `<root>/.ds3tmp-lock`,
   plus a lock of this process for file systems where flock is per process) while it compares
   the current ETag with the expected one and renames the new version into place. The data is
-  written and fsynced before the lock is taken, so it is held for a stat, a rename and the
-  directory's fsync (the new version is durable before another writer can act on it).
+  written and fsynced before the lock is taken, and the directory after it is released, so it
+  is held for a stat and a rename only: a process frozen (SIGSTOP) while holding it blocks
+  every other writer's if_match (a standby's takeover of the ownership record among them)
+  until it runs again, and the shorter the hold, the rarer that is. (The directory's fsync
+  outside it is still before the put returns: a writer that acts on a version not yet durable
+  acts through a put of its own, whose directory fsync makes both durable.) A writer waits at
+  most LOCK_WAIT for the lock, then fails as the store being unavailable (it retries), rather
+  than hanging a worker thread for as long as the holder stays frozen.
 
 Blocking file I/O runs in worker threads (asyncio.to_thread) so the event loop never waits
 on the disk. The content type is kept in an extended attribute of the file, which makes it
@@ -41,6 +47,7 @@ import mmap
 import os
 import tempfile
 import threading
+import time
 from collections.abc import AsyncIterator, Callable, Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -72,6 +79,7 @@ LOCK_NAME: Final = TEMP_PREFIX + "lock"  # in the root; never a key (validate_ke
 # flock excludes open file descriptions, but on some file systems (NFS) it degrades to a
 # per-process lock: threads of one process also take this one.
 _PROCESS_LOCK: Final = threading.Lock()
+LOCK_WAIT: Final = 5.0  # seconds a conditional write waits for the write lock (held for a rename)
 # Errors that a later retry may fix (full disk, I/O trouble); anything else is a bug or config.
 _TRANSIENT_ERRNOS: Final = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EAGAIN, errno.EMFILE})
 # A key whose path runs into a file or a directory names no object (as on S3).
@@ -237,7 +245,7 @@ class LocalStore:
                 with self._locked():
                     etag = self._replace_if_match(key, tmp, path, if_match, etag, tagged)
                     published = True
-                    fsync_dir(path.parent)  # durable before another writer can act on it
+                fsync_dir(path.parent)  # (after the lock: see the module docstring)
             else:
                 os.replace(tmp, path)
                 published = True
@@ -279,13 +287,29 @@ class LocalStore:
     def _locked(self) -> Iterator[None]:
         """The store's write lock, across threads and processes (see the module docstring).
         A process that dies holding it releases it: the kernel drops the flock."""
-        with _PROCESS_LOCK:
+        deadline = time.monotonic() + LOCK_WAIT
+        if not _PROCESS_LOCK.acquire(timeout=LOCK_WAIT):
+            raise OSError(errno.EAGAIN, f"the store's write lock is held by another thread of this process for "
+                          f"over {LOCK_WAIT:g} s")
+        try:
             fd = os.open(self.root / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX)
+                pause = 0.001
+                while True:
+                    try:
+                        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                        break
+                    except BlockingIOError:
+                        if time.monotonic() >= deadline:
+                            raise OSError(errno.EAGAIN, f"{self.root / LOCK_NAME} is held by another process for over "
+                                          f"{LOCK_WAIT:g} s (a stopped one?)") from None
+                        time.sleep(pause)
+                        pause = min(pause * 2, 0.05)
                 yield
             finally:
                 os.close(fd)  # releases the flock
+        finally:
+            _PROCESS_LOCK.release()
 
     def _write_and_sync(self, fd: int, data: bytes, content_type: str | None, durable: bool = True) -> tuple[str, bool]:
         """Into the new file `fd`: the data, the content type and MD5 attributes, fsync; the
