@@ -5,10 +5,11 @@ moto's in-process mocks (mock_aws) do not patch aiobotocore, so tests talk HTTP 
 
 Conditional writes: moto 5.2.5 enforces If-None-Match: * and If-Match on put_object (412, and
 404 NoSuchKey for If-Match on a missing key, as AWS). It checks and then stores without a lock
-of its own, so two racing requests could in principle both pass; the window is a few Python
-statements under the GIL and was never hit (1000 rounds of 8 racers each, bodies up to 400 KB,
-exactly one winner every time), so the single-winner tests run against it too. It never
-answers 409 ConditionalRequestConflict (tests fake that one).
+of its own, so two racing requests can both pass: the window is a few Python statements, not
+hit in 1000 rounds of 8 racers on a quiet machine, but hit once in a CI-like run under load
+(two If-Match winners). S3 and MinIO decide a conditional write atomically, so this server
+does too: its conditional PUTs run one at a time (_put_object_atomically). It never answers
+409 ConditionalRequestConflict (tests fake that one).
 
     with MotoS3() as s3:             # or s3.start() / s3.stop()
         bucket = s3.new_bucket()
@@ -20,6 +21,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import threading
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -27,6 +29,7 @@ from types import TracebackType
 from typing import Any, Final, Self
 
 import boto3  # type: ignore[import-untyped]
+from moto.s3.responses import S3Response
 from moto.server import ThreadedMotoServer
 
 # Dummy credentials and region for botocore; the AWS_* variables that would point elsewhere
@@ -61,6 +64,21 @@ def aws_test_env() -> Iterator[None]:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+_CONDITIONAL_PUTS: Final = threading.Lock()
+_moto_put_object = S3Response.put_object
+
+
+def _put_object_atomically(self: S3Response) -> Any:
+    """moto's put_object, one conditional PUT at a time (see the module docstring)."""
+    if self.headers.get("If-Match") is None and self.headers.get("If-None-Match") is None:
+        return _moto_put_object(self)
+    with _CONDITIONAL_PUTS:
+        return _moto_put_object(self)
+
+
+S3Response.put_object = _put_object_atomically  # type: ignore[method-assign]
 
 
 class MotoS3:
