@@ -46,7 +46,7 @@ from shared.http.handlers import (
     stream_path_of,
 )
 from shared.objectstore import MappedRange
-from shared.objectstore.s3 import OpenBody
+from shared.objectstore.open_body import OpenBody
 from shared.placement import placement_key
 
 log = logging.getLogger("ds3.reader")

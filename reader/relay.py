@@ -22,7 +22,7 @@ from typing import Any, Final, cast
 from aiohttp import web
 
 from shared.errors import ObjectStoreUnavailable
-from shared.objectstore.s3 import OpenBody
+from shared.objectstore.open_body import OpenBody
 
 log = logging.getLogger("ds3.reader")
 

@@ -67,3 +67,14 @@ ds3_venv_setup() {
   _ds3_unlock
   echo "ds3: .venv is up to date" >&2
 }
+
+# Our modules' bytecode, written ahead (quick when it is up to date). Every ds3 process imports
+# about 200 of them at start; where PYTHONDONTWRITEBYTECODE is set (as on the development
+# machines here) Python never writes their bytecode, so each process compiled them all again:
+# 0.3 of its 1.0 CPU-seconds to start (pip writes the dependencies' bytecode when it installs).
+ds3_bytecode() {
+  "$DS3_VENV/bin/python" -m compileall -q -j 0 -x node_modules \
+    "$DS3_ROOT/ds3" "$DS3_ROOT/shared" "$DS3_ROOT/ingester" "$DS3_ROOT/reader" "$DS3_ROOT/pipeline" \
+    "$DS3_ROOT/tests" "$DS3_ROOT/scripts" >/dev/null \
+    || echo "ds3: compileall failed (processes compile their modules as they start instead)" >&2
+}

@@ -7,6 +7,7 @@ import re
 import socket
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 VOLATILE = {"date", "x-request-id"}
 STREAM_OFFSET = re.compile(rb"\d{16}_\d{16}")
@@ -126,6 +127,28 @@ def mixed_requests(path: str) -> bytes:
 
 
 MIXED_ANSWERS = 7
+
+
+def mix_cut_shape(port: int, cut: int) -> list[tuple[int, bytes]]:
+    """The answers' shapes to `mixed_requests` on a fresh stream, sent in two writes split at
+    byte `cut` (a short pause between them, so the server sees the first part alone)."""
+    path = f"/v1/stream/cut-{cut}-{port}"
+    data = mixed_requests(path)
+    exchange(port, put(path, "Content-Type: text/plain"))
+    got = answer_shapes(pipeline(port, [data[:cut], data[cut:]], MIXED_ANSWERS, pause=0.002))
+    assert read_all(port, path) == b"abcd", cut
+    return [(status, body.replace(path.encode(), b"P")) for status, body in got]
+
+
+def assert_every_mix_cut_answered_as(expected_port: int, port: int) -> None:
+    """Every split of `mixed_requests` gets from `port` the answers `expected_port` (aiohttp's
+    path) gives it whole-ish (split after its first byte). The cuts go several at a time: each
+    is its own stream and connection, and one at a time they took half a minute."""
+    expected = mix_cut_shape(expected_port, 1)
+    cuts = range(1, len(mixed_requests("/v1/stream/cut-0-0")))
+    with ThreadPoolExecutor(6) as pool:
+        for cut, got in zip(cuts, pool.map(lambda c: mix_cut_shape(port, c), cuts), strict=True):
+            assert got == expected, (cut, got)
 
 
 def answer_shapes(answers: list[bytes]) -> list[tuple[int, bytes]]:

@@ -27,6 +27,7 @@ from tests.rawhttp import (
     MIXED_ANSWERS,
     STREAM_OFFSET,
     answer_shapes,
+    assert_every_mix_cut_answered_as,
     delete,
     exchange,
     mixed_requests,
@@ -257,18 +258,7 @@ def test_pipelined_appends_and_heads_are_answered_in_order(tier: Tier, n: int) -
 
 
 def test_a_pipelined_mix_cut_at_every_position_is_answered_as_by_aiohttp(tier: Tier) -> None:
-    expected: list[tuple[int, bytes]] | None = None
-    for cut in range(1, len(mixed_requests("/v1/stream/X"))):
-        for p in (tier.slow, tier.fast) if cut == 1 else (tier.fast,):
-            path = f"/v1/stream/cut-{cut}-{p.port}"
-            data = mixed_requests(path)
-            exchange(p.port, put(path, TEXT))
-            got = answer_shapes(pipeline(p.port, [data[:cut], data[cut:]], MIXED_ANSWERS, pause=0.002))
-            got = [(s, b.replace(path.encode(), b"P")) for s, b in got]
-            if expected is None:
-                expected = got
-            assert got == expected, (cut, got)
-            assert read_all(p.port, path) == b"abcd"
+    assert_every_mix_cut_answered_as(tier.slow.port, tier.fast.port)
 
 
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

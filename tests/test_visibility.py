@@ -55,7 +55,8 @@ def test_a_refused_append_is_not_read_until_the_store_has_it(
         tmp_path: Path, gated_s3: tuple[StoreView, TcpGate]) -> None:
     store, gate = gated_s3
     owner = _owner(tmp_path, "a", store, gate, lease=60).start()  # (the lease outlasts the cut)
-    reader = procs.reader(tmp_path / "reader", owner.url, store.url, *store.server_args()[2:], "--write-rate", "0")
+    reader = procs.reader(tmp_path / "reader", owner.url, store.url, *store.server_args()[2:], "--write-rate", "0",
+                          "--long-poll-timeout", "3")  # (a long-poll that must time out: not the default 30 s)
     reader.start()
     path = "/v1/stream/s"
     try:
@@ -74,7 +75,7 @@ def test_a_refused_append_is_not_read_until_the_store_has_it(
         assert request(reader, "HEAD", "/v1/stream/new")[0] == 404
         assert (procs.metric(procs.metrics(owner), "ds3_log_unseen_commits") or 0) >= 2
         polled: list[tuple[int, bytes]] = []
-        _long_poll(reader, path, after_a, polled).join(35)
+        _long_poll(reader, path, after_a, polled).join(10)
         assert polled and polled[0][0] == 204, polled
         # The store back, the commits it lacked are shipped: now they are read, and a waiting
         # follower is woken with them.
@@ -82,7 +83,7 @@ def test_a_refused_append_is_not_read_until_the_store_has_it(
         follower = _long_poll(reader, path, after_a, waiting)
         time.sleep(0.3)
         gate.up()
-        follower.join(35)
+        follower.join(10)
         deadline = time.monotonic() + 20
         while _page(reader, path, after_a)[0] != b"ghost\n":
             assert time.monotonic() < deadline, "the shipped append is not read"

@@ -7,12 +7,14 @@ from __future__ import annotations
 import hashlib
 import hmac
 import time
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
-from shared.auth.jwt_verify import JwtVerifier
 from shared.auth.policy import Policy, Principal, StaticTokens, grants_from_claims, load_static_tokens
 from shared.config import AuthConfig
 from shared.errors import Unauthorized
+
+if TYPE_CHECKING:
+    from shared.auth.jwt_verify import JwtVerifier
 
 CACHE_SECONDS: Final = 60.0
 CACHE_MAX: Final = 10_000
@@ -23,7 +25,11 @@ class Authenticator:
         """Loads and checks every credential source now: a ConfigError names the setting."""
         self.policy = Policy.from_config(config)
         self.static: StaticTokens = load_static_tokens(config)
-        self.jwt = JwtVerifier(config)
+        self.jwt: JwtVerifier | None = None  # None: no JWT accepted (and pyjwt never imported)
+        if config.jwt_secret is not None or config.jwks_file is not None or config.jwks_url:
+            from shared.auth.jwt_verify import JwtVerifier  # (pyjwt with cryptography: ~60 ms)
+
+            self.jwt = JwtVerifier(config)
         self._internal = config.internal_token.encode() if config.internal_token else None
         self._cache: dict[bytes, tuple[Principal, float | int]] = {}
 
@@ -49,7 +55,7 @@ class Authenticator:
         if scheme.lower() != "bearer" or not token:
             return None
         found = self.static.lookup(token)
-        if found is not None or not self.jwt.enabled:
+        if found is not None or self.jwt is None:
             return found
         hit = self._cache.get(hashlib.sha256(token.encode("utf-8", "surrogatepass")).digest())
         return hit[0] if hit is not None and hit[1] > time.time() else None
@@ -66,7 +72,7 @@ class Authenticator:
         found = self.static.lookup(token)
         if found is not None:
             return found
-        if not self.jwt.enabled:
+        if self.jwt is None:
             raise Unauthorized("invalid token: unknown", "invalid_token")
         key = hashlib.sha256(token.encode("utf-8", "surrogatepass")).digest()
         now = time.time()

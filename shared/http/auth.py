@@ -153,11 +153,13 @@ def install(app: web.Application, config: AuthConfig, *, accepts_internal: bool)
 
     async def warm(app: web.Application) -> AsyncIterator[None]:
         # Fetch the JWKS URL's keys early, without holding up the start if the provider is slow.
+        assert authn.jwt is not None
         task = asyncio.create_task(authn.jwt.warm(), name="ds3-jwks-warm")
         yield
         task.cancel()
 
-    app.cleanup_ctx.append(warm)
+    if authn.jwt is not None:
+        app.cleanup_ctx.append(warm)
     return authn
 
 
