@@ -288,7 +288,7 @@ def test_store_cut_mid_segment_loses_nothing_acknowledged(
 def test_a_restore_longer_than_the_lease_keeps_it(
         tmp_path: Path, gated_s3: tuple[StoreView, TcpGate]) -> None:
     """The standby renews the lease it took while it restores: a log that takes longer to
-    fetch than the lease (here: 800 segments through a store slowed to 0.1 s a piece) is
+    fetch than the lease (here: 320 segments through a store slowed to 0.2 s a piece: ~10 s) is
     restored without the lease lapsing (which would let another standby take the prefix) and
     without the new owner fencing itself once it starts."""
     store, gate = gated_s3
@@ -301,9 +301,9 @@ def test_a_restore_longer_than_the_lease_keeps_it(
     b.start()
     try:
         assert _req("PUT", f"{a.url}/v1/stream/s0", headers=TEXT)[0] == 201
-        for n in range(800):  # sequential: a segment each
+        for n in range(320):  # sequential: a segment each
             assert _req("POST", f"{a.url}/v1/stream/s0", b"%04d;" % n, TEXT)[0] == 204
-        gate.delay = 0.1
+        gate.delay = 0.2
         a.kill()
         killed = time.monotonic()
         while "took over" not in b.log_path.read_text():  # restored (through the slow store) and serving
@@ -316,7 +316,7 @@ def test_a_restore_longer_than_the_lease_keeps_it(
             time.sleep(0.2)
         log = b.log_path.read_text()
         assert "took over" in log and "fenced" not in log and "lease was lost" not in log, log[-3000:]
-        assert _read_all(b.url, "s0") == b"".join(b"%04d;" % n for n in range(800)) + b"after;"
+        assert _read_all(b.url, "s0") == b"".join(b"%04d;" % n for n in range(320)) + b"after;"
         print(f"\ntakeover with a slow restore: {took:.1f} s (lease 3 s)")
         assert took > 3 + 1  # the restore did outlast the lease (else this proves nothing)
     finally:
