@@ -24,7 +24,7 @@ from ingester.chain import (
     record_at,
     refresh_tail,
 )
-from ingester.records import StreamMeta
+from ingester.records import Record, StreamMeta
 from ingester.visibility import HIDDEN_CHANGING, Visibility
 from ingester.wal import WalEnv
 from shared import offsets
@@ -152,16 +152,8 @@ class Reads:
         with self.wal.env.begin(buffers=False) as txn:
             meta = self._visible(txn, path)
             page = MessagesPage(meta)
-            size = 0
-            for rec in chain_records(txn, self.wal, meta, lambda p: self._meta(txn, p), start, until):
-                if isinstance(rec, Sealed):
-                    if not page.messages:
-                        page.sealed = rec
-                    break
-                if page.messages and size + len(rec.data) > max_bytes:
-                    break
-                page.messages.append((rec.end, rec.data))
-                size += len(rec.data)
+            records, page.sealed = self._page(txn, meta, lambda p: self._meta(txn, p), start, until, max_bytes)
+            page.messages = [(rec.end, rec.data) for rec in records]
             return page
 
     def head_sync(self, path: str) -> StreamMeta:
@@ -223,26 +215,32 @@ class Reads:
                  max_bytes: int) -> ReadResult:
         """Records from `pos` up to about max_bytes (at least one), until a sealed chunk."""
         result = ReadResult(meta=meta, start=pos, end=pos, fork_points=fork_points(meta, lookup))
-        size = 0
-        last_chunk = -1
-        for rec in chain_records(txn, self.wal, meta, lookup, pos, meta.tail):
-            if isinstance(rec, Sealed):
-                if not result.messages:
-                    result.sealed = rec
-                break
-            if result.messages and size + len(rec.data) > max_bytes:
-                break
-            result.messages.append(rec.data)
-            size += len(rec.data)
-            result.end = rec.end
-            last_chunk = rec.chunk
+        records, result.sealed = self._page(txn, meta, lookup, pos, meta.tail, max_bytes)
+        result.messages = [rec.data for rec in records]
+        if records:
+            result.end = records[-1].end
         if result.end >= meta.tail:
             result.next_offset = meta.tail_offset
-        elif last_chunk >= 0:
-            result.next_offset = offsets.encode(last_chunk, result.end)
+        elif records:
+            result.next_offset = offsets.encode(records[-1].chunk, result.end)
         elif result.sealed is None:  # nothing read and not at the tail: a broken chain
             raise LookupError(f"stream {meta.path!r} has no data at position {pos}")
         return result
+
+    def _page(self, txn: lmdb.Transaction, meta: StreamMeta, lookup: MetaLookup, pos: int, until: int,
+              max_bytes: int) -> tuple[list[Record], Sealed | None]:
+        """The WAL's records of the chain in [pos, until), up to about max_bytes (at least one),
+        as far as the first sealed chunk: (records, that chunk if it comes first)."""
+        records: list[Record] = []
+        size = 0
+        for rec in chain_records(txn, self.wal, meta, lookup, pos, until):
+            if isinstance(rec, Sealed):
+                return records, None if records else rec
+            if records and size + len(rec.data) > max_bytes:
+                break
+            records.append(rec)
+            size += len(rec.data)
+        return records, None
 
     # --- async wrappers ------------------------------------------------------------------
 
