@@ -62,8 +62,9 @@ from shared.buckets import split_internal
 from shared.errors import DS3Error, NotFound, Unavailable
 from shared.http.handlers import stream_path_of
 from shared.http.lane import LANE, Lane, Message, catch_up_offset, forks_or_has_a_delete_body
-from shared.http.lane_connection import LaneHandler, LaneRunner
+from shared.http.lane_connection import LaneHandler
 from shared.http.lane_live import live_slot, long_poll_query
+from shared.http.lane_runner import LaneRunner
 
 
 class AppendLane(Lane):

@@ -44,8 +44,9 @@ from shared import logs, offsets
 from shared.errors import DS3Error, Unavailable
 from shared.http.handlers import stream_path_of
 from shared.http.lane import Lane, Message, catch_up_offset, forks_or_has_a_delete_body
-from shared.http.lane_connection import LaneHandler, LaneRunner
+from shared.http.lane_connection import LaneHandler
 from shared.http.lane_live import long_poll_query
+from shared.http.lane_runner import LaneRunner
 from shared.ownership import FENCED_HEADER
 from shared.placement import GENERATION_HEADER, OWNER_ID_HEADER, placement_key
 

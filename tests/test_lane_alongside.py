@@ -20,7 +20,8 @@ from shared.config import AuthConfig, LimitsConfig
 from shared.http import access, auth, limits
 from shared.http.handlers import BODY_TIMEOUT
 from shared.http.lane import Lane, Message
-from shared.http.lane_connection import LaneHandler, LaneRunner
+from shared.http.lane_connection import LaneHandler
+from shared.http.lane_runner import LaneRunner
 from tests.rawhttp import post
 
 

@@ -1,6 +1,6 @@
 """Request bodies' content codings (RFC 9110 §8.4): the one place both services decode them.
 
-aiohttp's server decoding is off in both services (shared.http.lane_connection.LaneRunner): it
+aiohttp's server decoding is off in both services (shared.http.lane_runner.LaneRunner): it
 took a gzip stream cut off before its trailer for a whole one (a partial body was appended),
 and passed a body in a coding it does not decode (`foo`, `x-gzip`, `gzip, gzip`) on still
 encoded (appended as such). read_body (shared.http.handlers) reads the body as sent and decodes

@@ -1,5 +1,6 @@
 """The fast lane's connection: a LaneHandler is aiohttp's RequestHandler plus the lane
-(shared/http/lane.py says which requests are the lane's and what a Lane does with them).
+(shared/http/lane.py says which requests are the lane's and what a Lane does with them;
+shared/http/lane_runner.py serves an app with LaneHandlers).
 
 Everything else is aiohttp's. Bytes received wait in one buffer, in arrival order, and one
 loop (`_pump`) takes messages from its front: when the connection is between messages and
@@ -24,10 +25,8 @@ answered, so it sees their effects, as it would on a connection of its own.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import re
-import signal
 import time
 from collections import deque
 from collections.abc import Callable
@@ -37,7 +36,6 @@ import httptools
 from aiohttp import web
 from aiohttp.http_exceptions import BadHttpMethod, HttpProcessingError, LineTooLong
 from aiohttp.web_protocol import RequestHandler
-from aiohttp.web_runner import GracefulExit
 
 from shared import extensions, logs
 from shared import protocol as P
@@ -45,7 +43,7 @@ from shared.errors import DS3Error, RequestTimeout
 from shared.http.access import CLIENT_CLOSED, log_access
 from shared.http.auth import private_head, private_headers
 from shared.http.handlers import error_response, host_problem
-from shared.http.lane import COMMON_HEADERS, LANE, REASONS, Lane, Message
+from shared.http.lane import COMMON_HEADERS, REASONS, Lane, Message
 from shared.limits import client_address, client_identity
 
 log = logging.getLogger("ds3.http")
@@ -64,87 +62,6 @@ _SINGLE_HEADERS: Final = frozenset(
 )
 _PAUSE_ABOVE: Final = 256 * 1024  # unprocessed bytes held while an answer is pending
 _STATUS_LINES: dict[int, bytes] = {}
-
-
-class LaneServer(web.Server):
-    """aiohttp's low-level server, making LaneHandlers."""
-
-    def __init__(self, *args: Any, lane: Lane, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.lane = lane
-
-    def __call__(self) -> RequestHandler:
-        return LaneHandler(self, lane=self.lane, loop=self._loop, **self._kwargs)
-
-    def pre_shutdown(self) -> None:
-        for conn in self._connections:
-            if isinstance(conn, LaneHandler):
-                conn.draining = True
-        super().pre_shutdown()
-
-
-class LaneRunner(web.AppRunner):
-    """web.AppRunner whose connections get a fast lane (use it like an AppRunner). Subclasses
-    name their Lane, and whether SIGTERM/SIGINT drain (`drain_on_signal`, see setup)."""
-
-    lane_class: type[Lane] = Lane
-    # With handle_signals, aiohttp's own handler raises GracefulExit out of the event loop: under
-    # asyncio.run (ds3/cli.py _run) every task is then cancelled at once, handlers and live
-    # channels included, so nothing in flight is answered; the runner's cleanup only runs
-    # amid that. True: the signal starts the cleanup (stop listening, on_shutdown, wait up
-    # to shutdown_timeout for the requests in flight, the app's cleanup) while everything
-    # still runs, and GracefulExit is raised only once it is done.
-    drain_on_signal: bool = False
-
-    def __init__(self, app: web.Application, **kwargs: Any) -> None:
-        # Request bodies reach the handlers as sent: read_body decodes their Content-Encoding
-        # (shared.http.codings). aiohttp's own decoding took a truncated gzip stream for a whole
-        # one and passed codings it does not decode on still encoded.
-        super().__init__(app, **{**kwargs, "auto_decompress": False})
-        self.lane = self.lane_class(app)
-        app[LANE] = self.lane
-        self._cleaning: asyncio.Future[None] | None = None
-
-    async def setup(self) -> None:
-        self._cleaning = None
-        await super().setup()
-        if self.drain_on_signal and self._handle_signals:
-            loop = asyncio.get_running_loop()
-            with contextlib.suppress(NotImplementedError):  # (no signal handlers on Windows)
-                loop.add_signal_handler(signal.SIGINT, self._on_signal, signal.SIGINT)
-                loop.add_signal_handler(signal.SIGTERM, self._on_signal, signal.SIGTERM)
-
-    def _on_signal(self, signum: int) -> None:
-        if self._cleaning is not None:
-            return  # draining already (a process group's SIGTERM and the supervisor's both come)
-        log.info("%s: draining (new connections refused, requests in flight get up to %g s)",
-                 signal.Signals(signum).name, self._shutdown_timeout)
-        self._cleaning = asyncio.ensure_future(super().cleanup())
-        self._cleaning.add_done_callback(_leave)
-
-    async def cleanup(self) -> None:
-        """Once, however many callers ask (the drain started by a signal, and the code that made
-        the runner, whose `finally` runs when GracefulExit ends the loop)."""
-        if not self.drain_on_signal:
-            await super().cleanup()
-            return
-        if self._cleaning is None:
-            self._cleaning = asyncio.ensure_future(super().cleanup())
-        await asyncio.shield(self._cleaning)
-
-    async def _make_server(self) -> web.Server:
-        server = await super()._make_server()
-        return LaneServer(
-            server.request_handler, request_factory=server.request_factory, lane=self.lane,
-            handler_cancellation=server.handler_cancellation, loop=server._loop, **server._kwargs,
-        )
-
-
-def _leave(cleaned: asyncio.Future[None]) -> None:
-    """The drain is over: end the event loop as aiohttp's signal handler would have."""
-    if not cleaned.cancelled() and cleaned.exception() is not None:
-        log.error("the shutdown failed", exc_info=cleaned.exception())
-    raise GracefulExit()
 
 
 class _Follower:
