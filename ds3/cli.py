@@ -9,11 +9,9 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
-from aiohttp import web
-from aiohttp.web_runner import GracefulExit
 
 from ds3 import process
 from ds3.options import FC, apply_options, option
@@ -27,6 +25,9 @@ from shared.config import (
     MiB,
     ReaderConfig,
 )
+
+if TYPE_CHECKING:  # aiohttp is imported by the commands that serve (~0.3 s): not for --help, cluster, pipeline
+    from aiohttp import web
 
 log = logging.getLogger("ds3")
 
@@ -227,16 +228,20 @@ def _build(create: Callable[[Any], web.Application], config: Any) -> web.Applica
 
 
 def _run(app: web.Application, host: str, port: int, banner: str, config: IngesterConfig | ReaderConfig,
-         runner_class: type[web.AppRunner] = web.AppRunner, *, unix_path: str | None = None,
+         runner_class: type[web.AppRunner] | None = None, *, unix_path: str | None = None,
          reuse_port: bool = False) -> None:
     """Serve `app` until SIGINT/SIGTERM (web.run_app's behaviour, with a runner of our choice:
     the ingester's adds the fast lane for appends). A reader worker (`reuse_port`) serves the
     listening sockets its parent made for every worker (reader/workers.py; SO_REUSEPORT if it
     has none) and also listens on a private unix socket (`unix_path`)."""
-    process.install_uvloop()
-    process.raise_fd_limit()
+    from aiohttp import web
+    from aiohttp.web_runner import GracefulExit
+
     from shared.http.auth import describe
 
+    process.install_uvloop()
+    process.raise_fd_limit()
+    runner_class = runner_class or web.AppRunner
     refused = False
 
     async def serve() -> None:
