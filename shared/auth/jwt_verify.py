@@ -110,10 +110,6 @@ class JwtVerifier:
         self.file_keys = load_jwks_file(config) if config.jwks_file is not None else None
         self.url_keys = JwksUrlKeys(config.jwks_url, config.jwks_cache_seconds) if config.jwks_url else None
 
-    @property
-    def enabled(self) -> bool:
-        return self.secret is not None or self.file_keys is not None or self.url_keys is not None
-
     async def warm(self) -> None:
         """Fetch the JWKS URL's keys at start (a failure is logged; requests retry)."""
         if self.url_keys is not None:
