@@ -44,3 +44,11 @@ def test_jwt_configured_imports_pyjwt(tmp_path: Path) -> None:
     """(the check above would pass if nothing could ever import them)"""
     got = _imported(tmp_path, ', jwt_secret="s" * 32')
     assert "jwt" in got and "botocore" not in got
+
+
+def test_the_cli_alone_imports_no_aiohttp() -> None:
+    """`ds3 --help`, `ds3 cluster ...` and `ds3 pipeline ...` serve nothing: 0.27 s, not 0.7."""
+    code = "import sys, ds3.cli; print(sorted(m for m in sys.modules if m.split('.')[0] in ('aiohttp', 'botocore')))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip() == "[]"
