@@ -107,8 +107,12 @@ class AuthConfig:
     @property
     def enabled(self) -> bool:
         """Some credential source is configured, so writes need a token."""
-        return any(x is not None for x in (self.tokens_file, self.tokens, self.jwt_secret, self.jwks_file,
-                                            self.jwks_url))
+        return self.tokens_file is not None or self.tokens is not None or self.accepts_jwt
+
+    @property
+    def accepts_jwt(self) -> bool:
+        """A JWT key source is configured (a secret, a JWK Set file or URL)."""
+        return any(x is not None for x in (self.jwt_secret, self.jwks_file, self.jwks_url))
 
     @classmethod
     def names(cls) -> list[str]:

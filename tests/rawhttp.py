@@ -3,10 +3,13 @@ pipelining, bytes split anywhere, byte-for-byte answers)."""
 
 from __future__ import annotations
 
+import itertools
 import re
 import socket
 import threading
 import time
+import uuid
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 
 VOLATILE = {"date", "x-request-id"}
@@ -129,25 +132,30 @@ def mixed_requests(path: str) -> bytes:
 MIXED_ANSWERS = 7
 
 
-def mix_cut_shape(port: int, cut: int) -> list[tuple[int, bytes]]:
-    """The answers' shapes to `mixed_requests` on a fresh stream, sent in two writes split at
-    byte `cut` (a short pause between them, so the server sees the first part alone)."""
-    path = f"/v1/stream/cut-{cut}-{port}"
+def mix_shape(port: int, cuts: Iterable[int], pause: float = 0.002) -> list[tuple[int, bytes]]:
+    """The answers' shapes to `mixed_requests` on a fresh stream (its path the same length
+    every time: the mix has MIX_BYTES bytes), sent in writes split at each of `cuts`, `pause`
+    apart (so the server sees each part alone); the stream holds the mix's appends."""
+    path = f"/v1/stream/mix-{uuid.uuid4().hex}"
     data = mixed_requests(path)
+    marks = [0, *sorted(c for c in set(cuts) if 0 < c < len(data)), len(data)]
     exchange(port, put(path, "Content-Type: text/plain"))
-    got = answer_shapes(pipeline(port, [data[:cut], data[cut:]], MIXED_ANSWERS, pause=0.002))
-    assert read_all(port, path) == b"abcd", cut
+    got = answer_shapes(pipeline(port, [data[a:b] for a, b in itertools.pairwise(marks)], MIXED_ANSWERS, pause=pause))
+    assert read_all(port, path) == b"abcd", marks
     return [(status, body.replace(path.encode(), b"P")) for status, body in got]
 
 
+MIX_BYTES = len(mixed_requests("/v1/stream/mix-" + "0" * 32))
+
+
 def assert_every_mix_cut_answered_as(expected_port: int, port: int) -> None:
-    """Every split of `mixed_requests` gets from `port` the answers `expected_port` (aiohttp's
-    path) gives it whole-ish (split after its first byte). The cuts go several at a time: each
-    is its own stream and connection, and one at a time they took half a minute."""
-    expected = mix_cut_shape(expected_port, 1)
-    cuts = range(1, len(mixed_requests("/v1/stream/cut-0-0")))
+    """Every split of `mixed_requests` in two gets from `port` the answers `expected_port`
+    (aiohttp's path) gives it. The cuts go several at a time: each is its own stream and
+    connection, and one at a time they took half a minute."""
+    expected = mix_shape(expected_port, [1])
+    cuts = range(1, MIX_BYTES)
     with ThreadPoolExecutor(6) as pool:
-        for cut, got in zip(cuts, pool.map(lambda c: mix_cut_shape(port, c), cuts), strict=True):
+        for cut, got in zip(cuts, pool.map(lambda c: mix_shape(port, [c]), cuts), strict=True):
             assert got == expected, (cut, got)
 
 

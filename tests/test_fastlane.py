@@ -8,12 +8,10 @@ to aiohttp on the same connection, and the lane's counter in /metrics."""
 
 from __future__ import annotations
 
-import itertools
 import json
 import re
 import time
 import urllib.request
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,13 +22,12 @@ from hypothesis import strategies as st
 from shared import keys
 from tests import procs
 from tests.rawhttp import (
-    MIXED_ANSWERS,
+    MIX_BYTES,
     STREAM_OFFSET,
-    answer_shapes,
     assert_every_mix_cut_answered_as,
     delete,
     exchange,
-    mixed_requests,
+    mix_shape,
     parsed,
     pipeline,
     post,
@@ -370,25 +367,16 @@ _SLOW_SHAPE: list[tuple[int, bytes]] = []
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(cuts=st.lists(st.integers(min_value=1, max_value=len(mixed_requests("/v1/stream/X")) - 1), max_size=8, unique=True))
+@given(cuts=st.lists(st.integers(min_value=1, max_value=MIX_BYTES - 1), max_size=8, unique=True))
 def test_a_pipelined_mix_cut_anywhere_is_answered_as_by_aiohttp(servers: tuple[procs.Proc, procs.Proc],
                                                                  cuts: list[int]) -> None:
     """The same mix split into up to nine writes at random places (a client or network that
     splits heads, bodies and request lines anywhere): the lane's answers and stored bytes are
     aiohttp's."""
     fast, slow = servers
-    for p in (slow, fast) if not _SLOW_SHAPE else (fast,):
-        path = f"/v1/stream/rnd-{uuid.uuid4().hex}"
-        data = mixed_requests(path)
-        marks = [0, *sorted(c for c in cuts if c < len(data)), len(data)]
-        exchange(p.port, put(path, "Content-Type: text/plain"))
-        parts = [data[a:b] for a, b in itertools.pairwise(marks)]
-        answers = answer_shapes(pipeline(p.port, parts, MIXED_ANSWERS, pause=0.001))
-        got = [(status, body.replace(path.encode(), b"P")) for status, body in answers]
-        if not _SLOW_SHAPE:
-            _SLOW_SHAPE.extend(got)
-        assert got == _SLOW_SHAPE
-        assert read_all(p.port, path) == b"abcd"
+    if not _SLOW_SHAPE:
+        _SLOW_SHAPE.extend(mix_shape(slow.port, cuts, pause=0.001))
+    assert mix_shape(fast.port, cuts, pause=0.001) == _SLOW_SHAPE
 
 
 def test_more_than_32_pipelined_requests_for_aiohttp_are_all_answered(servers: tuple[procs.Proc, procs.Proc]) -> None:

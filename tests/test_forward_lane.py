@@ -7,7 +7,6 @@ a client that leaves mid-body, an ingester that is down, keep-alive upstream con
 
 from __future__ import annotations
 
-import itertools
 import re
 import signal
 import socket
@@ -24,13 +23,12 @@ from hypothesis import strategies as st
 
 from tests import procs
 from tests.rawhttp import (
-    MIXED_ANSWERS,
+    MIX_BYTES,
     STREAM_OFFSET,
-    answer_shapes,
     assert_every_mix_cut_answered_as,
     delete,
     exchange,
-    mixed_requests,
+    mix_shape,
     parsed,
     pipeline,
     post,
@@ -262,20 +260,9 @@ def test_a_pipelined_mix_cut_at_every_position_is_answered_as_by_aiohttp(tier: T
 
 
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(cuts=st.lists(st.integers(min_value=1, max_value=len(mixed_requests("/v1/stream/X")) - 1), max_size=8,
-                     unique=True))
+@given(cuts=st.lists(st.integers(min_value=1, max_value=MIX_BYTES - 1), max_size=8, unique=True))
 def test_a_pipelined_mix_cut_anywhere_is_answered_as_by_aiohttp(tier: Tier, cuts: list[int]) -> None:
-    shapes = []
-    for p in (tier.slow, tier.fast):
-        path = f"/v1/stream/rnd-{uuid.uuid4().hex}"
-        data = mixed_requests(path)
-        marks = [0, *sorted(c for c in cuts if c < len(data)), len(data)]
-        exchange(p.port, put(path, TEXT))
-        answers = answer_shapes(pipeline(p.port, [data[a:b] for a, b in itertools.pairwise(marks)], MIXED_ANSWERS,
-                                         pause=0.001))
-        shapes.append([(status, body.replace(path.encode(), b"P")) for status, body in answers])
-        assert read_all(p.port, path) == b"abcd"
-    assert shapes[0] == shapes[1]
+    assert mix_shape(tier.slow.port, cuts, pause=0.001) == mix_shape(tier.fast.port, cuts, pause=0.001)
 
 
 def test_a_client_that_leaves_mid_body_stores_nothing(tier: Tier) -> None:

@@ -26,7 +26,7 @@ class Authenticator:
         self.policy = Policy.from_config(config)
         self.static: StaticTokens = load_static_tokens(config)
         self.jwt: JwtVerifier | None = None  # None: no JWT accepted (and pyjwt never imported)
-        if config.jwt_secret is not None or config.jwks_file is not None or config.jwks_url:
+        if config.accepts_jwt:
             from shared.auth.jwt_verify import JwtVerifier  # (pyjwt with cryptography: ~60 ms)
 
             self.jwt = JwtVerifier(config)
