@@ -16,8 +16,10 @@ seals 8 MiB chunks, closes it, waits until every chunk is sealed, then times, be
 
 MiB/s counts stored bytes (JSON messages with their ',' delimiter). The ratio reader/direct is
 the figure the target is about; the reader runs with one worker. The servers run this tree's
-code (PYTHONPATH is set for them). On a machine shared with other work the figures move a lot
-from run to run: compare ratios of one run, and take the best of several.
+code (PYTHONPATH is set for them). The two reads alternate (direct, reader, direct, ...), so a
+slow moment of the machine falls on both: the report gives the ratio of the best runs and the
+median of the runs' pairwise ratios, and the CPU seconds per GiB of each process a read
+involves (the store's server, the reader, the client).
 """
 
 from __future__ import annotations
@@ -26,11 +28,14 @@ import argparse
 import asyncio
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
+import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +44,7 @@ import aiohttp
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchlib import best_of  # noqa: E402
+import psutil  # type: ignore[import-untyped, unused-ignore]  # noqa: E402
 
 from shared import chunks  # noqa: E402
 from tests.cluster import Cluster, StoreView, wait_for  # noqa: E402
@@ -105,6 +110,10 @@ class MotoProcess(MotoS3):
         self.endpoint = f"http://127.0.0.1:{port}"
         wait_for(lambda: _answers(self.endpoint), 20, "moto_server")
 
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
+
     def stop(self) -> None:
         self._proc.terminate()
         self._proc.wait(10)
@@ -153,6 +162,17 @@ def _answers(url: str) -> bool:
     return True
 
 
+def timed(read: Callable[[], int], want: int, procs: dict[str, psutil.Process]) -> tuple[float, dict[str, float]]:
+    """(seconds, CPU seconds of each process) of one read, which must return `want` bytes."""
+    def cpu() -> dict[str, float]:  # a process and its children (the reader's workers)
+        return {k: sum(sum(q.cpu_times()[:2]) for q in (p, *p.children(recursive=True))) for k, p in procs.items()}
+    before, t = cpu(), time.perf_counter()
+    got = read()
+    took, after = time.perf_counter() - t, cpu()
+    assert got == want, (got, want)
+    return took, {k: after[k] - before[k] for k in procs}
+
+
 def data_ranges(store: StoreView, uid: str) -> list[tuple[str, int, int]]:
     """(key, first data byte, end) of every chunk object of the stream, from their heads."""
     out = []
@@ -185,19 +205,38 @@ def measure(kind: str, store: StoreView, s3: MotoS3 | None, work: Path, mib: int
         def direct() -> int:
             return asyncio.run(ranged_gets(urls))
 
-        t_direct, n_direct = best_of(runs, direct)
-        assert n_direct == end, (n_direct, end)
-        t_reader, (n_reader, pages) = best_of(runs, lambda: asyncio.run(catch_up(f"{c.reader.url}/v1/stream/{path}")))
-        assert n_reader == end, (n_reader, end)
+        def relayed() -> int:
+            n, pages[0] = asyncio.run(catch_up(f"{c.reader.url}/v1/stream/{path}"))
+            return n
+
+        pages = [0]
+        assert c.reader.popen is not None
+        store_pid = s3.pid if isinstance(s3, MotoProcess) else server[0].pid if server is not None else os.getpid()
+        procs = {"store": psutil.Process(store_pid), "reader": psutil.Process(c.reader.popen.pid),
+                 "client": psutil.Process()}
+        runs_direct, runs_reader = [], []
+        for _ in range(runs):  # alternating, so that a slow moment of the machine falls on both
+            runs_direct.append(timed(direct, end, procs))
+            runs_reader.append(timed(relayed, end, procs))
         if server is not None:
             server[0].terminate()
             server[0].wait(10)
-    out = {"case": name, "mib": end / MiB, "chunks": len(ranges), "pages": pages,
-           "direct_mib_s": end / MiB / t_direct, "reader_mib_s": end / MiB / t_reader}
+    t_direct, t_reader = min(r[0] for r in runs_direct), min(r[0] for r in runs_reader)
+    gib = end / 2**30
+    out: dict[str, Any] = {
+        "case": name, "mib": end / MiB, "chunks": len(ranges), "pages": pages[0], "runs": runs,
+        "direct_mib_s": end / MiB / t_direct, "reader_mib_s": end / MiB / t_reader,
+        "ratio_median": statistics.median(d[0] / r[0] for d, r in zip(runs_direct, runs_reader, strict=True)),
+        "cpu_s_per_gib": {mode: {k: round(statistics.median(r[1][k] for r in rs) / gib, 3) for k in procs}
+                          for mode, rs in (("direct", runs_direct), ("reader", runs_reader))},
+    }
     out["ratio"] = out["reader_mib_s"] / out["direct_mib_s"]
-    print(f"{name:14} {out['mib']:6.1f} MiB in {len(ranges)} chunks, {pages} pages: direct "
+    cpu = "; ".join(f"{mode} " + ", ".join(f"{k} {v:.2f}" for k, v in per.items() if k != "reader" or mode == "reader")
+                    for mode, per in out["cpu_s_per_gib"].items())
+    print(f"{name:14} {out['mib']:6.1f} MiB in {len(ranges)} chunks, {pages[0]} pages: direct "
           f"{out['direct_mib_s']:7.1f} MiB/s, reader {out['reader_mib_s']:7.1f} MiB/s, ratio {out['ratio']:.2f} "
-          f"({'PASS' if out['ratio'] >= TARGET else 'FAIL'} >= {TARGET})", flush=True)
+          f"(median of {runs} pairs {out['ratio_median']:.2f}; {'PASS' if out['ratio'] >= TARGET else 'FAIL'} "
+          f">= {TARGET})\n{'':15}CPU s per GiB, median: {cpu}", flush=True)
     return out
 
 
