@@ -39,7 +39,7 @@ from types import FrameType
 from typing import IO, Any
 
 import psutil  # type: ignore[import-untyped, unused-ignore]
-from benchlib import DS3, ROOT, free_port
+from benchlib import DS3, ROOT, free_port, machine_speed
 
 LOAD = ROOT / "scripts" / "bench_load.mjs"
 BENCH_TOKEN = "bench-token-0123456789abcdef"  # --auth: ds3 takes it for writes; the reference ignores it
@@ -64,7 +64,7 @@ def log(msg: str) -> None:
 
 def tree_cpu_seconds(proc: psutil.Process) -> float:
     """User + system CPU seconds of a process and its live descendants (and the children it reaped)."""
-    return sum(t.user + t.system + t.children_user + t.children_system for _p, t in tree_cpu_times(proc))
+    return float(sum(t.user + t.system + t.children_user + t.children_system for _p, t in tree_cpu_times(proc)))
 
 
 def tree_cpu_times(proc: psutil.Process) -> list[tuple[psutil.Process, Any]]:
@@ -726,6 +726,7 @@ def machine_info(work: Path) -> dict[str, Any]:
         "node": node,
         "data_filesystem": fs,
         "data_root": str(work),
+        **machine_speed(),
     }
 
 
@@ -900,7 +901,8 @@ def print_report(results: dict[str, Any], p: argparse.Namespace) -> None:
         f"long-poll timeout {p.long_poll_ms} ms"
     )
     print(
-        f"machine: {m['cpus']} cores ({m['cpu_model']}), {m['memory_gib']} GiB, data on {m['data_filesystem']}"
+        f"machine: {m['cpus']} cores ({m['cpu_model']}), {m['memory_gib']} GiB, data on {m['data_filesystem']}; "
+        f"a Python loop step {m['python_loop_ns']} ns, a syscall {m['syscall_ns']} ns (benchlib.machine_speed)"
     )
     c = results.get("loadgen_ceiling")
     if c:
