@@ -35,6 +35,7 @@ from urllib.parse import parse_qs, urlsplit, urlunsplit
 import aiohttp
 from aiobotocore.config import AioConfig
 from aiobotocore.session import AioSession, get_session
+from aiohttp.helpers import get_env_proxy_for_url
 from botocore.auth import S3SigV4QueryAuth
 from botocore.awsrequest import AWSRequest
 from botocore.exceptions import (
@@ -175,6 +176,7 @@ class S3Store:
         self._http: aiohttp.ClientSession | None = None  # get() and stream(): presigned GETs
         self._presigned_urls: dict[str, tuple[URL, float]] = {}
         self._put_base: tuple[str, str] | None = None  # (URL of keys, signing region): _presign_put
+        self._proxies: dict[tuple[str, str | None, int | None], tuple[URL | None, str | None]] = {}  # _with_proxy
         self._closed = False
 
     # ------------------------------------------------------------ lifecycle
@@ -336,7 +338,8 @@ class S3Store:
             self.counters.puts += 1
             try:
                 # (no Content-Type of aiohttp's own when none is given: botocore sends none)
-                async with http.put(url, data=data, headers=headers, skip_auto_headers=("Content-Type",)) as resp:
+                async with http.put(url, data=data, skip_auto_headers=("Content-Type",),
+                                    **self._with_proxy(url, headers)) as resp:
                     said = await resp.read()
                     status, etag = resp.status, resp.headers.get("ETag", "")
             except _TRANSPORT_ERRORS as exc:
@@ -506,7 +509,7 @@ class S3Store:
             attempt += 1
             url, reused = await self._presigned(s3, key, k, fresh)
             try:
-                resp = await http.get(url, headers=headers)
+                resp = await http.get(url, **self._with_proxy(url, headers))
             except _TRANSPORT_ERRORS as exc:
                 await self._retry_or_give_up(attempt, attempts, exc)
                 continue
@@ -565,10 +568,36 @@ class S3Store:
             self._http = aiohttp.ClientSession(
                 connector=aiohttp.TCPConnector(limit=o.max_pool_connections),
                 timeout=aiohttp.ClientTimeout(sock_connect=o.connect_timeout, sock_read=o.read_timeout),
-                auto_decompress=False, read_bufsize=_STREAM_READ_BUFSIZE, trust_env=True,
+                auto_decompress=False, read_bufsize=_STREAM_READ_BUFSIZE,
                 skip_auto_headers=("User-Agent",),
             )
         return self._http
+
+    def _with_proxy(self, url: URL, headers: dict[str, str]) -> dict[str, Any]:
+        """A presigned request's arguments: its `headers`, and the environment's proxy for `url`
+        (HTTP_PROXY / HTTPS_PROXY / NO_PROXY, as botocore's own requests use; looked up once
+        per origin). aiohttp's trust_env looked it up, and ~/.netrc, on every request, each in a
+        worker thread: two thread hops per segment PUT and per GET, a sixth of the ingester's
+        CPU in `--durability store`; and a netrc login added an Authorization header, which S3
+        refuses beside a presigned URL's."""
+        origin = (url.scheme, url.host, url.port)
+        found = self._proxies.get(origin)
+        if found is None:
+            try:
+                env_proxy, auth = get_env_proxy_for_url(url)
+            except LookupError:
+                found = (None, None)
+            else:
+                found = (env_proxy, None if auth is None else auth.encode())
+            self._proxies[origin] = found
+        proxy, login = found
+        if proxy is None:
+            return {"headers": headers}
+        if login is None:
+            return {"headers": headers, "proxy": proxy}
+        if url.scheme == "https":  # the proxy's login goes with the tunnel's CONNECT
+            return {"headers": headers, "proxy": proxy, "proxy_headers": {"Proxy-Authorization": login}}
+        return {"headers": {**headers, "Proxy-Authorization": login}, "proxy": proxy}
 
     async def map_range(self, key: str, start: int, end: int) -> None:
         return None  # no local files: read with stream()
