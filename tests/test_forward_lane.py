@@ -472,6 +472,20 @@ def test_a_long_poll_client_that_leaves_frees_its_place(tier: Tier) -> None:
     assert again[0] == 200 and again[2] == b"c"
 
 
+def test_garbage_after_pipelined_creates_answers_each_create_then_400(tier: Tier) -> None:
+    """Requests aiohttp serves (creates), then a malformed one, in one write: each create gets
+    its own 201 and is done, and only the malformed one the 400, at the reader and at the
+    ingester. (aiohttp alone, the lane switched off, answers one 400 for the whole write: its
+    parser drops the messages it had parsed from it.)"""
+    bad = b"GET /v1/stream/x HTTP/1.1\r\nHost: x\r\nContent-Length: zz\r\n\r\n"
+    for p in (tier.fast, tier.ingester):
+        paths = [f"/v1/stream/pipe-bad-{uuid.uuid4().hex}" for _ in range(2)]
+        answers = exchange(p.port, b"".join(put(q, "Content-Type: text/plain") for q in paths) + bad, answers=3)
+        assert [parsed(a)[0] for a in answers] == [201, 201, 400], p.args[0]
+        for q in paths:
+            assert parsed(exchange(p.port, head(q), bodiless=True)[0])[0] == 200
+
+
 def _closed_after_answer(port: int, request: bytes) -> bytes:
     """The whole of what the server sent before closing the connection."""
     with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
