@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import deque
 from typing import TYPE_CHECKING, Final
 
@@ -31,12 +32,17 @@ UPLOADS_IN_FLIGHT: Final = ORPHANS_MAX + 1
 STALE_SEGMENT_ATTEMPTS: Final = 3  # a superseded owner's segment under our key, replaced at most this often
 MAX_EPOCH: Final = 2**63
 ENCODE_INLINE_BYTES: Final = 256 * 1024  # larger segments are encoded on a worker thread
+# store mode, while an upload is in flight: the next segment's first commit waits this share of
+# a PUT's recent latency (at most HOLD_MAX seconds) for more commits to join it (ship_pipelined)
+HOLD_SHARE: Final = 0.25
+HOLD_MAX: Final = 0.025
 
 
 class SegmentUploads:
     def __init__(self, shipper: Shipper) -> None:
         self.shipper = shipper
         self.queue = shipper.queue
+        self.put_seconds = 0.0  # a segment PUT's recent latency (moving average)
 
     async def ship_once(self) -> int:
         """Upload one segment of what is queued; returns how many commits it held (0: nothing
@@ -57,7 +63,13 @@ class SegmentUploads:
     async def ship_pipelined(self) -> None:
         """Store mode: keep up to `uploads` segment uploads in flight (each commit waits for
         the PUT before it, not for every PUT before it), confirming them in commit order: a
-        segment counts (its gates open) only once every segment before it has landed. When one
+        segment counts (its gates open) only once every segment before it has landed. While
+        one is in flight, the next segment is cut once its first commit has waited HOLD_SHARE
+        of a PUT's recent latency (at most HOLD_MAX), so the commits of that moment share it:
+        a PUT costs CPU on both sides (and money on S3), and a commit per segment made the
+        PUTs, not the appends, the work (on moto: 7 appends a segment -> 15, +40% appends/s;
+        on a store 20 ms away: half the PUTs, appends/s the same). Nothing in flight: at once.
+        When one
         fails, the rest are waited for and everything from the failed one on is cut again; a
         later segment that landed meanwhile is an orphan beyond a hole (its commits were never
         acknowledged), which the next upload overlaps, or a recovery drops (logstore.restore).
@@ -66,13 +78,17 @@ class SegmentUploads:
         inflight: deque[tuple[list[Commit], int, asyncio.Task[int]]] = deque()
         try:
             while True:
+                hold = 0.0
                 while len(inflight) < shipper.uploads and queue.untaken():
+                    if inflight and (hold := self._hold_left()) > 0:
+                        break  # more commits may join this segment while the one before uploads
                     commits, size = queue.take()
                     if not commits:
                         break
                     epoch = shipper.check_owner()
                     queue.taken_upto = commits[-1].seq
                     inflight.append((commits, epoch, asyncio.create_task(self._upload(commits, size, epoch))))
+                    hold = 0.0
                 if not inflight:
                     return
                 commits, epoch, head = inflight[0]
@@ -80,7 +96,8 @@ class SegmentUploads:
                     shipper.wake.clear()
                     waiter = asyncio.ensure_future(shipper.wake.wait())
                     try:
-                        await asyncio.wait({head, waiter}, return_when=asyncio.FIRST_COMPLETED)
+                        await asyncio.wait({head, waiter}, timeout=hold if hold > 0 else None,
+                                           return_when=asyncio.FIRST_COMPLETED)
                     finally:
                         waiter.cancel()
                     continue
@@ -98,13 +115,22 @@ class SegmentUploads:
                 t.cancel()
             queue.taken_upto = 0  # whatever is still queued is cut again
 
+    def _hold_left(self) -> float:
+        """How much longer the oldest untaken commit waits for others before its segment goes."""
+        since = self.queue.untaken_since()
+        if since is None:
+            return 0.0
+        return since + min(HOLD_MAX, HOLD_SHARE * self.put_seconds) - time.monotonic()
+
     async def _upload(self, commits: list[Commit], size: int, epoch: int) -> int:
         """Encode and PUT one segment (`size`: about its length); its length."""
         if size > ENCODE_INLINE_BYTES:
             body = await asyncio.to_thread(encode, commits, epoch)
         else:
             body = encode(commits, epoch)
+        started = time.monotonic()
         await self._put_segment(segment_key(commits[0].seq, commits[-1].seq), body, commits, epoch)
+        self.put_seconds += 0.2 * (time.monotonic() - started - self.put_seconds)
         return len(body)
 
     async def _put_segment(self, key: str, body: bytes, commits: list[Commit], epoch: int) -> None:

@@ -119,6 +119,14 @@ class ShipQueue:
         with self.lock:
             return bool(self.commits) and self.commits[-1].seq > self.taken_upto
 
+    def untaken_since(self) -> float | None:
+        """When the oldest commit no upload in flight holds arrived (monotonic); None: none."""
+        with self.lock:
+            for c, t in zip(self.commits, self.times, strict=True):
+                if c.seq > self.taken_upto:
+                    return t
+            return None
+
     def advance(self, seq: int) -> list[Gate]:
         """Everything up to `seq` is in the store: drop it from the queue; the gates to open."""
         done: list[Gate] = []

@@ -365,6 +365,35 @@ async def test_uploads_in_flight_acknowledge_in_commit_order(tmp_path: Path, wal
     assert await restore(objects, tmp_path / "r", 64 * 1024 * 1024) == 11
 
 
+async def test_commits_arriving_while_uploads_are_in_flight_share_segments(tmp_path: Path, wal: WalEnv) -> None:
+    """With a segment PUT in flight, the next segment waits a share of a PUT's recent latency
+    for more commits to join it (each PUT costs CPU on both sides, and money on S3), while a
+    commit with nothing in flight goes at once. Before, each commit went alone while fewer than
+    `--log-uploads` PUTs were in flight: 4 segments of one commit each at every burst."""
+    objects = SlowStore(tmp_path / "objects")
+    s = Shipper(wal, objects, asyncio.get_running_loop(), durability="store")
+    s.start()
+    try:
+        for i in range(1, 4):  # one at a time: each alone, and the PUT's latency is learnt
+            gate = s.on_logged(commit(i))
+            assert gate is not None
+            await asyncio.wait_for(asyncio.wrap_future(gate), 5)
+        gates = []
+        for i in range(4, 34):  # a burst: a commit every 2 ms while PUTs take 100 ms
+            gates.append(s.on_logged(commit(i)))
+            await asyncio.sleep(0.002)
+        await asyncio.wait_for(asyncio.gather(*(asyncio.wrap_future(g) for g in gates if g)), 10)
+        assert s.shipped_seq == 33
+    finally:
+        await s.stop()
+    spans = [(ref.first, ref.last) for ref in (await list_log(objects)).segments]
+    assert spans[:4] == [(1, 1), (2, 2), (3, 3), (4, 4)]  # nothing in flight: at once, alone
+    burst = spans[4:]
+    assert all(last - first >= 1 for first, last in burst), spans  # the rest in shared segments
+    assert len(burst) <= 10 and objects.most_in_flight > 1, spans
+    assert await restore(objects, tmp_path / "r", 64 * 1024 * 1024) == 33
+
+
 async def restored_keys(objects: FlakyStore, path: Path) -> tuple[int, list[bytes]]:
     """A restore of the log into `path`: the seq it reached and the keys of the streams database."""
     seq = await restore(objects, path, 64 * 1024 * 1024)
