@@ -194,7 +194,7 @@ def main(argv: list[str]) -> int:
                     stack.callback(moto.stop)
                     bucket = moto.new_bucket()
                     base, endpoint, label = f"s3://{bucket}", moto.endpoint, f"moto S3 ({moto.endpoint})"
-                    store_pid: int | None = moto._proc.pid
+                    store_pid: int | None = moto.pid
                 elif name == "file":
                     root = work / "objects"
                     root.mkdir()
