@@ -69,11 +69,10 @@ class SegmentUploads:
         a PUT costs CPU on both sides (and money on S3), and a commit per segment made the
         PUTs, not the appends, the work (on moto: 7 appends a segment -> 15, +40% appends/s;
         on a store 20 ms away: half the PUTs, appends/s the same). Nothing in flight: at once.
-        When one
-        fails, the rest are waited for and everything from the failed one on is cut again; a
-        later segment that landed meanwhile is an orphan beyond a hole (its commits were never
-        acknowledged), which the next upload overlaps, or a recovery drops (logstore.restore).
-        Returns once nothing is queued or in flight."""
+        When one fails, the rest are waited for and everything from the failed one on is cut
+        again; a later segment that landed meanwhile is an orphan beyond a hole (its commits
+        were never acknowledged), which the next upload overlaps, or a recovery drops
+        (logstore.restore). Returns once nothing is queued or in flight."""
         shipper, queue = self.shipper, self.queue
         inflight: deque[tuple[list[Commit], int, asyncio.Task[int]]] = deque()
         try:
