@@ -3,6 +3,7 @@
     scripts/bench durability                 # moto (its own process) and a local-directory store
     scripts/bench durability --quick         # 2 s per scenario
     scripts/bench durability --stores file --duration 10 --json out.json
+    scripts/bench durability --rounds 3      # every mode 3 times, in alternating order: medians
 
 For each object store (moto's S3 server as a process of its own; a local directory) and each
 mode, a fresh `ds3 ingester --store ... --durability MODE` (its own prefix / directory, a fresh
@@ -28,6 +29,7 @@ import asyncio
 import json
 import shutil
 import signal
+import statistics
 import sys
 import tempfile
 import time
@@ -124,10 +126,32 @@ def bench_mode(store_url: str, endpoint: str | None, mode: str, p: argparse.Name
     return out
 
 
+def medians(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One mode's results over its rounds: per scenario, the median of each number (errors
+    summed), and the rounds' appends/s as they came."""
+    out: dict[str, Any] = {}
+    for kind in runs[0]:
+        rows = [r[kind] for r in runs]
+        merged: dict[str, Any] = {}
+        for key, first in rows[0].items():
+            values = [row.get(key) for row in rows]
+            if key == "errors":
+                merged[key] = sum(int(v or 0) for v in values)
+            elif isinstance(first, int | float) and not isinstance(first, bool) and None not in values:
+                merged[key] = statistics.median(values)
+            else:
+                merged[key] = first
+        if len(runs) > 1:
+            merged["rounds_appends_per_s"] = [round(row["appends_per_s"]) for row in rows]
+        out[kind] = merged
+    return out
+
+
 def report(results: dict[str, Any], p: argparse.Namespace) -> list[tuple[str, bool, str]]:
     checks: list[tuple[str, bool, str]] = []
+    rounds = f"; medians of {p.rounds} rounds" if p.rounds > 1 else ""
     print(f"\nds3 ingester, --durability local vs store: {p.writers} writers, {p.size}-byte appends, "
-          f"{p.warmup:g}s warmup + {p.duration:g}s per scenario")
+          f"{p.warmup:g}s warmup + {p.duration:g}s per scenario{rounds}")
     for store_name, r in results.items():
         put = r["put"]
         print(f"\n{store_name}  (1 KiB PUT: p50 {fmt(put['p50_ms'], 2)} ms, p99 {fmt(put['p99_ms'], 2)} ms, "
@@ -140,7 +164,9 @@ def report(results: dict[str, Any], p: argparse.Namespace) -> list[tuple[str, bo
                 s = r[mode][kind]
                 print(f"  {label:<26}{mode:<10}{fmt(s['appends_per_s'], 0):>11}{fmt(s['ack_p50_ms'], 2):>9}"
                       f"{fmt(s['ack_p99_ms'], 2):>9}{s['errors']:>8}{fmt(s['cpu_s_per_1000_appends'], 3):>12}"
-                      f"{fmt(s.get('store_cpu_s_per_1000_appends'), 3):>11}{fmt(s.get('machine_busy_cores'), 2):>12}")
+                      f"{fmt(s.get('store_cpu_s_per_1000_appends'), 3):>11}{fmt(s.get('machine_busy_cores'), 2):>12}"
+                      + (f"   rounds: {', '.join(f'{n:,}' for n in s['rounds_appends_per_s'])}"
+                         if "rounds_appends_per_s" in s else ""))
             loc = r["local"][kind]
             for mode in modes[1:]:
                 sto = r[mode][kind]
@@ -169,10 +195,15 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--put-samples", type=int, default=300)
     ap.add_argument("--log-uploads", default="1,4",
                     help="store mode is run once for each of these --log-uploads values (segment PUTs in flight)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run every mode this many times, the order reversed every other round (a drift in the "
+                         "machine's speed then falls on every mode alike), and report medians")
     ap.add_argument("--quick", action="store_true", help="2 s per scenario, 100 PUT samples")
     ap.add_argument("--json", type=Path, default=None, help="write the results here")
     ap.add_argument("--keep", action="store_true", help="keep the work dir (servers' logs)")
     p = ap.parse_args(argv)
+    if p.rounds < 1:
+        ap.error("--rounds must be at least 1")
     if p.quick:
         p.duration, p.put_samples = 2.0, 100
     problem = ds3_problem()
@@ -205,8 +236,13 @@ def main(argv: list[str]) -> int:
                 log(f"bench: {label}: PUT latency, {p.put_samples} samples ...")
                 r: dict[str, Any] = {"put": put_latency(f"{base}/put-probe", endpoint, p.put_samples)}
                 modes = ["local"] + [f"store/{n}" for n in p.log_uploads.split(",")]
+                runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in modes}
+                for rnd in range(p.rounds):
+                    for mode in modes if rnd % 2 == 0 else modes[::-1]:
+                        url = f"{base}/{mode.replace('/', '-')}-{rnd}"
+                        runs[mode].append(bench_mode(url, endpoint, mode, p, work, store_pid))
                 for mode in modes:
-                    r[mode] = bench_mode(f"{base}/{mode.replace('/', '-')}", endpoint, mode, p, work, store_pid)
+                    r[mode] = medians(runs[mode])
                 results[label] = r
         checks = report(results, p)
         if p.json is not None:
