@@ -87,7 +87,6 @@ class SegmentUploads:
                     epoch = shipper.check_owner()
                     queue.taken_upto = commits[-1].seq
                     inflight.append((commits, epoch, asyncio.create_task(self._upload(commits, size, epoch))))
-                    hold = 0.0
                 if not inflight:
                     return
                 commits, epoch, head = inflight[0]

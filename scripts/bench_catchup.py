@@ -45,6 +45,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import psutil  # type: ignore[import-untyped, unused-ignore]  # noqa: E402
+from bench_run import tree_cpu_seconds  # noqa: E402
 
 from shared import chunks  # noqa: E402
 from tests.cluster import Cluster, StoreView, wait_for  # noqa: E402
@@ -163,9 +164,14 @@ def _answers(url: str) -> bool:
 
 
 def timed(read: Callable[[], int], want: int, procs: dict[str, psutil.Process]) -> tuple[float, dict[str, float]]:
-    """(seconds, CPU seconds of each process) of one read, which must return `want` bytes."""
-    def cpu() -> dict[str, float]:  # a process and its children (the reader's workers)
-        return {k: sum(sum(q.cpu_times()[:2]) for q in (p, *p.children(recursive=True))) for k, p in procs.items()}
+    """(seconds, CPU seconds of each process) of one read, which must return `want` bytes. The
+    reader's count its workers; the client's (this process, whose children are the servers)
+    only its own."""
+    me = psutil.Process()
+
+    def cpu() -> dict[str, float]:
+        return {k: float(sum(p.cpu_times()[:2])) if p.pid == me.pid else tree_cpu_seconds(p) for k, p in procs.items()}
+
     before, t = cpu(), time.perf_counter()
     got = read()
     took, after = time.perf_counter() - t, cpu()

@@ -29,7 +29,6 @@ import asyncio
 import json
 import shutil
 import signal
-import statistics
 import sys
 import tempfile
 import time
@@ -49,6 +48,7 @@ from bench_run import (  # noqa: E402
     ds3_server,
     fmt,
     log,
+    median_of,
     run_load,
     scenario_args,
     throughput_summary,
@@ -127,23 +127,14 @@ def bench_mode(store_url: str, endpoint: str | None, mode: str, p: argparse.Name
 
 
 def medians(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """One mode's results over its rounds: per scenario, the median of each number (errors
-    summed), and the rounds' appends/s as they came."""
+    """One mode's results over its rounds: per scenario, bench_run's median_of, and the rounds'
+    appends/s as they came."""
     out: dict[str, Any] = {}
     for kind in runs[0]:
         rows = [r[kind] for r in runs]
-        merged: dict[str, Any] = {}
-        for key, first in rows[0].items():
-            values = [row.get(key) for row in rows]
-            if key == "errors":
-                merged[key] = sum(int(v or 0) for v in values)
-            elif isinstance(first, int | float) and not isinstance(first, bool) and None not in values:
-                merged[key] = statistics.median(values)
-            else:
-                merged[key] = first
+        out[kind] = median_of(rows)
         if len(runs) > 1:
-            merged["rounds_appends_per_s"] = [round(row["appends_per_s"]) for row in rows]
-        out[kind] = merged
+            out[kind]["rounds_appends_per_s"] = [round(row["appends_per_s"]) for row in rows]
     return out
 
 

@@ -578,19 +578,25 @@ def aggregate(runs: list[dict[str, Any]]) -> dict[str, Any]:
         return {**runs[0], "rounds": 1}
     out: dict[str, Any] = {"url": runs[-1]["url"], "rounds": len(runs), "per_round": runs}
     for sec in SECTIONS:
-        agg: dict[str, Any] = {}
-        for key in runs[0][sec]:
-            vals = [r[sec][key] for r in runs]
-            if key in ("errors", "lost", "appends"):
-                agg[key] = sum(vals)
-            elif key == "error_samples":
-                agg[key] = [e for v in vals for e in v][:5]
-            elif all(isinstance(v, int | float) for v in vals):
-                agg[key] = statistics.median(vals)
-            else:
-                agg[key] = vals[-1]
-        out[sec] = agg
+        out[sec] = median_of([r[sec] for r in runs])
     return out
+
+
+def median_of(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """One scenario's summaries over several rounds: the median of each number, errors and
+    losses summed (scripts/bench_durability.py's rounds too)."""
+    agg: dict[str, Any] = {}
+    for key in rows[0]:
+        vals = [r[key] for r in rows]
+        if key in ("errors", "lost", "appends"):
+            agg[key] = sum(vals)
+        elif key == "error_samples":
+            agg[key] = [e for v in vals for e in v][:5]
+        elif all(isinstance(v, int | float) for v in vals):
+            agg[key] = statistics.median(vals)
+        else:
+            agg[key] = vals[-1]
+    return agg
 
 
 # --------------------------------------------------------------------------------------------------
