@@ -20,17 +20,64 @@ names the first chunk of the stream at the root of the fork chain.
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from pipeline.store import SyncStore
+from pipeline.store import LocalSyncStore, S3SyncStore, SyncStore
 from shared import buckets, chunks, keys, offsets
 from shared.descriptor import Descriptor
 from shared.errors import ObjectNotFound
 
 HEADER_FETCH = 4096  # prelude + header JSON (about 250 bytes) in one small ranged GET
+HEADER_CACHE_SIZE = 100_000  # chunk headers kept per process (about 400 bytes each)
+
+
+class _Shared:
+    """What every Catalog of this process shares: chunk headers already read, per store (a
+    sealed chunk object never changes: its key holds the stream's uid, and a re-seal after a
+    crash writes the same bytes), so a driver that plans the same streams again (each query,
+    each streaming trigger) asks the store only for new chunks; and one pool of threads for
+    the parallel reads (starting 16 threads per plan cost 60 ms)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.headers: OrderedDict[tuple[str, str], tuple[chunks.ChunkHeader, int]] = OrderedDict()
+        self._pool: ThreadPoolExecutor | None = None
+
+    def pool(self) -> ThreadPoolExecutor:
+        with self.lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(16, thread_name_prefix="ds3-catalog")
+            return self._pool
+
+    def get(self, key: tuple[str, str]) -> tuple[chunks.ChunkHeader, int] | None:
+        with self.lock:
+            hit = self.headers.get(key)
+            if hit is not None:
+                self.headers.move_to_end(key)
+            return hit
+
+    def put(self, key: tuple[str, str], found: tuple[chunks.ChunkHeader, int]) -> None:
+        with self.lock:
+            self.headers[key] = found
+            while len(self.headers) > HEADER_CACHE_SIZE:
+                self.headers.popitem(last=False)
+
+
+_SHARED = _Shared()
+
+
+def _store_identity(store: SyncStore) -> str | None:
+    """What names a store's objects uniquely in this process, for the shared header cache; None
+    for a store type it does not know (each Catalog then caches on its own)."""
+    if isinstance(store, LocalSyncStore):
+        return str(store.root.resolve())
+    if isinstance(store, S3SyncStore):
+        return f"{store._settings()[0] or ''} {store.bucket} {store.prefix}"
+    return None
 MAX_FORK_DEPTH = 64
 
 
@@ -111,18 +158,18 @@ class Catalog:
     """Descriptor and chunk-header reads against one store, with a cache of chunk headers
     (chunks are immutable). Thread-safe; one per driver-side reader."""
 
-    def __init__(self, store: SyncStore, workers: int = 16) -> None:
+    def __init__(self, store: SyncStore) -> None:
         self.store = store
-        self.workers = workers
         self._headers: dict[str, tuple[chunks.ChunkHeader, int]] = {}
         self._lock = threading.Lock()
+        self._store_id = _store_identity(store)
 
     def __getstate__(self) -> dict[str, Any]:
         # Spark pickles readers to ship them to executors: settings travel, the cache does not
-        return {"store": self.store, "workers": self.workers}
+        return {"store": self.store}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["store"], state["workers"])  # type: ignore[misc]
+        self.__init__(state["store"])  # type: ignore[misc]
 
     # ------------------------------------------------------------ descriptors
     def descriptor(self, path: str) -> Descriptor | None:
@@ -137,8 +184,7 @@ class Catalog:
         by a hash of the path, so this reads every descriptor in the store); `deleted`: the
         soft-deleted ones too."""
         listed = [o.key for o in self.store.list("streams/") if o.key.endswith(".json")]
-        with ThreadPoolExecutor(self.workers) as pool:
-            found = list(pool.map(self._descriptor_at, listed))
+        found = list(_SHARED.pool().map(self._descriptor_at, listed))
         out = [d for d in found
                if d is not None and d.path.startswith(path_prefix) and (deleted or not d.soft_deleted)]
         if not path_prefix.startswith(buckets.INTERNAL_PREFIX):  # plain prefixes never match buckets
@@ -157,6 +203,9 @@ class Catalog:
         key = keys.chunk_key(uid, chunk)
         with self._lock:
             hit = self._headers.get(key)
+        shared = None if self._store_id is None else (self._store_id, key)
+        if hit is None and shared is not None:
+            hit = _SHARED.get(shared)
         if hit is not None:
             return hit
         first = self.store.get(key, 0, HEADER_FETCH)
@@ -167,6 +216,8 @@ class Catalog:
         found = (chunks.ChunkHeader.from_json(first[chunks.PRELUDE_SIZE:end]), prelude.object_size)
         with self._lock:
             self._headers[key] = found
+        if shared is not None:
+            _SHARED.put(shared, found)
         return found
 
     def chunk_ids(self, uid: str, first: int) -> list[int]:
@@ -277,8 +328,7 @@ class Catalog:
     def _level(self, level: Descriptor, cap: int | None, position: int, refs: list[ChunkRef],
                zero_chunk: int) -> int:
         ids = self.chunk_ids(level.uid, level.first_chunk)
-        with ThreadPoolExecutor(self.workers) as pool:
-            heads = list(pool.map(lambda c: self._maybe_header(level.uid, c), ids))
+        heads = list(_SHARED.pool().map(lambda c: self._maybe_header(level.uid, c), ids))
         for c, found in zip(ids, heads, strict=True):
             if found is None:
                 break

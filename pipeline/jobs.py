@@ -33,6 +33,7 @@ from urllib.parse import quote
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
+from pipeline import jvm
 from pipeline.catalog import Catalog, StreamNotFound, display_name, resolve
 from pipeline.http import Client, HTTPError
 from pipeline.options import OptionError, ReadOptions
@@ -191,8 +192,7 @@ def export(spark: SparkSession, read_options: dict[str, str], output: Path,
     staged = output / STAGING_DIR / run
     state["pending"] = {"ends": ends, "uids": uids, "run": run}
     _save_state(state_path, state)
-    df = (spark.read.format("ds3")
-          .options(**read_options, start_offsets=json.dumps(starts), end_offsets=json.dumps(stops)).load()
+    df = (jvm.load(spark, {**read_options, "start_offsets": json.dumps(starts), "end_offsets": json.dumps(stops)})
           .where(F.col("stream").isin(names))
           .withColumn("date", F.to_date("sealed_at")))
     df.write.mode("append").partitionBy("stream", "date").parquet(str(staged))

@@ -1,6 +1,7 @@
 """Starting a SparkSession for ds3 jobs and tests: the Python workers must run this very
 interpreter (so `pipeline` and `shared` import on executors) and, locally, Spark must bind to
-127.0.0.1. The `ds3` data source is registered on the session."""
+127.0.0.1. The `ds3` data source is registered on the session, and the JVM chunk reader's jar
+(pipeline/jvm.py) is on its `spark.jars`."""
 
 from __future__ import annotations
 
@@ -23,7 +24,13 @@ def spark_session(master: str = "local[*]", app_name: str = "ds3-pipeline",
         .config("spark.python.worker.reuse", "true")
         .config("spark.sql.python.filterPushdown.enabled", "true")  # offset filters prune chunks
     )
-    for k, v in (conf or {}).items():
+    conf = dict(conf or {})
+    from pipeline import jvm
+
+    reader_jar = jvm.jar()  # the JVM chunk reader (pipeline/jvm.py), shipped to executors too
+    if reader_jar is not None:
+        conf["spark.jars"] = ",".join(filter(None, [conf.get("spark.jars"), str(reader_jar)]))
+    for k, v in conf.items():
         builder = builder.config(k, v)
     spark = builder.getOrCreate()
     spark.sparkContext.setLogLevel("ERROR")

@@ -69,6 +69,10 @@ class LocalSyncStore:
         except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
             raise ObjectNotFound(key) from None
 
+    def locate(self, key: str, expires: int) -> str:
+        """Where another process reads `key` from: a file:// URL (`expires` does not apply)."""
+        return (self.root / key).resolve().as_uri()
+
     def list(self, prefix: str, start_after: str | None = None) -> Iterator[Listed]:
         found: list[Listed] = []
         base, _, name_prefix = prefix.rpartition("/")
@@ -169,6 +173,12 @@ class S3SyncStore:
             if converted is e:
                 raise
             raise converted from e
+
+    def locate(self, key: str, expires: int) -> str:
+        """Where another process reads `key` from without credentials: a presigned GET URL,
+        valid for `expires` seconds."""
+        return str(self.client().generate_presigned_url(
+            "get_object", Params={"Bucket": self.bucket, "Key": self.prefix + key}, ExpiresIn=expires))
 
     def list(self, prefix: str, start_after: str | None = None) -> Iterator[Listed]:
         kw: dict[str, Any] = {"Bucket": self.bucket, "Prefix": self.prefix + prefix}

@@ -3,13 +3,16 @@ through a `ds3 reader`, in one run on one machine, for a JSON stream and a byte 
 
     .venv/bin/python scripts/bench_pipeline.py                 # 256 MiB each, 1 KiB JSON / 4 KiB byte messages
     .venv/bin/python scripts/bench_pipeline.py --mib 64 --message-bytes 200 --master local[2]
+    .venv/bin/python scripts/bench_pipeline.py --store file    # a local-directory store, no S3
 
-It starts moto's S3 server (in this process), a `ds3 ingester` sealing 8 MiB chunks into it and
+It starts moto's S3 server (in this process; or, with --store file, uses a directory), a `ds3
+ingester` sealing 8 MiB chunks into it and
 a `ds3 reader`, and appends two streams: `json` (1 MiB JSON-array POSTs) and `bytes`
 (application/octet-stream, one message per POST, 16 at a time); closes them (so every byte is
 sealed) and waits for the uploads. Then, per stream, each read twice (the better run counts):
 
-- `boto3`: GET every chunk object, 2 threads: what moto itself can serve (the ceiling);
+- `boto3`: GET every chunk object, 2 threads: what moto itself can serve (the ceiling; with
+  --store file, plain file reads);
 - `http`: a catch-up read through the reader, offset by offset until Stream-Up-To-Date
   (aiohttp, one connection; sealed reads come from the store, never the ingester);
 - `spark`: `spark.read.format("ds3")` on --master, counting rows and summing message lengths:
@@ -17,6 +20,8 @@ sealed) and waits for the uploads. Then, per stream, each read twice (the better
   told which columns a query uses);
 - `spark, 1 column`: the same query with the schema declared as `message binary` (the
   data source's projection: only that column is built);
+- `Spark JVM chunk reader`: the same two queries through `pipeline.jvm.load` (chunks fetched
+  and decoded in Spark's JVM: pipeline/jvm/), planned by the same catalog;
 - `Spark floor`: the same one-column query over a Python data source that reads nothing and
   decodes nothing: it yields Arrow batches built once, of the same messages (count, sizes,
   messages per batch, partitions). What Spark's Python data sources cost on --master before
@@ -127,16 +132,19 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=2, help="runs of each read; the best is reported")
     ap.add_argument("--partition-bytes", type=int, help="the data source's partition_bytes option")
     ap.add_argument("--only", choices=["json", "bytes"], help="one stream only")
+    ap.add_argument("--store", choices=["s3", "file"], default="s3",
+                    help="moto's S3 (default) or a local directory (file://)")
     args = ap.parse_args()
 
     with aws_test_env(), MotoS3() as s3, tempfile.TemporaryDirectory() as tmp:
         bucket = s3.new_bucket()
-        store = StoreView.s3_store(s3, bucket)
+        store = StoreView.s3_store(s3, bucket) if args.store == "s3" else StoreView.local(Path(tmp) / "objects")
+        endpoint = {"endpoint_url": s3.endpoint} if args.store == "s3" else {}
         with Cluster(Path(tmp), store, seal_bytes=8 * MiB, seal_age=600) as c:
             from pipeline.catalog import Catalog
             from pipeline.store import open_sync_store
 
-            catalog = Catalog(open_sync_store(store.url, endpoint_url=s3.endpoint))
+            catalog = Catalog(open_sync_store(store.url, **endpoint))
             streams: dict[str, tuple[int, int, int]] = {}  # name: messages, stored bytes, chunks
             for name in ("json", "bytes"):
                 if args.only not in (None, name):
@@ -167,24 +175,30 @@ def main() -> None:
 
                     def get_all(keys: list[str] = chunk_keys, m: int = messages) -> tuple[int, int]:
                         def get(k: str) -> int:
+                            if args.store == "file":
+                                return len(store.get(k))
                             return len(client.get_object(Bucket=bucket, Key=store.prefix + k)["Body"].read())
                         with ThreadPoolExecutor(2) as pool:
                             return m, sum(pool.map(get, keys))
 
-                    results.append((name, "boto3 GET of every chunk object (2 threads)", best(args.runs, get_all)))
+                    ceiling = "boto3 GET" if args.store == "s3" else "file read"
+                    results.append((name, f"{ceiling} of every chunk object (2 threads)", best(args.runs, get_all)))
                     run = best(args.runs, partial(http_catch_up, f"{c.reader.url}/v1/stream/{name}", name == "json",
                                                   messages))
                     assert run.size == end, (run.size, end)
                     results.append((name, "HTTP catch-up through ds3 reader", run))
-                    opts = {"store": store.url, "endpoint_url": s3.endpoint, "stream": name}
+                    opts = {"store": store.url, **endpoint, "stream": name}
                     if args.partition_bytes:
                         opts["partition_bytes"] = str(args.partition_bytes)
-                    for label, schema in (("", None), (", 1 column", "message binary")):
-                        read = partial(spark_read, spark, opts, schema, 1 if name == "json" else 0)
-                        read()  # warm-up: Python workers, imports
+                    for via, label, schema in (
+                            ("python", "", None), ("python", ", 1 column", "message binary"),
+                            ("jvm", "", None), ("jvm", ", 1 column", "message binary")):
+                        read = partial(spark_read, spark, opts, schema, 1 if name == "json" else 0, via)
+                        read()  # warm-up: Python workers, imports, the JIT
                         run = best(args.runs, read)
                         assert (run.messages, run.size) == (messages, end), (run, messages, end)
-                        results.append((name, f"Spark data source, {args.master}{label}", run))
+                        what = "Spark data source" if via == "python" else "Spark JVM chunk reader"
+                        results.append((name, f"{what}, {args.master}{label}", run))
                     partitions = spark.read.format("ds3").options(**opts).load().rdd.getNumPartitions()
                     floor = partial(spark_floor, spark, name, messages, end, streams[name][2], partitions)
                     floor()
@@ -238,12 +252,18 @@ def best(runs: int, f: Callable[[], tuple[int, int]]) -> Run:
     return min(out, key=lambda r: r.seconds)
 
 
-def spark_read(spark: Any, opts: dict[str, str], schema: str | None, delimiter: int) -> tuple[int, int]:
-    """count(*) and the stored bytes of a `ds3` read, with a declared schema when given."""
-    reader = spark.read.format("ds3").options(**opts)
-    if schema is not None:
-        reader = reader.schema(schema)
-    row = reader.load().selectExpr("count(*) AS n", f"sum(length(message) + {delimiter}) AS bytes").first()
+def spark_read(spark: Any, opts: dict[str, str], schema: str | None, delimiter: int,
+               via: str = "python") -> tuple[int, int]:
+    """count(*) and the stored bytes of a `ds3` read, with a declared schema when given: through
+    the Python data source (`via` python) or the JVM chunk reader (pipeline/jvm.py)."""
+    if via == "jvm":
+        from pipeline import jvm
+
+        df = jvm.load(spark, opts, schema)
+    else:
+        reader = spark.read.format("ds3").options(**opts)
+        df = (reader if schema is None else reader.schema(schema)).load()
+    row = df.selectExpr("count(*) AS n", f"sum(length(message) + {delimiter}) AS bytes").first()
     assert row is not None
     return int(row["n"]), int(row["bytes"])
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -53,6 +54,18 @@ def stop_spark() -> None:
         _session = None
 
 
+def has_jvm_reader(spark: SparkSession) -> bool:
+    """Whether the session has the JVM chunk reader (pipeline/jvm.py: it needs javac, a JDK's);
+    without it, checks of that reader are skipped, except under CI=true, where they fail."""
+    from pipeline import jvm
+
+    if jvm.on_session(spark):
+        return True
+    if os.environ.get("CI") == "true":
+        pytest.fail("no JVM chunk reader in the Spark session (is javac installed?), and CI=true")
+    return False
+
+
 @pytest.fixture(scope="session")
 def _spark_run() -> Iterator[None]:
     yield
@@ -94,7 +107,13 @@ class PipelineEnv:
             "secret_access_key": "testing", **extra,
         }
 
-    def read(self, spark: SparkSession, **options: str) -> DataFrame:
+    def read(self, spark: SparkSession, via: str = "python", **options: str) -> DataFrame:
+        """A read through the Python data source (`via` python) or the JVM chunk reader."""
+        if via == "jvm":
+            from pipeline import jvm
+
+            assert has_jvm_reader(spark)
+            return jvm.load(spark, self.source_options(**options))
         return spark.read.format("ds3").options(**self.source_options(**options)).load()
 
     # ------------------------------------------------------------ HTTP, through the reader

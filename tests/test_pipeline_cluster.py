@@ -47,7 +47,7 @@ from tests.pipeline_fixtures import (
     stop_spark,
 )
 from tests.procs import DS3, free_port
-from tests.s3server import CLEARED_ENV, TEST_ENV
+from tests.s3server import CLEARED_ENV, TEST_ENV, aws_test_env
 from tests.test_pipeline_read import JSON, OCTET, byte_bodies, json_bodies, write_closed
 
 pytestmark = [pytest.mark.spark_cluster, pytest.mark.slow]
@@ -285,13 +285,24 @@ def test_executors_import_this_checkout(cluster_spark: Any) -> None:
     assert "/worker/app-" in cwd, f"not an executor launched by the worker: {cwd}"
 
 
+@pytest.mark.parametrize("via", ["python", "jvm"])
 @pytest.mark.parametrize("kind", ["file", "s3"])
-def test_read_on_the_cluster_equals_the_local_read(cluster_spark: Any, written: Written, kind: str) -> None:
+def test_read_on_the_cluster_equals_the_local_read(cluster_spark: Any, written: Written, kind: str, via: str) -> None:
+    """Through the Python data source and the JVM chunk reader (its jar reaches the executor
+    through spark.jars; on S3 it reads presigned URLs)."""
+    from pipeline import jvm
+
     env = written.envs[kind]
     # S3 without credentials in the options: the executors take them from the worker's environment
     opts = {k: v for k, v in env.source_options(prefix="cl/", partition_bytes="4096").items()
             if k not in ("access_key_id", "secret_access_key", "region")}
-    df = cluster_spark.read.format("ds3").options(**opts).load()
+    if via == "jvm":  # planned in this process, which takes the credentials from its environment
+        assert jvm.on_session(cluster_spark)
+        with aws_test_env():
+            df = jvm.load(cluster_spark, opts)
+        assert "ds3 chunks" in df._jdf.queryExecution().executedPlan().toString()
+    else:
+        df = cluster_spark.read.format("ds3").options(**opts).load()
     assert df.rdd.getNumPartitions() >= 6  # one per chunk object, in turn on the one core
     rows = rows_of(df)
     assert rows == written.local_rows[kind]

@@ -1,4 +1,4 @@
-"""Batch reads with the `ds3` Spark data source (issue 5), against chunks a real ingester
+"""Batch reads with the `ds3` Spark data source (issue 5) and the JVM chunk reader (issue 16), against chunks a real ingester
 sealed into moto's S3 (4 KiB chunks): every read must equal a catch-up read of the same
 stream over HTTP through the reader, byte for byte and page boundary for page boundary —
 binary, text and JSON streams, a bucketed stream, a fork (its history lives partly in its
@@ -16,7 +16,7 @@ import pytest
 
 from pipeline.options import OptionError, ReadOptions
 from shared import buckets, offsets
-from tests.pipeline_fixtures import PipelineEnv, check_against_pages
+from tests.pipeline_fixtures import PipelineEnv, check_against_pages, has_jvm_reader
 
 OCTET, TEXT, JSON = "application/octet-stream", "text/plain; charset=utf-8", "application/json"
 
@@ -49,7 +49,12 @@ def json_bodies(n: int, seed: int) -> list[bytes]:
 
 
 def sorted_rows(env: PipelineEnv, spark: Any, **options: str) -> list[Any]:
-    return list(env.read(spark, **options).orderBy("bucket", "stream", "position").collect())
+    """The read's rows in stream order, read through the Python data source; the JVM chunk
+    reader (pipeline/jvm.py) reads the same rows."""
+    rows = list(env.read(spark, **options).orderBy("bucket", "stream", "position").collect())
+    if has_jvm_reader(spark):
+        assert list(env.read(spark, "jvm", **options).orderBy("bucket", "stream", "position").collect()) == rows
+    return rows
 
 
 def write_closed(env: PipelineEnv, url_path: str, internal: str, ct: str, bodies: list[bytes]) -> str:
@@ -215,9 +220,18 @@ def test_offset_filters_prune_chunks_at_planning(pipeline_env: PipelineEnv, spar
     write_closed(env, "/v1/stream/pruned", "pruned", JSON, json_bodies(100, 9))
     everything = sorted_rows(env, spark, stream="pruned")
     lo, hi = everything[len(everything) // 3].offset, everything[2 * len(everything) // 3].offset
-    df = env.read(spark, stream="pruned").filter((F.col("offset") >= lo) & (F.col("offset") < hi))
-    got = [r.offset for r in df.orderBy("position").collect()]
-    assert got == [r.offset for r in everything if lo <= r.offset < hi] and got
+    for via in ("python", "jvm") if has_jvm_reader(spark) else ("python",):
+        df = env.read(spark, via, stream="pruned").filter((F.col("offset") >= lo) & (F.col("offset") < hi))
+        got = [r.offset for r in df.orderBy("position").collect()]
+        assert got == [r.offset for r in everything if lo <= r.offset < hi] and got
+    # the JVM chunk reader prunes too (one chunk per partition here: its partitions are counted)
+    if not has_jvm_reader(spark):
+        return
+    whole_jvm = env.read(spark, "jvm", stream="pruned", partition_bytes="4096")
+    middle_jvm = whole_jvm.filter((F.col("offset") >= lo) & (F.col("offset") < hi))
+    assert whole_jvm.rdd.getNumPartitions() > 3
+    assert 0 < middle_jvm.rdd.getNumPartitions() < whole_jvm.rdd.getNumPartitions() * 0.6
+    assert whole_jvm.filter(F.col("offset") >= "9" * 33).rdd.getNumPartitions() == 0
 
     def chunks_planned(*filters: Any) -> int:
         reader = DS3PruningReader(ReadOptions.parse(env.source_options(stream="pruned")))
@@ -295,3 +309,7 @@ def test_partitions_and_an_early_stop(pipeline_env: PipelineEnv, spark: Any) -> 
     one = env.read(spark, stream="parts").collect()  # 128 MiB: every chunk in one partition
     assert small == one and [r.position for r in one] == sorted(r.position for r in one)
     assert env.read(spark, stream="parts").limit(3).collect() == one[:3]
+    for via in ("jvm",) if has_jvm_reader(spark) else ():  # the JVM chunk reader: same partitions, same stop
+        df = env.read(spark, via, stream="parts", partition_bytes="20000")
+        assert df.rdd.getNumPartitions() == len(parts) and df.collect() == one
+        assert env.read(spark, via, stream="parts").limit(3).collect() == one[:3]
