@@ -104,7 +104,10 @@ def jar(build: bool = True) -> Path | None:
 def on_session(spark: Any) -> bool:
     """Whether the session's JVM was started with the chunk reader's jar."""
     path = jar(build=False)
-    listed = spark.sparkContext.getConf().get("spark.jars", "") or ""
+    try:
+        listed = spark.sparkContext.getConf().get("spark.jars", "") or ""
+    except Exception:  # (a Spark Connect session has no SparkContext here: not ours to load jars into)
+        return False
     return path is not None and str(path) in listed.split(",")
 
 
@@ -131,6 +134,8 @@ def load(spark: Any, options: Mapping[str, str], schema: str | None = None, *,
     through the JVM chunk reader where the session has it, else the Python data source."""
     opts = ReadOptions.parse(options)
     if opts.include_tail or not on_session(spark):
+        if not opts.include_tail:
+            log.info("the session has no JVM chunk reader jar (spark.jars): reading with the Python data source")
         reader = spark.read.format("ds3").options(**options)
     else:
         reader = spark.read.format(CLASS).option("plan", plan(opts, presign_seconds))

@@ -212,3 +212,22 @@ def test_a_failing_store_is_retried_and_a_missing_object_named(spark: Any, cases
         assert "secret" not in str(err.value)
     finally:
         store.close()
+
+
+def test_a_read_with_the_tail_takes_the_python_source(pipeline_env: Any, spark: Any) -> None:
+    """The unsealed tail is read over HTTP by the Python data source: `load` with include_tail
+    hands the read to it (same rows); without, the JVM reader reads the sealed chunks."""
+    from tests.test_pipeline_read import json_bodies
+
+    env = pipeline_env
+    env.create("/v1/stream/jvmtail", JSON)
+    env.append_all("/v1/stream/jvmtail", json_bodies(30, 21), JSON)
+
+    def scan(df: Any) -> str:
+        return str(df._jdf.queryExecution().executedPlan().toString())
+
+    sealed = jvm.load(spark, env.source_options(stream="jvmtail"))
+    with_tail = jvm.load(spark, env.source_options(stream="jvmtail", include_tail="true", url=env.url))
+    assert "ds3 chunks" in scan(sealed) and "ds3 chunks" not in scan(with_tail)
+    python = env.read(spark, stream="jvmtail", include_tail="true", url=env.url)
+    assert with_tail.collect() == python.collect() and with_tail.count() > sealed.count()
