@@ -78,6 +78,8 @@ def _store_identity(store: SyncStore) -> str | None:
     if isinstance(store, S3SyncStore):
         return f"{store._settings()[0] or ''} {store.bucket} {store.prefix}"
     return None
+
+
 MAX_FORK_DEPTH = 64
 
 

@@ -95,9 +95,16 @@ def jar(build: bool = True) -> Path | None:
             for f in sorted(classes.rglob("*.class")):
                 z.write(f, str(f.relative_to(classes)))
         fd, part = tempfile.mkstemp(dir=path.parent, prefix=".ds3-spark-", suffix=".jar")
-        os.close(fd)
-        shutil.copyfile(staged, part)
-        os.replace(part, path)
+        try:  # temp file, fsync, rename: a crash never leaves a torn jar under the final name
+            os.fchmod(fd, 0o644)  # (mkstemp's 0600 would hide it from other users of the cache)
+            with os.fdopen(fd, "wb") as out:
+                out.write(staged.read_bytes())
+                out.flush()
+                os.fsync(out.fileno())
+            os.replace(part, path)
+        except BaseException:
+            Path(part).unlink(missing_ok=True)
+            raise
     return path
 
 
