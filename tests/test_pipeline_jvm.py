@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -231,3 +232,22 @@ def test_a_read_with_the_tail_takes_the_python_source(pipeline_env: Any, spark: 
     assert "ds3 chunks" in scan(sealed) and "ds3 chunks" not in scan(with_tail)
     python = env.read(spark, stream="jvmtail", include_tail="true", url=env.url)
     assert with_tail.collect() == python.collect() and with_tail.count() > sealed.count()
+
+
+def test_a_jar_is_built_once_and_a_source_that_does_not_compile_is_logged(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """The jar is keyed by its sources: built on first use, then found; a source that does not
+    compile (another Spark's API) leaves no jar and says why, and reads take the Python source."""
+    monkeypatch.setenv("DS3_JVM_CACHE", str(tmp_path / "cache"))
+    built = jvm.jar()
+    assert built is not None and built.parent == tmp_path / "cache" and jvm.jar() == built
+    with zipfile.ZipFile(built) as z:
+        assert "io/ds3/spark/ChunkSource.class" in z.namelist()
+        assert z.read("META-INF/services/org.apache.spark.sql.sources.DataSourceRegister").strip() == b"io.ds3.spark.ChunkSource"
+    broken = tmp_path / "src" / "io" / "ds3" / "spark"
+    broken.mkdir(parents=True)
+    (broken / "Broken.java").write_text("package io.ds3.spark; class Broken { int x = nope; }")
+    monkeypatch.setattr(jvm, "SOURCES", tmp_path / "src")
+    assert jvm.jar() is None and jvm.jar(build=False) is None
+    assert "compiling the JVM chunk reader failed" in caplog.text and "nope" in caplog.text
+    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == [built.name]  # no torn jar left
