@@ -158,7 +158,8 @@ def display_name(path: str) -> tuple[str | None, str]:
 
 class Catalog:
     """Descriptor and chunk-header reads against one store, with a cache of chunk headers
-    (chunks are immutable). Thread-safe; one per driver-side reader."""
+    (chunks are immutable): the process's shared one for the stores it knows, else its own.
+    Thread-safe; one per driver-side reader."""
 
     def __init__(self, store: SyncStore) -> None:
         self.store = store
@@ -203,11 +204,12 @@ class Catalog:
     def header(self, uid: str, chunk: int) -> tuple[chunks.ChunkHeader, int]:
         """(header, object size) of a chunk object; ObjectNotFound when it is not there."""
         key = keys.chunk_key(uid, chunk)
-        with self._lock:
-            hit = self._headers.get(key)
         shared = None if self._store_id is None else (self._store_id, key)
-        if hit is None and shared is not None:
+        if shared is not None:
             hit = _SHARED.get(shared)
+        else:
+            with self._lock:
+                hit = self._headers.get(key)
         if hit is not None:
             return hit
         first = self.store.get(key, 0, HEADER_FETCH)
@@ -216,10 +218,11 @@ class Catalog:
         if len(first) < end:
             first = self.store.get(key, 0, end)
         found = (chunks.ChunkHeader.from_json(first[chunks.PRELUDE_SIZE:end]), prelude.object_size)
-        with self._lock:
-            self._headers[key] = found
         if shared is not None:
             _SHARED.put(shared, found)
+        else:
+            with self._lock:
+                self._headers[key] = found
         return found
 
     def chunk_ids(self, uid: str, first: int) -> list[int]:

@@ -24,6 +24,7 @@ on `spark.jars`, which also ships it to a cluster's executors.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -61,19 +62,22 @@ def _spark_jars() -> Path:
     return Path(pyspark.__file__).parent / "jars"
 
 
-def _fingerprint() -> str:
+@functools.lru_cache(maxsize=4)
+def _fingerprint(sources: Path) -> str:
+    """A hash of the Java sources and pyspark's version, read once per process (every `load`
+    asks for the jar's path)."""
     import pyspark
 
     h = hashlib.sha256(pyspark.__version__.encode())
-    for src in sorted(SOURCES.rglob("*.java")):
-        h.update(str(src.relative_to(SOURCES)).encode() + b"\0" + src.read_bytes())
+    for src in sorted(sources.rglob("*.java")):
+        h.update(str(src.relative_to(sources)).encode() + b"\0" + src.read_bytes())
     return h.hexdigest()[:16]
 
 
 def jar(build: bool = True) -> Path | None:
     """The chunk reader's jar, compiled on first use; None where it cannot be (no javac: a JRE
     only; or it does not compile against this pyspark's jars: logged). Concurrent builders each write their own temp file and rename it into place."""
-    path = _cache_dir() / f"ds3-spark-{_fingerprint()}.jar"
+    path = _cache_dir() / f"ds3-spark-{_fingerprint(SOURCES)}.jar"
     if path.exists() or not build:
         return path if path.exists() else None
     javac = shutil.which("javac")
