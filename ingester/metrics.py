@@ -138,6 +138,7 @@ def collect(app: web.Application) -> Iterator[Metric]:
                       shipper.upload_failures)
         yield counter("ds3_log_checkpoints_uploaded", "Checkpoints of the WAL uploaded.", shipper.checkpoints_uploaded)
         yield counter("ds3_log_checkpoint_bytes", "Bytes of checkpoints uploaded.", shipper.checkpoint_bytes)
+        yield from shipper.segment_put_seconds.collect()
         yield gauge("ds3_log_shipped_seq", "The last commit seq known to be in the object store.", shipper.shipped_seq)
         yield gauge("ds3_log_committed_seq", "The last logged commit seq of the local WAL.", committer.seq)
         yield gauge("ds3_log_queued_commits", "Logged commits not yet in the object store.", shipper.queued)

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Final
 
 from ingester.logstore import ORPHANS_MAX
 from shared.errors import ObjectNotFound, ObjectStoreError, PreconditionFailed, Superseded
+from shared.http.metrics import LoopHistogram
 from shared.logsegment import Commit, LogSegmentError, encode, parse_prelude, segment_key
 
 if TYPE_CHECKING:
@@ -36,6 +37,9 @@ ENCODE_INLINE_BYTES: Final = 256 * 1024  # larger segments are encoded on a work
 # a PUT's recent latency (at most HOLD_MAX seconds) for more commits to join it (ship_pipelined)
 HOLD_SHARE: Final = 0.25
 HOLD_MAX: Final = 0.025
+# (fine enough for a p99 within a fifth: scripts/bench durability reads it)
+PUT_SECONDS_BUCKETS: Final = (0.0005, 0.001, 0.0015, 0.002, 0.003, 0.004, 0.005, 0.006, 0.008, 0.01, 0.0125, 0.015,
+                              0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5, 5.0)
 
 
 class SegmentUploads:
@@ -43,6 +47,11 @@ class SegmentUploads:
         self.shipper = shipper
         self.queue = shipper.queue
         self.put_seconds = 0.0  # a segment PUT's recent latency (moving average)
+        # Every landed segment PUT, as the ingester saw it under its own load: in store mode an
+        # append waits for one (the bench compares ack p99 with it).
+        self.put_histogram = LoopHistogram(
+            "ds3_log_segment_put_seconds", "Time to PUT a log segment into the object store (landed "
+            "uploads, retries of a refused key included).", PUT_SECONDS_BUCKETS)
 
     async def ship_once(self) -> int:
         """Upload one segment of what is queued; returns how many commits it held (0: nothing
@@ -128,7 +137,9 @@ class SegmentUploads:
             body = encode(commits, epoch)
         started = time.monotonic()
         await self._put_segment(segment_key(commits[0].seq, commits[-1].seq), body, commits, epoch)
-        self.put_seconds += 0.2 * (time.monotonic() - started - self.put_seconds)
+        took = time.monotonic() - started
+        self.put_seconds += 0.2 * (took - self.put_seconds)
+        self.put_histogram.observe(took)
         return len(body)
 
     async def _put_segment(self, key: str, body: bytes, commits: list[Commit], epoch: int) -> None:

@@ -58,6 +58,7 @@ from ingester.segment_uploads import UPLOADS_IN_FLIGHT, SegmentUploads
 from ingester.ship_queue import MAX_SEGMENT_BYTES, ShipQueue
 from ingester.wal import WalEnv
 from shared.errors import ObjectStoreError, Superseded, Unavailable
+from shared.http.metrics import LoopHistogram
 from shared.logsegment import Commit
 from shared.objectstore import ObjectStore
 from shared.ownership import Ownership
@@ -167,6 +168,10 @@ class Shipper:
             return (f"the store's copy of the log is {lag:.1f} s behind (--max-ship-lag {self.max_lag:g} s): "
                     "writes answer 503 until it catches up")
         return None
+
+    @property
+    def segment_put_seconds(self) -> LoopHistogram:
+        return self._segments.put_histogram
 
     @property
     def checkpoints_uploaded(self) -> int:

@@ -49,6 +49,7 @@ from bench_run import tree_cpu_seconds  # noqa: E402
 
 from shared import chunks  # noqa: E402
 from tests.cluster import Cluster, StoreView, wait_for  # noqa: E402
+from tests.moto_keepalive import MotoProcess  # noqa: E402
 from tests.procs import free_port  # noqa: E402
 from tests.s3server import MotoS3, aws_test_env  # noqa: E402
 
@@ -97,27 +98,6 @@ async def catch_up(url: str) -> tuple[int, int]:
                 offset = r.headers["Stream-Next-Offset"]
                 if r.headers.get("Stream-Up-To-Date") == "true":
                     return size, pages
-
-
-class MotoProcess(MotoS3):
-    """moto's server as a process of its own (`moto_server`): in this process it would share a
-    GIL with the benchmark's client and slow the relayed path more than the direct one."""
-
-    def start(self) -> None:
-        port = free_port()
-        exe = Path(sys.executable).with_name("moto_server")
-        self._proc = subprocess.Popen([str(exe), "-H", "127.0.0.1", "-p", str(port)],
-                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        self.endpoint = f"http://127.0.0.1:{port}"
-        wait_for(lambda: _answers(self.endpoint), 20, "moto_server")
-
-    @property
-    def pid(self) -> int:
-        return self._proc.pid
-
-    def stop(self) -> None:
-        self._proc.terminate()
-        self._proc.wait(10)
 
 
 async def ranged_gets(urls: list[tuple[str, int, int]]) -> int:

@@ -57,7 +57,7 @@ from bench_run import (  # noqa: E402
 from shared.objectstore import open_store  # noqa: E402
 
 TARGET_RATIO = 0.5
-KINDS = (("streams", "32 writers x own stream"), ("shared", "32 writers x one stream"))
+KINDS = (("streams", "{} writers x own stream"), ("shared", "{} writers x one stream"))
 
 
 def put_latency(url: str, endpoint: str | None, samples: int) -> dict[str, float]:
@@ -85,6 +85,33 @@ def put_latency(url: str, endpoint: str | None, samples: int) -> dict[str, float
             "samples": len(t)}
 
 
+def segment_puts(url: str) -> dict[float, float]:
+    """The ingester's segment PUT histogram (ds3_log_segment_put_seconds) as {le: count}."""
+    from tests.cluster import scrape
+
+    m = scrape(url)
+    prefix = 'ds3_log_segment_put_seconds_bucket{le="'
+    return {float(k[len(prefix):-2]): v for k, v in m.items() if k.startswith(prefix)}
+
+
+def quantile_ms(before: dict[float, float], after: dict[float, float], q: float) -> float | None:
+    """The q-quantile (ms) of the PUTs observed between two scrapes, interpolated within its
+    bucket as Prometheus's histogram_quantile does (None: no PUT)."""
+    les = sorted(after)
+    counts = [after[le] - before.get(le, 0.0) for le in les]  # cumulative
+    if not counts or counts[-1] <= 0:
+        return None
+    rank = q * counts[-1]
+    lo, below = 0.0, 0.0
+    for le, n in zip(les, counts, strict=True):
+        if n >= rank:
+            if le == float("inf"):
+                return lo * 1000
+            return (lo + (le - lo) * (rank - below) / max(n - below, 1e-9)) * 1000
+        lo, below = le, n
+    return None
+
+
 def _busy_cores() -> float:
     t = psutil.cpu_times()
     return float(t.user + t.system + t.nice + t.irq + t.softirq)
@@ -106,15 +133,22 @@ def bench_mode(store_url: str, endpoint: str | None, mode: str, p: argparse.Name
     prefix = f"bench-{durability}{uploads}-{int(time.time())}"
     try:
         for kind, label in KINDS:
+            label = label.format(p.writers)
             # (whole load, warmup included: the shares of what else ran, not exact per-append costs)
             store_proc = psutil.Process(store_pid) if store_pid is not None else None
             store_cpu0 = sum(store_proc.cpu_times()[:2]) if store_proc is not None else 0.0
             busy0, t0 = _busy_cores(), time.monotonic()
+            puts0 = segment_puts(server.url)
             r = run_load(scenario_args(kind, server.url, p, f"{prefix}-{kind}"), server,
                          timeout=p.warmup + p.duration + 120)
+            puts1 = segment_puts(server.url)
             elapsed = time.monotonic() - t0
             out[kind] = throughput_summary(r)
             s = out[kind]
+            # The segment PUTs the ingester made under this load, as it timed them (warm-up
+            # included; in local mode the few background ones)
+            s["segment_put_p50_ms"], s["segment_put_p99_ms"] = quantile_ms(puts0, puts1, 0.5), quantile_ms(puts0, puts1, 0.99)
+            s["segments"] = (puts1.get(float("inf"), 0.0) - puts0.get(float("inf"), 0.0))
             s["machine_busy_cores"] = (_busy_cores() - busy0) / elapsed
             total = int(r.data.get("appends", 0)) + int(r.data.get("warmup_appends", 0))
             s["store_cpu_s_per_1000_appends"] = (
@@ -149,12 +183,14 @@ def report(results: dict[str, Any], p: argparse.Namespace) -> list[tuple[str, bo
               f"max {fmt(put['max_ms'], 2)} ms over {put['samples']})")
         modes = [m for m in r if m != "put"]
         print(f"  {'scenario':<26}{'mode':<10}{'appends/s':>11}{'ack p50':>9}{'ack p99':>9}{'errors':>8}"
-              f"{'CPU-s/1000':>12}{'store CPU':>11}{'busy cores':>12}")
+              f"{'segment PUT p50/p99':>21}{'CPU-s/1000':>12}{'store CPU':>11}{'busy cores':>12}")
         for kind, label in KINDS:
+            label = label.format(p.writers)
             for mode in modes:
                 s = r[mode][kind]
+                loaded = f"{fmt(s.get('segment_put_p50_ms'), 2)}/{fmt(s.get('segment_put_p99_ms'), 2)}"
                 print(f"  {label:<26}{mode:<10}{fmt(s['appends_per_s'], 0):>11}{fmt(s['ack_p50_ms'], 2):>9}"
-                      f"{fmt(s['ack_p99_ms'], 2):>9}{s['errors']:>8}{fmt(s['cpu_s_per_1000_appends'], 3):>12}"
+                      f"{fmt(s['ack_p99_ms'], 2):>9}{s['errors']:>8}{loaded:>21}{fmt(s['cpu_s_per_1000_appends'], 3):>12}"
                       f"{fmt(s.get('store_cpu_s_per_1000_appends'), 3):>11}{fmt(s.get('machine_busy_cores'), 2):>12}"
                       + (f"   rounds: {', '.join(f'{n:,}' for n in s['rounds_appends_per_s'])}"
                          if "rounds_appends_per_s" in s else ""))
@@ -162,12 +198,15 @@ def report(results: dict[str, Any], p: argparse.Namespace) -> list[tuple[str, bo
             for mode in modes[1:]:
                 sto = r[mode][kind]
                 ratio = sto["appends_per_s"] / loc["appends_per_s"] if loc["appends_per_s"] else 0.0
-                bound = loc["ack_p99_ms"] + put["p99_ms"]
+                quiet = loc["ack_p99_ms"] + put["p99_ms"]
+                loaded_p99 = sto.get("segment_put_p99_ms")
+                bound = loc["ack_p99_ms"] + loaded_p99 if loaded_p99 is not None else quiet
                 print(f"  {'':<26}{mode}/local {ratio:.2f} (target >= {TARGET_RATIO}); p99 "
-                      f"{fmt(sto['ack_p99_ms'], 2)} vs local p99 + PUT p99 = {fmt(bound, 2)} ms")
+                      f"{fmt(sto['ack_p99_ms'], 2)} vs local p99 + segment PUT p99 = {fmt(bound, 2)} ms "
+                      f"(with the quiet PUT's p99: {fmt(quiet, 2)} ms)")
                 checks.append((f"{store_name}, {label}: {mode}/local appends/s >= {TARGET_RATIO}",
                                ratio >= TARGET_RATIO, f"{ratio:.2f}"))
-                checks.append((f"{store_name}, {label}: {mode} ack p99 <= local p99 + PUT p99",
+                checks.append((f"{store_name}, {label}: {mode} ack p99 <= local p99 + segment PUT p99",
                                sto["ack_p99_ms"] <= bound, f"{sto['ack_p99_ms']:.2f} <= {bound:.2f} ms"))
     print()
     for name, ok, detail in checks:
@@ -207,8 +246,7 @@ def main(argv: list[str]) -> int:
         with ExitStack() as stack:
             for name in p.stores.split(","):
                 if name == "s3":
-                    from bench_catchup import MotoProcess  # moto as a process of its own
-
+                    from tests.moto_keepalive import MotoProcess  # moto as a process of its own
                     from tests.s3server import aws_test_env
                     stack.enter_context(aws_test_env())
                     moto = MotoProcess()

@@ -30,9 +30,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from scripts.bench_catchup import MotoProcess  # noqa: E402
 from tests import procs  # noqa: E402
 from tests.cluster import StoreView  # noqa: E402
+from tests.moto_keepalive import MotoProcess  # noqa: E402
 from tests.s3server import aws_test_env  # noqa: E402
 
 TARGET_ADDED_MS = 0.3

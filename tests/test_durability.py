@@ -36,7 +36,7 @@ import pytest
 
 from shared.objectstore import open_store
 from shared.ownership import OwnerRecord
-from tests.cluster import StoreView
+from tests.cluster import StoreView, scrape
 from tests.procs import DS3, Proc, free_port, ingester, reader
 from tests.s3server import TEST_ENV, MotoS3
 from tests.tcpgate import TcpGate
@@ -220,6 +220,12 @@ def test_store_mode_recovers_every_acknowledged_append(tmp_path: Path, store: St
             for i in range(30):
                 for s in STREAMS:
                     _req("POST", f"{a.url}/v1/stream/{s}", b"pre-%03d\n" % i, {"Content-Type": "text/plain"})
+            # One writer, one append at a time: each is acknowledged only once a segment holding
+            # it landed, so each had a PUT of its own, timed in the segment PUT histogram.
+            m = scrape(a.url)
+            assert m["ds3_log_segments_uploaded_total"] >= 30 * len(STREAMS)
+            assert m["ds3_log_segment_put_seconds_count"] == m["ds3_log_segments_uploaded_total"]
+            assert 0 < m["ds3_log_segment_put_seconds_sum"] < 30 * m["ds3_log_segment_put_seconds_count"]
             meta = _metadata(rd.url)
             before = {s: _read_all(rd.url, s) for s in STREAMS}
             writers, _ = _load_then_kill(a, 1.5)
