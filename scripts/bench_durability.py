@@ -16,10 +16,14 @@ appends/s and ack p50/p99 (ms, from the load generator: request sent -> answer),
 CPU per 1,000 appends, moto's ("store CPU": a real S3 costs us none), and how many of the
 machine's cores were busy meanwhile (all processes: on a shared machine, what else ran). Before the
 loads, the PUT latency of a small object (1 KiB, If-None-Match: *, as a log segment is written)
-is measured against the same store: p50/p99 over --put-samples sequential PUTs.
+is measured against the same store: p50/p99 over --put-samples sequential PUTs; during each load,
+the segment PUTs the ingester made are read from its histogram (ds3_log_segment_put_seconds).
 
 Targets (issue 14): store mode's appends/s at least half of local mode's; store mode's ack p99
-at most local's p99 plus one store PUT's p99.
+at most local's p99 plus one store PUT's p99 (checked with the segment PUTs' p99 of the same
+load; the quiet PUT's is printed beside it). The writers are a closed loop (each sends again
+once answered): appends/s is writers / ack latency, so at 32 writers the ratio is a ratio of
+latencies; --writers 256 shows what group commit amortises (docs/architecture.md, "Benchmark").
 """
 
 from __future__ import annotations
