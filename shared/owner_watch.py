@@ -155,6 +155,11 @@ class MemberOwners:
                 calling.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await calling
+            elif not calling.cancelled():
+                # Done, but this call is leaving without its outcome (cancelled itself, a
+                # shutdown, just as the send failed): retrieved, or asyncio logs "Task exception
+                # was never retrieved" with the send's traceback.
+                calling.exception()
 
     def failed(self, ingester_id: str) -> None:
         """A call to this member failed: read its record (soon, rate-limited)."""
