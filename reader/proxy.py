@@ -148,7 +148,10 @@ class IngesterClient:
         try:
             await asyncio.wait((calling, abandoned), return_when=asyncio.FIRST_COMPLETED)
         except asyncio.CancelledError:
-            calling.cancel()
+            if not calling.done():
+                calling.cancel()
+            elif not calling.cancelled():
+                calling.exception()  # it failed as we were cancelled: retrieved (asyncio would log it)
             raise
         finally:
             self._calling -= 1
