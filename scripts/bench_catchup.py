@@ -238,7 +238,8 @@ def main() -> None:
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = ap.parse_args()
     results = []
-    with aws_test_env(), MotoProcess() as s3, tempfile.TemporaryDirectory() as tmp:
+    # moto_server as measured since 2026-11-24 (tests/moto_keepalive.py says why not waitress here)
+    with aws_test_env(), MotoProcess(keepalive=False) as s3, tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         for kind in args.stores.split(","):
             for t in args.types.split(","):

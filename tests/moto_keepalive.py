@@ -37,13 +37,25 @@ ROOT = Path(__file__).resolve().parent.parent
 
 class MotoProcess(MotoS3):
     """This server as a process of its own (in a benchmark's process it would share a GIL with
-    the benchmark's client)."""
+    the benchmark's client); `keepalive=False`: `moto_server` itself (werkzeug), which writes
+    each answer straight to its socket from the request's thread, where waitress hands it to its
+    event loop thread to send. For large objects that costs: scripts/bench catchup (8 MiB
+    chunks, 2026-11-29) measured moto at 1.76 CPU-s per GiB on direct GETs and 2.24-2.56 on the
+    reader's under waitress, 1.28 and 1.44-1.76 under moto_server, and the reader's ratio
+    0.68-0.86 against 0.85-1.06: that benchmark keeps moto_server, whose connection set-up is
+    nothing beside an 8 MiB answer."""
+
+    def __init__(self, ip_address: str = "127.0.0.1", keepalive: bool = True) -> None:
+        super().__init__(ip_address)
+        self.keepalive = keepalive
 
     def start(self) -> None:
         port = free_port()
-        self._proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.moto_keepalive", "--host", self.ip_address, "--port", str(port)],
-            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        if self.keepalive:
+            cmd = [sys.executable, "-m", "tests.moto_keepalive", "--host", self.ip_address, "--port", str(port)]
+        else:
+            cmd = [str(Path(sys.executable).with_name("moto_server")), "-H", self.ip_address, "-p", str(port)]
+        self._proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         self.endpoint = f"http://{self.ip_address}:{port}"
         from tests.cluster import wait_for  # (tests.cluster imports much more than this module needs)
 
