@@ -167,6 +167,16 @@ def run_dev(
     log_level: str, log_format: str = "text", access_log: bool | None = None, workers: int | None = None,
     ingesters: int = 1,
 ) -> int:
+    stopping = False
+
+    def stop(signum: int, _frame: Any) -> None:
+        nonlocal stopping
+        stopping = True
+
+    # First of all: a Ctrl-C at any moment of the start stops it cleanly (it landed between the
+    # cluster file's write and these lines once: click's "Aborted!", exit status 1).
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
     data_dir = data_dir.resolve()
     mismatch = layout_mismatch(data_dir, ingesters)
     if mismatch is not None:
@@ -213,14 +223,6 @@ def run_dev(
         ingester_urls += [url for _, url in leaving]
         routing = ["--cluster", str(cluster_file)]
     children: list[subprocess.Popen[bytes]] = []
-    stopping = False
-
-    def stop(signum: int, _frame: Any) -> None:
-        nonlocal stopping
-        stopping = True
-
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
 
     def not_started(what: str) -> int:
         if stopping:  # a Ctrl-C while starting: not a failure
@@ -229,6 +231,8 @@ def run_dev(
         log.error("%s did not start", what)
         return 1
 
+    if stopping:
+        return not_started("ds3 dev")
     try:
         for command in commands:
             children.append(subprocess.Popen(command, env=env))

@@ -318,7 +318,15 @@ class Mover:
         if not _LOSE_MOVE_DONE:
             task = asyncio.get_running_loop().create_task(self._done(source, key, cluster.generation))
             self._telling.add(task)  # (cancelled at stop: the peers' session closes then)
-            task.add_done_callback(self._telling.discard)
+            task.add_done_callback(self._told)
+
+    def _told(self, task: asyncio.Task[None]) -> None:
+        self._telling.discard(task)
+        if not task.cancelled() and (e := task.exception()) is not None:
+            # A move that finished as the ingester stopped (its peers' session closed under the
+            # move-done, before stop() could cancel it): retrieved here, or asyncio logs it as
+            # an ERROR with its traceback ("Task exception was never retrieved").
+            log.info("move-done not sent: %r", e)
 
     async def _done(self, source: Ingester, key: str, generation: int) -> None:
         """Tell the old owner to drop its frozen copy (best effort: its sweep asks again)."""
