@@ -58,15 +58,40 @@ class LaneRunner(web.AppRunner):
         self.lane = self.lane_class(app)
         app[LANE] = self.lane
         self._cleaning: asyncio.Future[None] | None = None
+        self._leaving = False  # a signal came while the app started: leaving (setup)
 
     async def setup(self) -> None:
         self._cleaning = None
-        await super().setup()
-        if self.drain_on_signal and self._handle_signals:
-            loop = asyncio.get_running_loop()
-            with contextlib.suppress(NotImplementedError):  # (no signal handlers on Windows)
-                loop.add_signal_handler(signal.SIGINT, self._on_signal, signal.SIGINT)
-                loop.add_signal_handler(signal.SIGTERM, self._on_signal, signal.SIGTERM)
+        self._leaving = False
+        if not (self.drain_on_signal and self._handle_signals):
+            await super().setup()
+            return
+        loop = asyncio.get_running_loop()
+        # While the app starts, the first signal ends the start as aiohttp's own handler would
+        # (GracefulExit out of the loop: asyncio.run cancels every task and waits for them); a
+        # second one is ignored. Raised again (the process group's SIGINT, then a supervisor's
+        # SIGTERM), it broke off that wait and the loop closed on a pending task ("Task was
+        # destroyed but it is pending!").
+        with contextlib.suppress(NotImplementedError):  # (no signal handlers on Windows)
+            loop.add_signal_handler(signal.SIGINT, self._on_signal_starting, signal.SIGINT)
+            loop.add_signal_handler(signal.SIGTERM, self._on_signal_starting, signal.SIGTERM)
+        self._handle_signals = False  # (aiohttp's setup would install its own over ours)
+        try:
+            await super().setup()
+        finally:
+            # (its cleanup removes the handlers; not the ignoring ones of a start cut short)
+            self._handle_signals = not self._leaving
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(signal.SIGINT, self._on_signal, signal.SIGINT)
+            loop.add_signal_handler(signal.SIGTERM, self._on_signal, signal.SIGTERM)
+
+    def _on_signal_starting(self, signum: int) -> None:
+        if self._leaving:
+            return
+        self._leaving = True
+        self._handle_signals = False  # (so the cleanup leaves this handler, ignoring, to the loop's close)
+        log.info("%s while starting: stopping", signal.Signals(signum).name)
+        raise GracefulExit()
 
     def _on_signal(self, signum: int) -> None:
         if self._cleaning is not None:

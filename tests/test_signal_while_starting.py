@@ -1,0 +1,69 @@
+"""A signal while a drain-on-signal server starts (shared/http/lane_runner.py): the first ends
+the start, a second (the process group's SIGINT, then a supervisor's SIGTERM) is ignored. It used
+to raise GracefulExit again while asyncio.run cancelled the starting task, and the process ended
+with "Task was destroyed but it is pending!" (tests/test_dev_settings.py's Ctrl-C test, once in
+a CI run)."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+SERVER = """
+import asyncio, logging, sys, threading, time
+from aiohttp import web
+from aiohttp.web_runner import GracefulExit
+from shared.http.lane_runner import LaneRunner
+
+logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+
+class Runner(LaneRunner):
+    drain_on_signal = True
+
+async def slow_start(app):
+    print("starting", flush=True)
+    await asyncio.to_thread(time.sleep, 2.0)  # (a start that waits on a thread: a restore, a lease)
+    yield
+
+async def serve():
+    app = web.Application()
+    app.cleanup_ctx.append(slow_start)
+    runner = Runner(app, handle_signals=True)
+    try:
+        await runner.setup()
+        print("started", flush=True)
+        await asyncio.Event().wait()
+    finally:
+        await runner.cleanup()
+
+try:
+    asyncio.run(serve())
+except (GracefulExit, KeyboardInterrupt):
+    pass
+print("exited", flush=True)
+"""
+
+
+def test_two_signals_while_starting_end_the_process_cleanly(tmp_path: Path) -> None:
+    root = Path(__file__).resolve().parent.parent
+    proc = subprocess.Popen([sys.executable, "-c", SERVER], cwd=root, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().strip() == "starting"
+        time.sleep(0.2)
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=20)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, err
+    assert "exited" in out and "started" not in out, (out, err)
+    assert "destroyed but it is pending" not in err, err
+    assert "while starting: stopping" in err, err
