@@ -64,6 +64,11 @@ TARGET_RATIO = 0.5
 KINDS = (("streams", "{} writers x own stream"), ("shared", "{} writers x one stream"))
 
 
+def kinds(writers: int) -> list[tuple[str, str]]:
+    """KINDS with the writer count in their labels."""
+    return [(kind, label.format(writers)) for kind, label in KINDS]
+
+
 def put_latency(url: str, endpoint: str | None, samples: int) -> dict[str, float]:
     """p50/p99/max ms of `samples` sequential 1 KiB PUTs (if_absent, new keys) to the store."""
 
@@ -136,8 +141,7 @@ def bench_mode(store_url: str, endpoint: str | None, mode: str, p: argparse.Name
     server.start()
     prefix = f"bench-{durability}{uploads}-{int(time.time())}"
     try:
-        for kind, label in KINDS:
-            label = label.format(p.writers)
+        for kind, label in kinds(p.writers):
             # (whole load, warmup included: the shares of what else ran, not exact per-append costs)
             store_proc = psutil.Process(store_pid) if store_pid is not None else None
             store_cpu0 = sum(store_proc.cpu_times()[:2]) if store_proc is not None else 0.0
@@ -188,8 +192,7 @@ def report(results: dict[str, Any], p: argparse.Namespace) -> list[tuple[str, bo
         modes = [m for m in r if m != "put"]
         print(f"  {'scenario':<26}{'mode':<10}{'appends/s':>11}{'ack p50':>9}{'ack p99':>9}{'errors':>8}"
               f"{'segment PUT p50/p99':>21}{'CPU-s/1000':>12}{'store CPU':>11}{'busy cores':>12}")
-        for kind, label in KINDS:
-            label = label.format(p.writers)
+        for kind, label in kinds(p.writers):
             for mode in modes:
                 s = r[mode][kind]
                 loaded = f"{fmt(s.get('segment_put_p50_ms'), 2)}/{fmt(s.get('segment_put_p99_ms'), 2)}"

@@ -16,8 +16,7 @@ from shared.owner_watch import MemberOwners
 
 async def test_a_call_cancelled_as_its_send_fails_leaves_no_unretrieved_exception() -> None:
     loop = asyncio.get_running_loop()
-    reported: list[dict[str, Any]] = []
-    loop.set_exception_handler(lambda _loop, context: reported.append(context))
+    reported = _report_into(loop)
     members = MemberOwners(None)
     go = asyncio.Event()
 
@@ -37,7 +36,7 @@ async def test_a_call_cancelled_as_its_send_fails_leaves_no_unretrieved_exceptio
     for _ in range(3):
         await asyncio.sleep(0)
     gc.collect()
-    assert not [c for c in reported if "never retrieved" in str(c.get("message", ""))], reported
+    assert not _never_retrieved(reported), reported
 
 
 async def test_a_failed_send_still_reaches_the_caller() -> None:
@@ -66,8 +65,7 @@ async def test_a_move_done_failing_as_the_ingester_stops_is_not_logged_as_lost()
     from ingester.moves import Mover
 
     loop = asyncio.get_running_loop()
-    reported: list[dict[str, Any]] = []
-    loop.set_exception_handler(lambda _loop, context: reported.append(context))
+    reported = _report_into(loop)
 
     async def closed() -> None:
         raise RuntimeError("Session is closed")
@@ -81,4 +79,16 @@ async def test_a_move_done_failing_as_the_ingester_stops_is_not_logged_as_lost()
     assert mover._telling == set()
     del task
     gc.collect()
-    assert not [c for c in reported if "never retrieved" in str(c.get("message", ""))], reported
+    assert not _never_retrieved(reported), reported
+
+
+def _report_into(loop: asyncio.AbstractEventLoop) -> list[dict[str, Any]]:
+    """What the loop's exception handler is given from now on (asyncio's "never retrieved"
+    reports among them), collected instead of logged."""
+    reported: list[dict[str, Any]] = []
+    loop.set_exception_handler(lambda _loop, context: reported.append(context))
+    return reported
+
+
+def _never_retrieved(reported: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [c for c in reported if "never retrieved" in str(c.get("message", ""))]
