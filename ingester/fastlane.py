@@ -65,6 +65,7 @@ from shared.http.lane import LANE, Lane, Message, catch_up_offset, forks_or_has_
 from shared.http.lane_connection import LaneHandler
 from shared.http.lane_live import live_slot, long_poll_query
 from shared.http.lane_runner import LaneRunner
+from shared.tasks import spawn
 
 
 class AppendLane(Lane):
@@ -232,9 +233,7 @@ _pending: set[asyncio.Task[None]] = set()  # bucket checks in progress (kept fro
 
 
 def _start(coro: Coroutine[Any, Any, None]) -> None:
-    task = asyncio.ensure_future(coro)
-    _pending.add(task)
-    task.add_done_callback(_pending.discard)
+    spawn(coro, _pending, "a fast-lane request")
 
 
 class _LaneRead:

@@ -41,6 +41,7 @@ from shared import keys
 from shared.descriptor import Descriptor
 from shared.errors import ObjectNotFound
 from shared.objectstore.base import ObjectStore
+from shared.tasks import spawn
 
 log = logging.getLogger("ds3.sealing")
 
@@ -96,9 +97,7 @@ class Publisher:
                         break
                     if path not in self._busy:
                         self._busy.add(path)
-                        task = asyncio.create_task(self._write(path, self._pending[path]))
-                        self._tasks.add(task)
-                        task.add_done_callback(self._tasks.discard)
+                        spawn(self._write(path, self._pending[path]), self._tasks, f"publishing {path}'s descriptor")
         finally:
             pending = [*self._tasks, *([self._dropping] if self._dropping else [])]
             for task in pending:

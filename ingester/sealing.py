@@ -35,6 +35,7 @@ from shared import chunks, keys
 from shared.descriptor import Descriptor
 from shared.errors import ObjectNotFound
 from shared.objectstore.base import ObjectStore
+from shared.tasks import spawn
 
 log = logging.getLogger("ds3.sealing")
 CHUNK_CONTENT_TYPE = "application/vnd.ds3.chunk"
@@ -82,15 +83,8 @@ class Sealer:
         upload, and at start for drops a restart interrupted (Store.load_drops). A drop that
         fails is left to the stream's next seal or the next start (both find it)."""
         for sid in sids:
-            task = asyncio.create_task(self.drop_records(sid), name=f"ds3-drop-{sid}")
-            self._drops.add(task)
-            task.add_done_callback(self._dropped)
-
-    def _dropped(self, task: asyncio.Task[None]) -> None:
-        self._drops.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            log.warning("dropping sealed records from the WAL failed (the stream's next seal, or the next "
-                        "start, goes on with it): %s", task.exception())
+            spawn(self.drop_records(sid), self._drops, "dropping sealed records from the WAL (the stream's next "
+                  "seal, or the next start, goes on with it)", logger=log)
 
     def enqueue_removed(self, items: list[tuple[str, str]]) -> None:
         for item in items:

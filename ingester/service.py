@@ -59,6 +59,7 @@ from shared.objectstore import LocalStore, ObjectStore, open_store
 from shared.owner_watch import MemberOwners
 from shared.ownership import OwnerRecord, Ownership
 from shared.placement import placement_key
+from shared.tasks import spawn
 
 log = logging.getLogger("ds3.ingester")
 T = TypeVar("T")
@@ -87,6 +88,7 @@ class IngesterService:
         self._reaper: ObjectReaper | None = None
         self._blobs: ObjectStore | None = None
         self._tasks: list[asyncio.Task[None]] = []
+        self._background: set[asyncio.Task[None]] = set()  # (shared/tasks.py)
         # With --ingester-id: the cluster description and which streams are this ingester's
         # (handlers and the fast lane check every stream request against it). None: no cluster.
         self.membership: Membership | None = None
@@ -260,7 +262,7 @@ class IngesterService:
         if self.shipper is not None:
             self.shipper.fence(why)
         if for_good and self.sealer is not None:
-            asyncio.get_running_loop().create_task(self.sealer.stop())
+            spawn(self.sealer.stop(), self._background, "stopping the sealer of a fenced ingester", logger=log)
 
     async def stop(self) -> None:
         if self._standby_task is not None:
@@ -291,6 +293,7 @@ class IngesterService:
             await self._reaper.stop()
         if self.sealer is not None:
             await self.sealer.stop()
+        await asyncio.gather(*self._background, return_exceptions=True)
         if self._blobs is not None and self._blobs is not self.objects:
             await self._blobs.close()
         if self._committer is not None:

@@ -26,6 +26,7 @@ from shared import protocol as P
 from shared.chunkstore import ChunkReader
 from shared.errors import BadRequest, Conflict, NotFound, ObjectNotFound, Retained
 from shared.objectstore.base import ObjectStore
+from shared.tasks import spawn
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,9 +104,7 @@ class Snapshots:
     def _after_abandoned_commit(self, key: str, commit: asyncio.Future[list[str]]) -> None:
         error = None if commit.cancelled() else commit.exception()
         if commit.cancelled() or (error is not None and not getattr(error, "in_wal", False)):
-            task = asyncio.get_running_loop().create_task(self._delete_quietly(key))
-            self._cleanups.add(task)
-            task.add_done_callback(self._cleanups.discard)
+            spawn(self._delete_quietly(key), self._cleanups, f"deleting the abandoned snapshot {key}")
         elif error is None:
             self.reaper.enqueue(commit.result())  # what the committed snapshot superseded
 

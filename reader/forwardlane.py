@@ -49,6 +49,7 @@ from shared.http.lane_live import long_poll_query
 from shared.http.lane_runner import LaneRunner
 from shared.ownership import FENCED_HEADER
 from shared.placement import GENERATION_HEADER, OWNER_ID_HEADER, placement_key
+from shared.tasks import spawn
 
 log = logging.getLogger("ds3.reader.lane")
 # an ingester down fails every forwarded request alike: said once per 10 s per cause
@@ -275,9 +276,8 @@ class _Forward:
                 self.fail(router.still_misdirected(self.link))
                 return
             self.retried = True
-            task = asyncio.ensure_future(self._reroute(_header(answer, _GENERATION), _header(answer, _OWNER_ID)))
-            _pending.add(task)
-            task.add_done_callback(_pending.discard)
+            spawn(self._reroute(_header(answer, _GENERATION), _header(answer, _OWNER_ID)), _pending,
+                  "re-routing a misdirected request")
             return
         if answer.status == 503 and _header(answer, _FENCED) is not None:
             router.failed(self.link)  # alive but no longer the owner: look the owner up (routing.py)
@@ -309,7 +309,7 @@ class _Forward:
         self.send(again)
 
 
-_pending: set[asyncio.Future[None]] = set()  # re-routes in progress (kept from the garbage collector)
+_pending: set[asyncio.Task[None]] = set()  # re-routes in progress (kept from the garbage collector)
 _GENERATION: Final = GENERATION_HEADER.lower().encode("ascii")
 _OWNER_ID: Final = OWNER_ID_HEADER.lower().encode("ascii")
 _FENCED: Final = FENCED_HEADER.lower().encode("ascii")

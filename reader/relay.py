@@ -16,13 +16,14 @@ import fcntl
 import logging
 import os
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
-from typing import Any, Final, cast
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Final, cast
 
 from aiohttp import web
 
 from shared.errors import ObjectStoreUnavailable
 from shared.objectstore.open_body import OpenBody
+from shared.tasks import spawn
 
 log = logging.getLogger("ds3.reader")
 
@@ -225,7 +226,7 @@ class NextPages:
               open_: Callable[[PageKey], Awaitable[Body]]) -> None:
         if self._closed or self.limit <= 0:
             return
-        self._spawn(self._start(find, open_), self._lookups)
+        spawn(self._start(find, open_), self._lookups, "opening a relay")
 
     async def _start(self, find: Callable[[], Awaitable[PageKey | None]],
                      open_: Callable[[PageKey], Awaitable[Body]]) -> None:
@@ -266,13 +267,7 @@ class NextPages:
 
     def _drop(self, relay: HeadStart) -> None:
         self.dropped += 1
-        self._spawn(relay.aclose(), self._closings)
-
-    @staticmethod
-    def _spawn(coro: Coroutine[Any, Any, None], tasks: set[asyncio.Task[None]]) -> None:
-        task = asyncio.create_task(coro)
-        tasks.add(task)
-        task.add_done_callback(tasks.discard)
+        spawn(relay.aclose(), self._closings, "closing a relay")
 
     async def close(self) -> None:
         """Stop looking up, close every relay held (the reader's shutdown)."""

@@ -36,6 +36,7 @@ from typing import Final, cast
 from urllib.parse import urlsplit
 
 from shared.errors import Unavailable
+from shared.tasks import spawn
 
 INGESTER_RETRY_AFTER: Final = 2
 MAX_PIPELINE: Final = 32  # requests in flight on one pipe connection
@@ -339,9 +340,7 @@ class UpstreamPool:
             for _, _, deliver in requests:
                 deliver(unreachable("ClientConnectionError", self.base_url))
             return
-        task = self.loop.create_task(self._connect_and_send(requests, pipe, patient))
-        self._connecting.add(task)
-        task.add_done_callback(self._connecting.discard)
+        spawn(self._connect_and_send(requests, pipe, patient), self._connecting, f"connecting to {self.base_url}")
 
     async def _connect_and_send(self, requests: list[_Request], pipe: bool, patient: bool) -> None:
         try:
