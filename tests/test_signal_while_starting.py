@@ -1,5 +1,6 @@
-"""A signal while a drain-on-signal server starts (shared/http/lane_runner.py): the first ends
-the start, a second (the process group's SIGINT, then a supervisor's SIGTERM) is ignored. It used
+"""Signals that reach a drain-on-signal server twice (shared/http/lane_runner.py): the process
+group's, then a supervisor's. While it starts, the first ends the start, a second is ignored;
+after a drain, a second in the last moments of the exit is ignored too. It used
 to raise GracefulExit again while asyncio.run cancelled the starting task, and the process ended
 with "Task was destroyed but it is pending!" (tests/test_dev_settings.py's Ctrl-C test, once in
 a CI run)."""
@@ -67,3 +68,63 @@ def test_two_signals_while_starting_end_the_process_cleanly(tmp_path: Path) -> N
     assert "exited" in out and "started" not in out, (out, err)
     assert "destroyed but it is pending" not in err, err
     assert "while starting: stopping" in err, err
+
+
+DRAINED = """
+import asyncio, logging, sys, time
+from aiohttp import web
+from aiohttp.web_runner import GracefulExit
+from shared.http.lane_runner import LaneRunner
+
+logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+
+class Runner(LaneRunner):
+    drain_on_signal = True
+
+async def last_cleanup(app):
+    yield
+    # (a thread still finishing when the app's cleanup is over: asyncio.run waits for it)
+    asyncio.get_running_loop().run_in_executor(None, time.sleep, 1.5)
+    print("cleaned", flush=True)
+
+async def serve():
+    app = web.Application()
+    app.cleanup_ctx.append(last_cleanup)
+    runner = Runner(app, handle_signals=True)
+    try:
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        print("started", flush=True)
+        await asyncio.Event().wait()
+    finally:
+        await runner.cleanup()
+
+try:
+    asyncio.run(serve())
+except (GracefulExit, KeyboardInterrupt):
+    pass
+print("exited", flush=True)
+"""
+
+
+def test_a_signal_after_the_drain_does_not_kill_the_exit() -> None:
+    """The drain's last step (aiohttp's cleanup) removed the signal handlers: a second SIGTERM
+    in the last moments of the exit (a supervisor's, after the process group's) killed it."""
+    root = Path(__file__).resolve().parent.parent
+    proc = subprocess.Popen([sys.executable, "-c", DRAINED], cwd=root, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().strip() == "started"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.stdout.readline().strip() == "cleaned"
+        time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=20)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, err
+    assert "exited" in out, (out, err)
+    assert "SIGTERM: draining" in err, err

@@ -98,6 +98,11 @@ class LaneRunner(web.AppRunner):
             return  # draining already (a process group's SIGTERM and the supervisor's both come)
         log.info("%s: draining (new connections refused, requests in flight get up to %g s)",
                  signal.Signals(signum).name, self._shutdown_timeout)
+        # aiohttp's cleanup ends by removing the signal handlers, which put the default action
+        # back for the rest of the exit (asyncio.run still cancels tasks and waits for threads):
+        # a second SIGTERM then (a supervisor's, after the process group's) killed the process.
+        # This handler stays, ignoring, until the loop closes.
+        self._handle_signals = False
         self._cleaning = asyncio.ensure_future(super().cleanup())
         self._cleaning.add_done_callback(_leave)
 
