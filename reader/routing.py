@@ -42,6 +42,7 @@ from shared.logs import request_id
 from shared.owner_watch import MemberOwners, OwnerWatcher
 from shared.ownership import FENCED_HEADER
 from shared.placement import GENERATION_HEADER, OWNER_ID_HEADER, Cluster, bucket_placement_key, placement_key
+from shared.tasks import spawn
 
 log = logging.getLogger("ds3.reader.routing")
 
@@ -86,7 +87,7 @@ class Router:
         self.rerouted = 0  # requests retried at another owner after a 421
         self.collapsed = 0  # answers shared on a live channel (reader.fanout), besides the clients' own
         self._reread_at = 0.0
-        self._reread: asyncio.Future[bool] | None = None
+        self._rereads: set[asyncio.Task[bool]] = set()
         self.abandoned = 0  # requests failed at once because a standby took their ingester's place
         if owner is not None:
             owner.on_change = self._owner_moved
@@ -175,7 +176,7 @@ class Router:
         now = time.monotonic()
         if now - self._reread_at >= REREAD_EVERY:
             self._reread_at = now
-            self._reread = asyncio.ensure_future(watcher.refresh())  # (kept: a task needs a reference)
+            spawn(watcher.refresh(), self._rereads, "re-reading the cluster description", logger=log)
 
     # --- a frozen or cut-off owner, and its standby --------------------------------------------
 
