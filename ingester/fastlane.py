@@ -362,8 +362,8 @@ class _LongPoll(_Read):
         tail_max_age = svc.config.tail_max_age
         if res.messages:
             self.end()
-            self.handler.answer(self.msg, 200, data_headers(res, P.response_cursor(self.cursor), tail_max_age),
-                                body_of(res), self.rid, self.started)
+            headers = data_headers(res, P.response_cursor(self.cursor), tail_max_age, live=True)
+            self.handler.answer(self.msg, 200, headers, body_of(res), self.rid, self.started)
         elif res.closed_at_end or time.monotonic() >= self.deadline or svc.draining:
             self.end()
             cursor = None if res.closed_at_end else P.response_cursor(self.cursor)

@@ -208,18 +208,29 @@ async def handle_get(request: web.Request, svc: IngesterService, path: str) -> w
         return tail_response(res)
     if live == "long-poll":
         deadline = time.monotonic() + svc.config.long_poll_timeout
-        here = offsets.parse(res.next_offset) if start == offsets.NOW else start
+        now = start == offsets.NOW
+        here = offsets.parse(res.next_offset) if now else start
         while not res.messages:
             if res.closed_at_end:
-                return no_content(res, None, svc.config.tail_max_age)
+                return _unshared(no_content(res, None, svc.config.tail_max_age), now)
             remaining = deadline - time.monotonic()
             if remaining <= 0 or svc.draining:
-                return no_content(res, P.response_cursor(cursor), svc.config.tail_max_age)
+                return _unshared(no_content(res, P.response_cursor(cursor), svc.config.tail_max_age), now)
             await svc.notifier.wait(path, seen, remaining)
             seen = svc.notifier.version(path)
             res = await svc.read(path, here)
-        return data_response(request, res, P.response_cursor(cursor), svc.config.tail_max_age)
+        return _unshared(data_response(request, res, P.response_cursor(cursor), svc.config.tail_max_age, live=True),
+                         now)
     return data_response(request, res, None, svc.config.tail_max_age)
+
+
+def _unshared(response: web.Response, now: bool) -> web.Response:
+    """A long-poll from `now` answers what came after the tail *this* request found: the same
+    URL a moment later means a later tail, so no shared cache may answer it (long-poll answers
+    are cacheable keyed by their offset, and "now" is not one)."""
+    if now:
+        response.headers["Cache-Control"] = "no-store"
+    return response
 
 
 def _read_headers(res: ReadResult) -> dict[str, str]:
@@ -260,28 +271,33 @@ def no_content_headers(res: ReadResult, cursor: str | None, tail_max_age: int) -
     return headers
 
 
-def data_response(request: web.Request, res: ReadResult, cursor: str | None, tail_max_age: int) -> web.Response:
-    headers = data_headers(res, cursor, tail_max_age)
+def data_response(request: web.Request, res: ReadResult, cursor: str | None, tail_max_age: int,
+                  *, live: bool = False) -> web.Response:
+    headers = data_headers(res, cursor, tail_max_age, live=live)
     etag = headers["ETag"]
     if P.etag_matches(request.headers.get("If-None-Match"), etag):  # (weak comparison, `*`: as the reader's)
         return web.Response(status=304, headers={"ETag": etag, "Cache-Control": headers["Cache-Control"]})
     return web.Response(status=200, body=body_of(res), headers=headers)
 
 
-def data_headers(res: ReadResult, cursor: str | None, tail_max_age: int) -> dict[str, str]:
-    """A read's 200 headers (aiohttp's path and the fast lane's)."""
+def data_headers(res: ReadResult, cursor: str | None, tail_max_age: int, *, live: bool = False) -> dict[str, str]:
+    """A read's 200 headers (aiohttp's path and the fast lane's); `live`: a long-poll's."""
     headers = _read_headers(res)
     if cursor is not None:
         headers[P.CURSOR] = cursor
     headers["ETag"] = f'"{res.meta.sid}.{res.start}.{res.end}{".c" if res.closed_at_end else ""}"'
-    headers["Cache-Control"] = _cache_control(res, tail_max_age)
+    headers["Cache-Control"] = _cache_control(res, tail_max_age, live)
     return headers
 
 
-def _cache_control(res: ReadResult, tail_max_age: int) -> str:
-    if not res.messages:
-        # An empty page at the tail changes as soon as data arrives: cacheable only briefly (a
-        # client that got it goes live at the same offset, so a cached one delays, never hides).
+def _cache_control(res: ReadResult, tail_max_age: int, live: bool) -> str:
+    if not res.messages or (not live and res.up_to_date and not res.closed_at_end):
+        # A catch-up page that ends at an open stream's tail changes as soon as data arrives
+        # (an empty one gains messages, one with messages grows): cacheable only briefly, as
+        # the reader's last sealed page is. A client that got it goes on at its next offset,
+        # so a cached one delays, never hides; but a client that reads once and stops would
+        # take it for the stream's state. A long-poll's 200 keeps the long lifetime: it is
+        # keyed by its cursor too, and its followers move on to their next offset at once.
         return P.tail_cache_control(tail_max_age)
     deadline = res.meta.deadline()
     if deadline is not None:

@@ -505,10 +505,14 @@ async def test_cache_control_no_store_on_head_and_now(client: TestClient[Any, An
                                                         (5, "public, max-age=5")])
 async def test_tail_max_age_sets_what_a_cache_may_keep_of_nothing_new(
         make_client: MakeClient, tail_max_age: int, expected: str) -> None:
-    """The empty tail page and a long-poll's 204 (nothing within the timeout) carry
-    --tail-max-age; offset=now, HEAD and pages with data keep their own."""
-    client = await make_client(tail_max_age=tail_max_age, long_poll_timeout=0.2)
-    await put(client, "t", b"abc")
+    """What changes when data arrives carries --tail-max-age: the empty tail page, a long-poll's
+    204 (nothing within the timeout), and a catch-up page with data that ends at the tail (it
+    grows: a client that reads once would take an old copy for the stream's state). A page that
+    ends before the tail and a long-poll's 200 keep the long lifetime; offset=now and HEAD are
+    never stored."""
+    client = await make_client(tail_max_age=tail_max_age, long_poll_timeout=0.2, max_read_bytes=1024)
+    await put(client, "t", b"a" * 1000)
+    await post(client, "t", b"b" * 500)
     tail = (await client.head(S + "t")).headers["Stream-Next-Offset"]
     assert (await client.get(f"{S}t?offset={tail}")).headers["Cache-Control"] == expected
     lp = await client.get(f"{S}t?offset={tail}&live=long-poll&cursor=1")
@@ -516,7 +520,34 @@ async def test_tail_max_age_sets_what_a_cache_may_keep_of_nothing_new(
     assert lp.headers["Stream-Cursor"] != "1"  # a cached 204 is one round: the next asks another key
     assert (await client.get(f"{S}t?offset=now")).headers["Cache-Control"] == "no-store"
     assert (await client.head(S + "t")).headers["Cache-Control"] == "no-store"
-    assert "max-age=60" in (await client.get(S + "t")).headers["Cache-Control"]
+
+    first = await client.get(S + "t")  # the first message alone (a page holds at most 1,024 bytes)
+    assert await first.read() == b"a" * 1000 and "Stream-Up-To-Date" not in first.headers
+    assert first.headers["Cache-Control"] == "public, max-age=60, stale-while-revalidate=300"
+    last = await client.get(f"{S}t?offset={first.headers['Stream-Next-Offset']}")
+    assert await last.read() == b"b" * 500 and last.headers["Stream-Up-To-Date"] == "true"
+    assert last.headers["Cache-Control"] == expected
+    lp200 = await client.get(f"{S}t?offset={first.headers['Stream-Next-Offset']}&live=long-poll&cursor=1")
+    assert lp200.status == 200 and lp200.headers["Cache-Control"] == "public, max-age=60, stale-while-revalidate=300"
+
+
+async def test_a_long_poll_from_now_is_never_stored(make_client: MakeClient) -> None:
+    """It answers what came after the tail this request found: the same URL later means a later
+    tail. Cached (it was, for 60 s), a CDN answered later subscribers with old messages at once."""
+    client = await make_client(long_poll_timeout=0.3)
+    await put(client, "n", b"old")
+    waiting = asyncio.ensure_future(client.get(S + "n?offset=now&live=long-poll&cursor=1"))
+    await asyncio.sleep(0.1)
+    await post(client, "n", b"new")
+    got = await waiting
+    assert got.status == 200 and await got.read() == b"new"
+    assert got.headers["Cache-Control"] == "no-store"
+    timed_out = await client.get(S + "n?offset=now&live=long-poll")
+    assert timed_out.status == 204 and timed_out.headers["Cache-Control"] == "no-store"
+    await client.post(S + "n", headers={"Stream-Closed": "true"})
+    closed = await client.get(S + "n?offset=now&live=long-poll")
+    assert closed.status == 204 and closed.headers["Stream-Closed"] == "true"
+    assert closed.headers["Cache-Control"] == "no-store"
 
 
 # --- JSON mode round trip --------------------------------------------------------------------------------

@@ -497,6 +497,34 @@ async def test_long_poll_crowd_collapses_at_the_edge(stack: Stack) -> None:
     assert reader_polls <= 3 * LIVE_MESSAGES, reader_polls
 
 
+async def test_a_long_poll_from_now_is_not_served_from_the_cache(stack: Stack) -> None:
+    """offset=now means the tail when the request comes: nginx kept the first subscriber's
+    answer (the ingester sent it with max-age=60) and gave it at once to later subscribers
+    of the same URL, old messages as if new (found by QA)."""
+    url = stack.nginx.url + "/v1/stream/nowpoll"
+    text = {"Content-Type": "text/plain"}
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
+        async with session.put(url, headers=text) as r:
+            assert r.status == 201
+
+        async def subscribe_then_append(message: str) -> bytes:
+            async def append_later() -> None:
+                await asyncio.sleep(0.5)
+                async with session.post(url, data=message, headers=text) as r:
+                    assert r.status == 204
+
+            writer = asyncio.create_task(append_later())
+            async with session.get(url, params={"offset": "now", "live": "long-poll"}) as r:
+                assert r.status == 200
+                assert r.headers.get("X-Cache-Status") != "HIT" and r.headers["Cache-Control"] == "no-store"
+                body = await r.read()
+            await writer
+            return body
+
+        assert await subscribe_then_append("first") == b"first"
+        assert await subscribe_then_append("second") == b"second"
+
+
 async def metric_or_zero(session: aiohttp.ClientSession, base: str, name: str) -> int:
     async with session.get(f"{base}/metrics") as r:
         text = await r.text()
