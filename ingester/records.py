@@ -14,6 +14,7 @@ Named databases in one environment (`<data-dir>/wal`):
                key: b"del:" object key                  value: b"" (an unreachable object to delete, retention.py)
                key: b"cursor_secret"                    value: 32 random bytes (sealed listing cursors, listing.py)
                key: b"commit_seq"                       value: u64 BE, the last logged commit's seq (wal.py)
+               key: b"store"                            value: the store this WAL logs to (wal_binding.py)
     buckets    key: bucket id (ASCII)                   value: BucketMeta as JSON (ingester/buckets.py)
 
 One record is one message: one append of a byte stream, or one element of a JSON append.

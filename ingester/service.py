@@ -21,7 +21,7 @@ import aiohttp
 import lmdb
 from aiohttp import web
 
-from ingester import retention, standby
+from ingester import retention, standby, wal_binding
 from ingester.cluster_member import OwnedCheck, join_cluster
 from ingester.forks_across import CrossForks
 from ingester.housekeeping import housekeeping
@@ -178,16 +178,20 @@ class IngesterService:
         return [s for s in (self.objects, self._blobs) if s is not None]
 
     async def start(self) -> None:
-        if self.config.standby:
+        if self.config.store is None:
+            wal_binding.check(self.wal, self.config.wal_dir, None)
+        else:
             self._open_ownership()
+            assert self.own_objects is not None
+            wal_binding.check_dir(self.config.wal_dir, self.config.wal_map_size, self.own_objects.url)
+        if self.config.standby:
             self.standby_status = "standby (owner: not read yet)"
             self._standby_task = asyncio.create_task(standby.stand_by(self), name="ds3-standby")
             self._standby_task.add_done_callback(standby.stopped)
             return
-        if self.config.store is not None:
-            ownership = self._open_ownership()
+        if self.ownership is not None:
             assert self.own_objects is not None
-            await own_and_restore(self.config, ownership, self.own_objects)
+            await own_and_restore(self.config, self.ownership, self.own_objects)
         await self.start_owned()
 
     async def start_owned(self) -> None:
@@ -196,6 +200,7 @@ class IngesterService:
         if self.config.store is not None:
             self._open_wal()
             assert self.own_objects is not None
+            wal_binding.bind(self.wal, self.config.wal_dir, self.own_objects.url)
             self.shipper = Shipper(self.wal, self.own_objects, loop, durability=cast(Durability, self.config.durability),
                                    interval=self.config.ship_interval, max_lag=self.config.ship_lag_bound,
                                    checkpoint_interval=self.config.checkpoint_interval, ownership=self.ownership,
