@@ -33,13 +33,14 @@ def _cluster_run(store_url: str, s3_endpoint: str | None, action: Callable[[Any]
     """`action(store)` on the store at `store_url`. A local store that does not exist is refused
     (a typo would read as "no description"), or, for a command that writes (`creates`), made
     with a warning (a new deployment writes its description before any ingester runs)."""
-    from shared.config import _check_store_url
+    from shared.config import _check_store_url, check_s3_endpoint
     from shared.errors import DS3Error
     from shared.objectstore import open_store
     from shared.objectstore.url import FileStoreURL, parse_store_url
 
     try:
         _check_store_url(store_url)
+        check_s3_endpoint(s3_endpoint)
     except ConfigError as e:
         raise click.UsageError(str(e)) from e
     parsed = parse_store_url(store_url)

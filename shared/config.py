@@ -32,6 +32,22 @@ def _check_store_url(url: str) -> None:
         raise ConfigError(f"store (DS3_STORE): {e}") from None
 
 
+def check_s3_endpoint(url: str | None) -> None:
+    """An S3 endpoint is an http(s):// URL with a host (botocore took "127.0.0.1:9000" for
+    one and failed at the first request with a traceback: found by QA)."""
+    if url is None:
+        return
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(url)
+        ok = parts.scheme in ("http", "https") and bool(parts.hostname) and (parts.port is None or parts.port > 0)
+    except ValueError:  # a port that is not a number, or out of range
+        ok = False
+    _need(ok, "s3-endpoint (DS3_S3_ENDPOINT)",
+          f"must be an http:// or https:// URL with a host, such as http://127.0.0.1:9000 (got {url!r})")
+
+
 def check_shared(*, port: int, long_poll_timeout: float, seal_bytes: int, seal_age: float) -> None:
     """The settings `ds3 dev` takes and hands to its ingester, checked before it starts anything
     (the ingester's config checks them the same way)."""
@@ -259,6 +275,7 @@ class IngesterConfig:
         _need(1 <= self.read_threads <= 64, "read-threads (DS3_READ_THREADS)", "must be between 1 and 64")
         if self.store is not None:
             _check_store_url(self.store)
+        check_s3_endpoint(self.s3_endpoint)
         _need(self.wal_max_bytes >= 2 * self.seal_bytes, "wal-max-bytes (DS3_WAL_MAX_BYTES)",
              "must be at least twice seal-bytes")
         _need(1 <= self.uploads <= 64, "uploads (DS3_UPLOADS)", "must be between 1 and 64")
@@ -350,6 +367,7 @@ class ReaderConfig:
             except PlacementError as e:
                 raise ConfigError(f"cluster (DS3_CLUSTER): {e}") from None
         _check_store_url(self.store)
+        check_s3_endpoint(self.s3_endpoint)
         _need(0 <= self.port <= 65535, "port (DS3_PORT)", f"{self.port} is not a TCP port")
         _need(0 <= self.tail_max_age <= 60, "tail-max-age (DS3_TAIL_MAX_AGE)", "must be between 0 and 60 seconds")
         _need(0.1 <= self.long_poll_timeout <= 3600, "long-poll-timeout (DS3_LONG_POLL_TIMEOUT)",

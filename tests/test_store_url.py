@@ -149,3 +149,22 @@ def test_the_configs_refuse_bad_urls_at_start_naming_the_setting(url: str, probl
             make()
         assert str(e.value).startswith("store (DS3_STORE): ")
         assert problem in str(e.value)
+
+
+@pytest.mark.parametrize("endpoint", ["127.0.0.1:9000", "localhost:9000", "http://", "https:///x", "ftp://minio:9000",
+                                      "http://minio:99999", "http://minio:port"])
+def test_the_configs_refuse_a_bad_s3_endpoint_naming_the_setting(endpoint: str, tmp_path: Path) -> None:
+    """botocore took "127.0.0.1:9000" for an endpoint and failed at the first request with a
+    traceback (found by QA)."""
+    for make in (lambda: IngesterConfig(data_dir=tmp_path, store="s3://bkt/x", s3_endpoint=endpoint),
+                 lambda: ReaderConfig(ingester="http://127.0.0.1:1", store="s3://bkt/x", s3_endpoint=endpoint)):
+        with pytest.raises(ConfigError) as e:
+            make()
+        assert str(e.value) == (f"s3-endpoint (DS3_S3_ENDPOINT): must be an http:// or https:// URL with a host, "
+                                f"such as http://127.0.0.1:9000 (got {endpoint!r})")
+
+
+@pytest.mark.parametrize("endpoint", ["http://127.0.0.1:9000", "https://s3.eu-west-1.amazonaws.com", "http://minio:9000/"])
+def test_good_s3_endpoints_are_taken(endpoint: str, tmp_path: Path) -> None:
+    assert IngesterConfig(data_dir=tmp_path, store="s3://bkt/x", s3_endpoint=endpoint).s3_endpoint == endpoint
+    assert ReaderConfig(ingester="http://127.0.0.1:1", store="s3://bkt/x", s3_endpoint=endpoint).s3_endpoint == endpoint
