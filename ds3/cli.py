@@ -9,7 +9,7 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import click
 
@@ -437,15 +437,18 @@ def dev(**kw: Any) -> None:
     from ds3.supervise import DevSettingError, child_environment, run_dev
     from shared.config import check_shared, make_data_dir
 
+    def refuse(message: str) -> NoReturn:
+        raise click.UsageError(_naming_the_variable(message, dict(os.environ)))
+
     try:
         check_shared(port=kw["port"], long_poll_timeout=kw["long_poll_timeout"], seal_bytes=kw["seal_bytes"],
                      seal_age=kw["seal_age"])
     except ConfigError as e:
-        raise click.UsageError(str(e)) from e
+        refuse(str(e))
     if not 1 <= kw["ingesters"] <= 64:
-        raise click.UsageError(f"ingesters (DS3_INGESTERS): {kw['ingesters']} is not between 1 and 64")
+        refuse(f"ingesters (DS3_INGESTERS): {kw['ingesters']} is not between 1 and 64")
     if kw["workers"] is not None and not 1 <= kw["workers"] <= 256:
-        raise click.UsageError(f"workers (DS3_WORKERS): {kw['workers']} is not between 1 and 256")
+        refuse(f"workers (DS3_WORKERS): {kw['workers']} is not between 1 and 256")
     try:
         env = child_environment(dict(os.environ))
     except DevSettingError as e:
@@ -469,13 +472,18 @@ def _check_dev_children(env: dict[str, str], kw: dict[str, Any]) -> None:
                       str(kw["seal_bytes"]), "--seal-age", str(kw["seal_age"])], _ingester_config),
         ("reader", [*own, "--store", objects, "--workers", "1"], _reader_config),
     ]
+    from shared.auth.authenticate import Authenticator
+
     saved = dict(os.environ)
     os.environ.clear()
     os.environ.update(env)  # click reads the options' variables from os.environ
     try:
         for name, argv, config in children:
             command = main.commands[name]
-            config(command.make_context(f"ds3 {name}", argv).params)
+            made = config(command.make_context(f"ds3 {name}", argv).params)
+            Authenticator(made.auth)  # the credentials (DS3_TOKENS' JSON, key files), loaded as its app will
+    except ConfigError as e:
+        raise click.UsageError(_naming_the_variable(str(e), env)) from None
     except click.UsageError as e:
         raise click.UsageError(_naming_the_variable(e.format_message(), env)) from None
     finally:
@@ -490,7 +498,9 @@ def _naming_the_variable(message: str, env: dict[str, str]) -> str:
     named = re.search(r"DS3_[A-Z0-9_]+", message)
     if named is None or named.group() not in env:
         return message
-    return f"{named.group()}={env[named.group()]}: {message}"
+    name = named.group()
+    secret = re.search(r"TOKEN|SECRET|PASSWORD", name) and not name.endswith(("_FILE", "_URL"))
+    return f"{name}={'(secret: not shown)' if secret else env[name]}: {message}"
 
 
 from ds3.cluster_cli import cluster  # noqa: E402 - `ds3 cluster ...`

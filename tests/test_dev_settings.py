@@ -97,6 +97,21 @@ def test_a_bad_setting_for_the_children_is_refused_once_before_anything_starts(t
     assert not (tmp_path / "d" / "cluster.json").exists()
 
 
+@pytest.mark.parametrize("name, value", [("DS3_TOKENS", "notjson"), ("DS3_TOKENS", '[{"token": "short-secret"}]'),
+                                         ("DS3_JWT_SECRET", "short-secret"), ("DS3_INTERNAL_TOKEN", "short-secret")])
+def test_bad_credentials_are_refused_before_anything_starts_and_not_echoed(tmp_path: Path, name: str,
+                                                                           value: str) -> None:
+    """DS3_TOKENS was parsed only by the ingester as it built its app: dev started, then said
+    the ingester "did not start" below the child's usage text (found by QA). And a refusal names
+    the variable with its value, which for a secret must not reach the terminal or a log."""
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("DS3_")}, name: value}
+    r = subprocess.run([DS3, "dev", "--port", str(free_port()), "--data-dir", str(tmp_path / "d")],
+                       env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.count(f"{name}=(secret: not shown): ") == 1 and "ds3.cli" not in r.stderr, r.stderr
+    assert value not in r.stderr and "secret" in r.stderr and not (tmp_path / "d").exists()
+
+
 def _dev_run(tmp_path: Path, *args: str, port: int | None = None) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("DS3_")}
     return subprocess.run([DS3, "dev", "--port", str(port or free_port()), "--data-dir", str(tmp_path / "d"), *args],
