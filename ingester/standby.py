@@ -54,13 +54,27 @@ async def stand_by(svc: IngesterService) -> None:
     follower = svc.follower = LogFollower(svc.own_objects, svc.config.wal_dir, svc.config.wal_map_size)
     following = _Following(follower, min(interval, FOLLOW_INTERVAL_MAX))
     following.start()
+    ownerless_said = False
     try:
         while True:
             wait = interval
             try:
                 rec = await own.current()
                 now = time.time()
-                if rec is None or rec.owner_id == own.owner_id or rec.lapsed(now, own.max_skew):
+                if rec is None:
+                    # Nobody has ever owned the prefix. A standby exists to follow an owner: taking
+                    # an empty prefix over made one pointed at a mistyped prefix a working owner of
+                    # an empty store, and one that started first took the prefix from the owner
+                    # meant to have it, which was then refused (found by QA).
+                    if not ownerless_said:
+                        log.warning("standby: nobody owns %s (no ownership record there): waiting for an owner "
+                                    "(`ds3 ingester` without --standby) to start; check --store%s if one runs",
+                                    own.store.url, " and --ingester-id" if svc.config.ingester_id else "")
+                        ownerless_said = True
+                    svc.standby_status = "standby (no owner yet: nobody has owned the store prefix)"
+                    await asyncio.sleep(wait)
+                    continue
+                if rec.owner_id == own.owner_id or rec.lapsed(now, own.max_skew):
                     lapsed_at = time.monotonic()
                     # The step in flight finishes first (its WAL is where the takeover starts);
                     # the lease is taken after it, so that it is renewed from then on.
@@ -140,13 +154,13 @@ async def follow(follower: LogFollower, interval: float, stop: asyncio.Event) ->
                 await stop.wait()
 
 
-async def _take_over(svc: IngesterService, previous: OwnerRecord | None, lapsed_at: float) -> bool:
+async def _take_over(svc: IngesterService, previous: OwnerRecord, lapsed_at: float) -> bool:
     """We own the prefix now: restore and serve. False (ownership released again) if the
     store's log cannot be restored now; the standby then carries on watching."""
     own = svc.ownership
     assert own is not None and svc.own_objects is not None
-    log.warning("standby: taking over %s (epoch %d) from %s", own.store.url, own.epoch,
-                f"{previous.owner_id}, epoch {previous.epoch}" if previous is not None else "nobody")
+    log.warning("standby: taking over %s (epoch %d) from %s, epoch %d", own.store.url, own.epoch,
+                previous.owner_id, previous.epoch)
     assert svc.follower is not None
     try:
         # The WAL dir holds the followed log (the follower started it afresh: the store's log

@@ -359,6 +359,32 @@ def test_standby_needs_a_store(tmp_path: Path) -> None:
         IngesterConfig(data_dir=tmp_path, standby=True)
 
 
+def test_a_standby_waits_for_an_owner_on_a_prefix_nobody_owned(tmp_path: Path) -> None:
+    """A standby pointed at a prefix no ingester ever owned (a typo, or started before the
+    owner) took it over at once and served an empty store; the owner started next was then
+    refused (found by QA). It waits, says why, and follows the owner once one starts."""
+    store = StoreView.local(tmp_path / "objects")
+    b = _node(tmp_path / "b", store, "--durability", "store", "--standby").start()
+    a = None
+    try:
+        time.sleep(LEASE + 1.5)  # (it took over after one look at the record before)
+        status, _, body = _req("PUT", f"{b.url}/v1/stream/x", headers=TEXT)
+        assert status == 503, (status, body)
+        assert "nobody owns" in b.log_path.read_text()
+        a = _node(tmp_path / "a", store, "--durability", "store").start()
+        assert _req("PUT", f"{a.url}/v1/stream/x", b"a0\n", TEXT)[0] == 201
+        a.kill()
+        deadline = time.monotonic() + LEASE + 15
+        while _req("POST", f"{b.url}/v1/stream/x", b"b0\n", TEXT)[0] != 204:
+            assert time.monotonic() < deadline, "the standby never took over from the owner"
+            time.sleep(0.1)
+        assert _req("GET", f"{b.url}/v1/stream/x?offset=-1")[2] == b"a0\nb0\n"
+    finally:
+        b.stop()
+        if a is not None:
+            a.stop()
+
+
 def test_a_standby_with_a_stale_wal_restores_from_the_store(tmp_path: Path) -> None:
     """A takes writes, dies; B takes over and takes more; A comes back as a standby on its old
     (now stale) data dir; B dies; A takes over again: its old WAL is replaced by the store's
