@@ -33,28 +33,32 @@ async def keep_lease(svc: IngesterService) -> None:
         except Exception as e:  # the keeper broke: the lease runs out; stop acknowledging now
             log.exception("renewing the ownership lease failed")
             svc.fence(f"renewing the lease failed: {e!r}", for_good=False)
-        if not await regain(svc, epoch):
-            svc.fence("another ingester owns the store prefix now", for_good=True)
+        lost = await regain(svc, epoch)
+        if lost is not None:
+            svc.fence(lost, for_good=True)
             return
 
 
-async def regain(svc: IngesterService, epoch: int) -> bool:
+async def regain(svc: IngesterService, epoch: int) -> str | None:
     """Take the prefix back after our lease lapsed, if the record is still ours at `epoch`
-    (so no one else owned it meanwhile, and no one else wrote its log). False if it was
-    taken over, or the store's log is ahead of our WAL."""
+    (so no one else owned it meanwhile, and no one else wrote its log). Else why not: it was
+    taken over (by whom), or the store's log is ahead of our WAL."""
     own, shipper = svc.ownership, svc.shipper
     assert own is not None and shipper is not None
     delay = 0.2
     while True:
         try:
             rec = await own.current()
-            if rec is None or rec.owner_id != own.owner_id or (rec.epoch != epoch and not own.sent(rec)):
-                return False  # (a later epoch of ours that we sent: a retake whose answer was lost)
+            if rec is None:
+                return "its ownership record is gone"
+            if rec.owner_id != own.owner_id or (rec.epoch != epoch and not own.sent(rec)):
+                # (a later epoch of ours that we sent: a retake whose answer was lost)
+                return f"{rec.owner_id} at {rec.advertise_url or '(no URL)'} took it over (epoch {rec.epoch})"
             await own.acquire()  # our own record: taken back with epoch + 1 (If-Match)
             await shipper.resume(svc.committer.seq)  # checkpoints what the log missed meanwhile
         except (OwnedElsewhere, StoreAhead) as e:
             log.error("cannot take the store prefix back: %s", e)
-            return False
+            return f"it cannot be taken back ({e})"
         except (ObjectStoreError, TimeoutError) as e:
             log.warning("taking the store prefix back failed (%s); again in %.1f s", e, delay)
             await asyncio.sleep(delay)
@@ -63,5 +67,5 @@ async def regain(svc: IngesterService, epoch: int) -> bool:
         svc.committer.refusal = None
         log.warning("ownership of %s taken back (epoch %d): acknowledging writes again", svc.config.store,
                     own.epoch)
-        return True
+        return None
 

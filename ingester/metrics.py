@@ -173,7 +173,7 @@ def install(app: web.Application, metrics: AppMetrics, config: IngesterConfig) -
         if svc is None:
             return "starting"
         if svc.standing_by:
-            return "not open yet (a standby opens it when it takes over)"
+            return "a standby's copy of the store's log (opened for writing when it takes over)"
         try:
             svc.wal.env.info()
         except lmdb.Error as e:

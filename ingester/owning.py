@@ -95,7 +95,7 @@ async def restore_wal(config: IngesterConfig, own_objects: ObjectStore) -> None:
     """Rebuild the (empty) WAL dir from the store's log, if it holds one."""
     listing = await list_log(own_objects)
     if not listing.empty:
-        log.info("empty data dir: restoring the WAL from %s (%d checkpoints, %d segments)",
+        log.info("no WAL in the data dir: restoring it from %s (%d checkpoints, %d segments)",
                  own_objects.url, len(listing.checkpoints), len(listing.segments))
         await restore(own_objects, config.wal_dir, config.wal_map_size, listing)
 

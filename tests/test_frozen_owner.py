@@ -123,6 +123,12 @@ def test_requests_waiting_at_a_frozen_owner_fail_fast_once_a_standby_takes_over(
         # the old owner resumed acknowledges nothing, and the stream is the standby's
         os.kill(a.popen.pid, signal.SIGCONT)
         assert request(a, "POST", path, b"late\n", TEXT)[0] == 503
+        # once it has read the record, its refusal names who took over (it said "another ingester")
+        deadline = time.monotonic() + 10
+        while b"took it over" not in (said := request(a, "POST", path, b"late\n", TEXT))[2]:
+            assert said[0] == 503 and time.monotonic() < deadline, said
+            time.sleep(0.1)
+        assert setup.standby.url.encode() in said[2], said
         assert _read(reader, path) == b"".join(b"%d\n" % i for i in range(10)) + b"after\n"
     finally:
         setup.stop()

@@ -43,7 +43,7 @@ def live_slot(lane: Lane, handler: LaneHandler, msg: Message) -> Callable[[], No
     client = None if msg.internal else handler.client(msg)
     if client is not None and not lim.live.acquire(client):
         raise TooManyRequests(
-            f"too many live connections: at most {lim.live.cap} long-polls and SSE streams at once per client",
+            f"too many live connections: at most {lim.live.cap} long-poll or SSE {'stream' if lim.live.cap == 1 else 'streams'} at once per client",
             LIVE_RETRY_AFTER,
         )
     http.live["long-poll"] += 1

@@ -131,7 +131,7 @@ async def limits_middleware(request: web.Request, handler: Handler) -> web.Strea
         return await handler(request)
     if not lim.live.acquire(client):
         raise TooManyRequests(
-            f"too many live connections: at most {lim.live.cap} long-polls and SSE streams at once per client",
+            f"too many live connections: at most {lim.live.cap} long-poll or SSE {'stream' if lim.live.cap == 1 else 'streams'} at once per client",
             LIVE_RETRY_AFTER,
         )
     try:
