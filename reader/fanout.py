@@ -44,7 +44,7 @@ from reader.proxy import Upstream, to_response
 from shared import offsets, sse
 from shared import protocol as P
 from shared.buckets import url_path
-from shared.errors import DS3Error, Unavailable
+from shared.errors import DS3Error, IngesterUnreachable, Unavailable
 from shared.placement import placement_key
 
 if TYPE_CHECKING:
@@ -208,6 +208,8 @@ class Listener(Protocol):
         """An answer, a tick, or None when the channel ends; called on the channel's loop."""
 
 
+RIDE_OUT_SECONDS = 10.0  # how long a channel's waiters wait out an unreachable ingester (Channel._poll)
+RIDE_OUT_DELAY_MAX = 0.5  # between its tries
 HISTORY_ANSWERS = 64  # answers a channel keeps for long-polls that come back late ...
 HISTORY_BYTES = 4 * 1024 * 1024  # ... within this many body bytes (the newest is always kept)
 
@@ -232,6 +234,9 @@ class Channel:
         self.wanted = True  # someone waited on the channel during the current poll
         self.content_type: str | None = None  # the stream's, once a read or an answer said it
         self.task: asyncio.Task[None] | None = None
+        # while the ingester cannot be reached (_poll rides it out): what a waiter whose time is
+        # up gets instead of "nothing new", which the reader cannot vouch for then
+        self.unreachable: IngesterUnreachable | None = None
 
     def park(self, timeout: float) -> asyncio.Future[Answer | Upstream | None]:
         """A future for the next answer; None when `timeout` passes first."""
@@ -253,7 +258,10 @@ class Channel:
                 return
             del self.waiters[fut]
             if not fut.done():
-                fut.set_result(None)
+                if self.unreachable is not None:
+                    fut.set_exception(self.unreachable)
+                else:
+                    fut.set_result(None)
 
     def _answer_waiters(self, result: Answer | Upstream | Exception) -> None:
         waiters, self.waiters = self.waiters, {}
@@ -339,9 +347,31 @@ class Channel:
         return done
 
     async def _poll(self) -> Upstream:
+        """The next upstream long-poll. While the ingester cannot be reached (a restart: a
+        draining ingester answers the channel's poll, then closes), the waiters stay parked and
+        the poll is tried again, for up to RIDE_OUT_SECONDS: they get what comes after the
+        restart, or, if their own timeout comes first, the 503 (the reader cannot say "nothing
+        new" then). Failing them at once gave every follower of the stream a 503 at each planned
+        restart (found by QA); an ingester still unreachable after that is one a client should
+        hear about."""
         qs = f"{url_path(self.path)}?offset={self.offset}&live=long-poll"
-        # the stream's owner now (reader.routing): a changed description moves the next poll
-        return await self.hub.router.poll(self.key, qs)
+        loop = asyncio.get_running_loop()
+        give_up: float | None = None
+        delay = 0.05
+        while True:
+            try:
+                # the stream's owner now (reader.routing): a changed description moves the next poll
+                up = await self.hub.router.poll(self.key, qs)
+                self.unreachable = None
+                return up
+            except IngesterUnreachable as e:
+                self.unreachable = e
+                now = loop.time()
+                give_up = give_up if give_up is not None else now + RIDE_OUT_SECONDS
+                if now >= give_up or self.hub.stopped or not (self.waiters or self.subscribers):
+                    raise
+                await asyncio.sleep(delay)
+                delay = min(RIDE_OUT_DELAY_MAX, delay * 2)
 
 
 class LiveHub:

@@ -35,7 +35,7 @@ from collections.abc import Callable
 from typing import Final, cast
 from urllib.parse import urlsplit
 
-from shared.errors import Unavailable
+from shared.errors import IngesterUnreachable, Unavailable
 from shared.tasks import spawn
 
 INGESTER_RETRY_AFTER: Final = 2
@@ -59,8 +59,8 @@ Deliver = Callable[[Answer | Unavailable], None]
 _Request = tuple[bytes, bool, Deliver]  # the request's bytes, whether its answer has no body, who gets it
 
 
-def unreachable(why: str, base_url: str) -> Unavailable:
-    return Unavailable(f"the ingester at {base_url} is unreachable ({why})", INGESTER_RETRY_AFTER)
+def unreachable(why: str, base_url: str) -> IngesterUnreachable:
+    return IngesterUnreachable(f"the ingester at {base_url} is unreachable ({why})", INGESTER_RETRY_AFTER)
 
 
 class _Connection(asyncio.Protocol):

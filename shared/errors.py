@@ -94,6 +94,10 @@ class Unavailable(DS3Error):
         self.retry_after = retry_after
 
 
+class IngesterUnreachable(Unavailable):
+    """A reader could not reach (or lost the connection to) the ingester it forwarded to."""
+
+
 # ---------------------------------------------------------------- object store
 # Each ObjectStore implementation converts its own client errors into these (shared.objectstore),
 # so callers never see botocore or OSError details.

@@ -373,11 +373,13 @@ async def test_a_long_poll_answers_behind_gets_them_all_as_the_ingester_reads_th
             before = reader_metrics(c.reader.url)[UPSTREAM]
             late = await get_page(s, url, first, params={"live": "long-poll", "cursor": "7"})
             assert reader_metrics(c.reader.url)[UPSTREAM] == before, "the late long-poll went upstream"
-            read = await get_page(s, ing, first)
+            # (a long-poll at the ingester: its 200 is cached as a long-poll's, a catch-up page
+            # at the tail only for --tail-max-age)
+            read = await get_page(s, ing, first, params={"live": "long-poll", "cursor": "7"})
             assert (late.status, late.next_offset, late.body) == (200, tail, read.body)
             assert late.headers.get("Stream-Up-To-Date") == "true"
-            got = {k: v for k, v in answer(late)[1].items() if k != "stream-cursor"}
-            assert got == answer(read)[1], "the joined answer's headers differ from the ingester's read"
+            got, want = ({k: v for k, v in answer(r)[1].items() if k != "stream-cursor"} for r in (late, read))
+            assert got == want, "the joined answer's headers differ from the ingester's"
 
             # more than --max-read-bytes behind: whole answers within it, then the rest
             big = [bytes([65 + n]) * 400 if content_type != JSON else b'"' + bytes([65 + n]) * 400 + b'"'
@@ -392,3 +394,30 @@ async def test_a_long_poll_answers_behind_gets_them_all_as_the_ingester_reads_th
             else:
                 assert part.body + rest.body == b"".join(big)
             assert rest.next_offset == end and rest.headers.get("Stream-Up-To-Date") == "true"
+
+
+async def test_long_polls_wait_out_an_ingester_restart(tmp_path: Path, local_store: StoreView) -> None:
+    """A planned restart of the ingester (SIGTERM, then the same process again): its drain
+    answers the reader's upstream long-poll, and the reader's next one finds it gone. The
+    long-polls parked at the reader used to get 503 then, every follower at once (found by QA);
+    they wait it out and get what is appended after it."""
+    slow = ["--long-poll-timeout", "20"]
+    with Cluster(tmp_path, local_store, ingester_args=slow, reader_args=slow) as c:
+        async with aiohttp.ClientSession(timeout=TIMEOUT) as s:
+            ing = f"{c.ingester.url}/v1/stream/restart"
+            await create(s, ing, TEXT)
+            tail = await append(s, ing, b"before", TEXT)
+            target = f"/v1/stream/restart?offset={tail}&live=long-poll"
+            polls = [asyncio.create_task(raw_get(c.reader.port, target)) for _ in range(3)]
+            sse = await s.get(f"{c.reader.url}/v1/stream/restart", params={"offset": tail, "live": "sse"})
+            try:
+                reading = asyncio.create_task(read_sse_until(sse, "after", 20))
+                await asyncio.sleep(0.5)  # parked at the reader, its upstream long-poll waiting
+                c.ingester.stop()
+                c.ingester.start()
+                async with aiohttp.ClientSession(timeout=TIMEOUT) as fresh:  # (s keeps a connection to the old one)
+                    await append(fresh, ing, b"after", TEXT)
+                assert await asyncio.wait_for(asyncio.gather(*polls), 20) == [(200, b"after")] * 3
+                assert (await reading)[-1] == ("data", "after")  # the SSE client stayed connected
+            finally:
+                sse.close()
