@@ -21,7 +21,7 @@ from shared.errors import ObjectStoreError, OwnedElsewhere, Superseded
 from shared.localfile import write_durably
 from shared.objectstore import ObjectStore
 from shared.objectstore.scoped import ScopedStore, ingester_scope
-from shared.ownership import LeaseKeeper, Ownership
+from shared.ownership import LeaseKeeper, OwnerRecord, Ownership
 
 log = logging.getLogger("ds3.ingester")
 
@@ -68,12 +68,25 @@ async def own_and_restore(config: IngesterConfig, ownership: Ownership, own_obje
                            "--standby to take over when the lease lapses)") from None
     except ObjectStoreError as e:
         raise StartRefused(f"not starting: cannot take ownership of {config.store}: {e}") from None
+    say_if_weaker(ownership.previous_record, config)
     if ownership.previous_owner not in (None, ownership.owner_id) and not wal_is_empty(config.wal_dir):
         _set_wal_aside(config, ownership.previous_owner)
     if config.durability == "store":  # (see drop_wal_behind_log)
         await drop_wal_behind_log(own_objects, config.wal_dir, config.wal_map_size)
     if wal_is_empty(config.wal_dir):
         await restore_wal(config, own_objects)
+
+
+def say_if_weaker(previous: OwnerRecord | None, config: IngesterConfig) -> None:
+    """Warn when we acknowledge less than the owner before us did: a standby (or a restart)
+    left at the default --durability local after an owner in store mode lowered the guarantee
+    without a word (found by QA)."""
+    if previous is not None and previous.durability == "store" and config.durability == "local":
+        log.warning("the previous owner of %s (%s, epoch %d) ran with --durability store (an append acknowledged "
+                    "once the store's log held it); this ingester runs with --durability local: from now on appends "
+                    "are acknowledged before the store has them (up to --ship-interval behind). Start it with "
+                    "--durability store (DS3_DURABILITY) to keep that guarantee", config.store, previous.owner_id,
+                    previous.epoch)
 
 
 def _set_wal_aside(config: IngesterConfig, since: str | None) -> None:

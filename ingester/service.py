@@ -129,7 +129,7 @@ class IngesterService:
         self.objects = open_store(config.store, s3_endpoint=config.s3_endpoint)
         self.own_objects = own_store(self.objects, config)
         self.ownership = Ownership(self.own_objects, owner_id(config), config.advertised,
-                                   lease_seconds=config.lease_seconds)
+                                   lease_seconds=config.lease_seconds, durability=config.durability)
         return self.ownership
 
     # --- standby (--standby, ingester/standby.py) ------------------------------------------

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Final
 
 from ingester.log_follow import LogFollower
 from ingester.logstore import StartRefused
-from ingester.owning import restore_keeping_the_lease
+from ingester.owning import restore_keeping_the_lease, say_if_weaker
 from shared.errors import ObjectStoreError, OwnedElsewhere, Superseded, Unavailable
 from shared.ownership import OwnerRecord
 
@@ -161,6 +161,7 @@ async def _take_over(svc: IngesterService, previous: OwnerRecord, lapsed_at: flo
     assert own is not None and svc.own_objects is not None
     log.warning("standby: taking over %s (epoch %d) from %s, epoch %d", own.store.url, own.epoch,
                 previous.owner_id, previous.epoch)
+    say_if_weaker(previous, svc.config)
     assert svc.follower is not None
     try:
         # The WAL dir holds the followed log (the follower started it afresh: the store's log

@@ -116,6 +116,10 @@ class OwnerRecord:
     lease_expires_at: float  # wall clock, seconds
     renewed_at: float  # wall clock, seconds: when the owner sent this version
     version: int = RECORD_VERSION
+    # what the owner acknowledges after ("store": the store's log holds it; "local": its disk);
+    # optional (records written before it have none), so a taker can say when it acknowledges
+    # less than its predecessor did
+    durability: str | None = None
 
     @property
     def released(self) -> bool:
@@ -131,6 +135,7 @@ class OwnerRecord:
             "version": self.version, "epoch": self.epoch, "owner_id": self.owner_id,
             "advertise_url": self.advertise_url, "renewed_at": self.renewed_at,
             "lease_expires_at": self.lease_expires_at,
+            **({"durability": self.durability} if self.durability is not None else {}),
         })
 
     @classmethod
@@ -147,7 +152,8 @@ class OwnerRecord:
             rec = cls(epoch=_field(d, "epoch", int), owner_id=_field(d, "owner_id", str),
                       advertise_url=_field(d, "advertise_url", str),
                       lease_expires_at=float(_field(d, "lease_expires_at", (int, float))),
-                      renewed_at=float(_field(d, "renewed_at", (int, float))), version=version)
+                      renewed_at=float(_field(d, "renewed_at", (int, float))), version=version,
+                      durability=d["durability"] if isinstance(d.get("durability"), str) else None)
             if rec.epoch < 1 or not rec.owner_id or not all(map(math.isfinite, (rec.lease_expires_at,
                                                                                  rec.renewed_at))):
                 raise ValueError("epoch < 1, empty owner_id or a time that is not finite")
@@ -187,6 +193,7 @@ class Ownership:
         max_skew: float = DEFAULT_MAX_SKEW,
         clock: Clock = SYSTEM_CLOCK,
         key: str = keys.OWNER_KEY,
+        durability: str | None = None,
     ) -> None:
         if not owner_id:
             raise ValueError("owner_id must not be empty")
@@ -201,11 +208,13 @@ class Ownership:
         self.max_skew = max_skew
         self.clock = clock
         self.key = key
+        self.durability = durability  # written in our record (OwnerRecord.durability)
         self._lock = asyncio.Lock()  # one write of the record at a time
         self._record: OwnerRecord | None = None  # the version we wrote last
         # Whose the record was when acquire() took it (None: there was none): another owner's
         # means the store's log went on without this process since it last owned the prefix.
         self.previous_owner: str | None = None
+        self.previous_record: OwnerRecord | None = None  # (the record itself, as acquire() found it)
         self._etag = ""
         # Versions sent since the last one confirmed, whose answers did not come (oldest first):
         # any may be in the store now.
@@ -300,7 +309,7 @@ class Ownership:
                 if found is None:
                     rec = self._new_record(1, wall)
                     cond: dict[str, Any] = {"if_absent": True}
-                    previous, previous_owner = "a new record", None
+                    previous, previous_owner, old = "a new record", None, None
                 else:
                     old = OwnerRecord.decode(found[0], self.key)
                     if old.owner_id != self.owner_id and not old.lapsed(wall, self.max_skew):
@@ -319,7 +328,7 @@ class Ownership:
                         continue  # another writer won this round: look again
                     etag = landed
                 self._record, self._etag, self._fenced = rec, etag, None
-                self.previous_owner = previous_owner
+                self.previous_owner, self.previous_record = previous_owner, old
                 self._unconfirmed.clear()
                 self._valid_until = mono + self.lease_seconds
                 log.info("own %s: epoch %d (%s), lease %.1f s", self.store.url, rec.epoch, previous,
@@ -330,7 +339,7 @@ class Ownership:
 
     def _new_record(self, epoch: int, wall: float) -> OwnerRecord:
         return OwnerRecord(epoch=epoch, owner_id=self.owner_id, advertise_url=self.advertise_url,
-                           lease_expires_at=wall + self.lease_seconds, renewed_at=wall)
+                           lease_expires_at=wall + self.lease_seconds, renewed_at=wall, durability=self.durability)
 
     async def renew(self) -> OwnerRecord:
         """Extend our lease. Superseded (and fenced) if another owner took over or our lease

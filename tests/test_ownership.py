@@ -344,3 +344,35 @@ async def test_keeper_run_in_real_time(tmp_path: Path) -> None:
             await task
         assert await a.release()
         assert (await b.acquire()).epoch == 2
+
+
+async def test_the_record_says_what_its_owner_acknowledges_after(store: ObjectStore, t: FakeTime,
+                                                                 caplog: pytest.LogCaptureFixture) -> None:
+    """A taker learns the durability its predecessor ran with (a record without it, from before,
+    reads as unknown), and an ingester that acknowledges less says so (found by QA: a standby
+    left at --durability local silently lowered a store-mode owner's guarantee)."""
+    from ingester.owning import say_if_weaker
+    from shared.config import IngesterConfig
+
+    a = node(store, t, "a", durability="store")
+    await a.acquire()
+    await a.renew()
+    found = await read_owner(store)
+    assert found is not None and found.durability == "store"
+    await a.release()
+    b = node(store, t, "b", durability="local")
+    await b.acquire()
+    assert b.previous_record is not None and b.previous_record.durability == "store"
+    local = IngesterConfig(data_dir=Path("/nonexistent"), store=store.url)
+    with caplog.at_level("WARNING", logger="ds3.ingester"):
+        say_if_weaker(b.previous_record, local)
+        say_if_weaker(b.previous_record, IngesterConfig(data_dir=Path("/nonexistent"), store=store.url,
+                                                        durability="store"))
+        say_if_weaker(None, local)
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and said[0].startswith(
+        f"the previous owner of {store.url} (a, epoch 1) ran with --durability store (an append acknowledged once "
+        "the store's log held it); this ingester runs with --durability local: "), said
+    old = orjson.loads(found.encode())
+    del old["durability"]
+    assert OwnerRecord.decode(orjson.dumps(old)).durability is None
