@@ -254,7 +254,7 @@ def _run(app: web.Application, host: str, port: int, banner: str, config: Ingest
                               handler_cancellation=True, keepalive_timeout=config.limits.keepalive_timeout)
         await runner.setup()
         try:
-            from reader.workers import LISTEN_BACKLOG, inherited_sockets
+            from reader.workers import LISTEN_BACKLOG, WORKER_ENV, inherited_sockets
 
             # (aiohttp's sites listen again with a backlog of 128 unless told: a burst of
             # connections beyond it waits for SYN retries, a second or more)
@@ -273,7 +273,9 @@ def _run(app: web.Application, host: str, port: int, banner: str, config: Ingest
             if unix_path is not None:
                 await web.UnixSite(runner, unix_path).start()
             log.info("%s listening on http://%s", banner, _host_port(host, port))
-            log.info("%s", describe(config.auth))
+            # (the auth line once per reader: its first worker's; the others' say the same)
+            first = shared is None or os.environ.get(WORKER_ENV, "0") == "0"
+            log.log(logging.INFO if first else logging.DEBUG, "%s", describe(config.auth))
             log.debug("gc settled: %d objects frozen", process.settle_gc())
             await _wait_while_parent_lives()
         finally:
