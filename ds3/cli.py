@@ -353,16 +353,15 @@ def ingester(**kw: Any) -> None:
         # owner id) would take the ownership over from the running one and open its WAL too.
         hold_lock(config.data_dir / "lock")
     except Locked as e:
-        message = (f"not starting: another ds3 ingester (process {e.holder}) is running with --data-dir "
-                   f"{config.data_dir.resolve()}; each ingester needs a data dir of its own")
-        log.error("%s", message)
-        raise click.ClickException(message) from None
+        log.error("not starting: another ds3 ingester (process %s) is running with --data-dir %s; each ingester "
+                  "needs a data dir of its own", e.holder, config.data_dir.resolve())
+        sys.exit(1)  # (said once, by the log line: click's "Error:" repeated it below)
     try:
         _run(_build(create_app, config), config.host, config.port,
              f"ds3 ingester (data in {config.data_dir.resolve()})", config, FastLaneRunner)
     except StartRefused as e:
         log.error("%s", e)
-        raise click.ClickException(str(e)) from None
+        sys.exit(1)
 
 
 @main.command()

@@ -21,6 +21,7 @@ def _start_refused(data_dir: Path, *extra: str) -> str:
     p = procs.ingester(data_dir, *extra)
     done = subprocess.run([procs.DS3, *p.args], capture_output=True, text=True, timeout=60)
     assert done.returncode == 1, (done.stdout, done.stderr)
+    assert done.stderr.count("not starting:") == 1, done.stderr  # (click's "Error:" said it again)
     return done.stderr
 
 
