@@ -115,7 +115,8 @@ def _ingester_options(f: FC) -> FC:
                     "store: only once its log segment is in the object store (nothing acknowledged is "
                     "lost with the machine)."),
         option("--ship-interval", env="DS3_SHIP_INTERVAL", type=float, default=1.0,
-               help="local durability: the log in the store follows the WAL within about this many seconds."),
+               help="local durability: the log in the store follows the WAL within about this many seconds "
+                    "(0.01-3600; --durability store ships each commit at once)."),
         option("--max-ship-lag", env="DS3_MAX_SHIP_LAG", type=float, default=None,
                help="local durability: once the log in the store is this many seconds behind (the store "
                     "failing), appends answer 503 until it catches up, so a lost disk loses at most this "
@@ -124,15 +125,15 @@ def _ingester_options(f: FC) -> FC:
                help="store durability: log segment uploads in flight at once (1-4); appends are still "
                     "acknowledged in commit order."),
         option("--checkpoint-interval", env="DS3_CHECKPOINT_INTERVAL", type=float, default=300.0,
-               help="Seconds between checkpoints of the WAL into the store (they bound recovery)."),
+               help="Seconds between checkpoints of the WAL into the store (they bound recovery; 1 s to a week)."),
         option("--advertise-url", env="DS3_ADVERTISE_URL", default=None,
                help="URL of this ingester named in the store's ownership record. Default: http://HOST:PORT."),
         option("--owner-id", env="DS3_OWNER_ID", default=None,
                help="This ingester's name in the ownership record. Default: a random id kept in the data dir "
                     "(a restart on the same disk takes its prefix back at once)."),
         option("--lease-seconds", env="DS3_LEASE_SECONDS", type=float, default=10.0,
-               help="Lease on the store prefix; renewed every third of it. Another ingester may take the "
-                    "prefix over once it lapses."),
+               help="Lease on the store prefix in seconds (1-3600); renewed every third of it. Another ingester "
+                    "may take the prefix over once it lapses."),
         option("--standby", env="DS3_STANDBY", is_flag=True, default=False,
                help="Start as a standby for the ingester owning --store's prefix: acknowledge no writes (stream "
                     "requests answer 503 naming the owner's URL), watch its lease, and when it lapses take the "
