@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 # hop-by-hop ones, Date, Server, the request id and the common headers.
 DROP_ANSWER_HEADERS: Final = frozenset(n.encode("ascii") for n in DROP_RESPONSE) | {
     REQUEST_ID_HEADER.lower().encode(), b"x-content-type-options", b"cross-origin-resource-policy",
-    b"access-control-allow-origin", b"access-control-expose-headers",
+    b"access-control-allow-origin", b"access-control-expose-headers", b"content-security-policy",
 }
 
 

@@ -45,6 +45,9 @@ CORS_ALLOW_HEADERS: Final = ", ".join(
         FORKED_FROM, FORK_OFFSET, FORK_SUB_OFFSET,
     ]
 )
+# Every answer but the console's pages: a stream's bytes are untrusted content (spec 10.3), and
+# a browser opening one as a page runs it sandboxed, without script, in an origin of its own.
+UNTRUSTED_CONTENT_CSP: Final = "default-src 'none'; sandbox"
 CORS_EXPOSE_HEADERS: Final = ", ".join(
     [
         NEXT_OFFSET, CURSOR, UP_TO_DATE, CLOSED, TTL, EXPIRES_AT, SSE_ENCODING, SNAPSHOT_OFFSET,

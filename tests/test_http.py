@@ -413,6 +413,7 @@ async def test_security_headers_on_every_response(make_client: MakeClient) -> No
         where = f"{method} {target} -> {resp.status}"
         assert resp.status == status, where
         assert resp.headers.get("X-Content-Type-Options") == "nosniff", where
+        assert resp.headers.getall("Content-Security-Policy", []) == ["default-src 'none'; sandbox"], where
         assert resp.headers.get("Cross-Origin-Resource-Policy"), where
         assert resp.headers.get("Access-Control-Allow-Origin") == "*", where
 

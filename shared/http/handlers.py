@@ -183,6 +183,12 @@ async def errors_middleware(
 async def common_headers(request: web.Request, response: web.StreamResponse) -> None:
     h = response.headers
     h["X-Content-Type-Options"] = "nosniff"
+    # A stream's bytes (or a snapshot's) are whatever a writer sent, with the Content-Type it
+    # chose: opened in a browser tab, text/html ran as a page of this origin, the console's
+    # (whose token sits in sessionStorage; found by QA). Sandboxed, such a page runs no script
+    # and has an origin of its own; fetch, XHR and EventSource clients are not affected. (The
+    # console's pages send their own policy.)
+    h.setdefault("Content-Security-Policy", P.UNTRUSTED_CONTENT_CSP)
     h["Cross-Origin-Resource-Policy"] = "cross-origin"
     h["Access-Control-Allow-Origin"] = "*"
     h["Access-Control-Expose-Headers"] = P.CORS_EXPOSE_HEADERS

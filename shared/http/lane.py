@@ -57,6 +57,7 @@ if TYPE_CHECKING:
 
 COMMON_HEADERS: Final = (
     "X-Content-Type-Options: nosniff\r\n"
+    f"Content-Security-Policy: {P.UNTRUSTED_CONTENT_CSP}\r\n"  # (shared.http.handlers.common_headers)
     "Cross-Origin-Resource-Policy: cross-origin\r\n"
     "Access-Control-Allow-Origin: *\r\n"
     f"Access-Control-Expose-Headers: {P.CORS_EXPOSE_HEADERS}\r\n"
