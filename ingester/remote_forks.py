@@ -265,6 +265,8 @@ def release(store: Store, txn: lmdb.Transaction, fork_uid: str) -> bool:
         store._save(meta)
         if meta.refcount == 0 and meta.soft_deleted:
             store._remove(txn, meta)
+        elif meta.refcount == 0:
+            store.release_retained(txn, meta)  # history a snapshot gave up while forks read it
     return True
 
 

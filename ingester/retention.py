@@ -7,7 +7,9 @@ answer 410, and what it makes unreachable is queued for deletion in the same tra
 (`del:<key>` entries in the sys database), so a crash cannot leak it:
 
 - the superseded snapshot's blob;
-- sealed chunks that end at or before the new earliest position.
+- sealed chunks that end at or before the new earliest position (Store.release_retained; a
+  chunk still in the WAL then is released when it is sealed, and all of them when the
+  stream's last fork goes).
 
 Nothing is queued while forks read the stream (its refcount is positive): a fork may still
 need both. The stream's objects all go when the stream itself is removed (sealing GC).
@@ -19,12 +21,11 @@ from dataclasses import dataclass
 
 import lmdb
 
-from ingester.records import SEALED, SID, ChunkInfo, StreamMeta, chunk_key
+from ingester.records import StreamMeta
 from ingester.store import Store
+from ingester.store_sealing import DELETE_PREFIX
 from shared import keys
 from shared.errors import Conflict, Gone, NotFound, Retained
-
-DELETE_PREFIX = b"del:"
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,36 +53,16 @@ def publish(store: Store, txn: lmdb.Transaction, req: SnapshotRequest) -> list[s
     meta.snapshot_offset, meta.snapshot_type, meta.snapshot_size = req.offset, req.content_type, req.size
     meta.snapshot_key = req.key
     garbage: list[str] = []
-    if meta.refcount == 0:  # forks may still read what this makes unreachable
-        if old_key is not None and old_key != req.key and old_key.startswith(keys.snapshot_prefix(meta.uid)):
-            garbage.append(old_key)
-        garbage += _release_chunks(store, txn, meta)
+    # (forks may still read what this makes unreachable)
+    if meta.refcount == 0 and old_key is not None and old_key != req.key \
+            and old_key.startswith(keys.snapshot_prefix(meta.uid)):
+        garbage.append(old_key)
     store._save(meta)
     store._publish(txn, meta, meta.path)
     for key in garbage:
         txn.put(DELETE_PREFIX + key.encode(), b"", db=store.wal.sys)
+    store.release_retained(txn, meta)  # (the chunks it gave up: the commit's news hands them to the reaper)
     return garbage
-
-
-def _release_chunks(store: Store, txn: lmdb.Transaction, meta: StreamMeta) -> list[str]:
-    """Keys of sealed chunks wholly before the earliest retained position, not yet released.
-    Their manifest entries stay: they still name the chunk of positions at their edges."""
-    earliest = meta.earliest
-    out: list[str] = []
-    prefix = SID.pack(meta.sid)
-    cur = txn.cursor(store.wal.chunks)
-    if not cur.set_range(chunk_key(meta.sid, 0)):
-        return out
-    for key, raw in cur:
-        if key[:8] != prefix:
-            break
-        info = ChunkInfo.decode(raw)
-        if info.end > earliest or info.state != SEALED:
-            break  # chunks rise with positions; an unsealed one waits for the next publish
-        if info.start >= meta.released:
-            out.append(keys.chunk_key(meta.uid, SID.unpack(key[8:16])[0]))
-        meta.released = info.end
-    return out
 
 
 def check_delete(meta: StreamMeta, offset: str) -> None:

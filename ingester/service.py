@@ -326,6 +326,8 @@ class IngesterService:
 
     def _on_durable(self, news: Committed) -> None:
         self.notifier.bump(news.changed)
+        if news.released and self._reaper is not None:
+            self._reaper.enqueue(news.released)
         if self.sealer is not None:
             self.sealer.enqueue_chunks(news.rolled)
             self.sealer.enqueue_removed(news.removed)

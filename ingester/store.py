@@ -208,6 +208,8 @@ class Store(SealingBook, ExpiryBook):
                 self._save(source)
                 if source.refcount == 0 and source.soft_deleted:
                     self._remove(txn, source)
+                elif source.refcount == 0:
+                    self.release_retained(txn, source)  # history a snapshot gave up while forks read it
 
     @staticmethod
     def _drop_prefix(txn: lmdb.Transaction, db: lmdb._Database, prefix: bytes) -> None:

@@ -25,6 +25,7 @@ from ingester.records import (
     record_key,
 )
 from ingester.store_core import StoreCore
+from shared import keys
 from shared.descriptor import Descriptor
 
 # Records of sealed chunks one step of drop_sealed_records deletes (a commit has one step at
@@ -47,7 +48,38 @@ def descriptor_of(meta: StreamMeta) -> Descriptor:
     )
 
 
+DELETE_PREFIX: Final = b"del:"  # in `sys`: an unreachable object to delete (ingester/reaper.py)
+
+
 class SealingBook:
+    def release_retained(self: StoreCore, txn: lmdb.Transaction, meta: StreamMeta) -> list[str]:
+        """Queue for deletion the sealed chunks wholly before the stream's earliest retained
+        position (its snapshot's), once no fork reads the stream; their keys, also in this
+        commit's news (the reaper's). Called when a snapshot is published, when a chunk is
+        sealed, and when the stream's last fork goes: a chunk still in the WAL when its history
+        was given up used to wait for the next publish, however long (found by QA)."""
+        if meta.refcount > 0 or meta.earliest <= meta.released:
+            return []
+        earliest, out = meta.earliest, []
+        prefix = SID.pack(meta.sid)
+        cur = txn.cursor(self.wal.chunks)
+        if cur.set_range(chunk_key(meta.sid, 0)):
+            for key, raw in cur:
+                if key[:8] != prefix:
+                    break
+                info = ChunkInfo.decode(raw)
+                if info.end > earliest or info.state != SEALED:
+                    break  # chunks rise with positions; an unsealed one is released once sealed
+                if info.start >= meta.released:
+                    out.append(keys.chunk_key(meta.uid, SID.unpack(key[8:16])[0]))
+                meta.released = info.end
+        # (the manifest entries stay: they still name the chunk of positions at their edges)
+        self._save(meta)
+        for k in out:
+            txn.put(DELETE_PREFIX + k.encode(), b"", db=self.wal.sys)
+        self._news.released += out
+        return out
+
     def _maybe_roll(self: StoreCore, txn: lmdb.Transaction, meta: StreamMeta, now: float) -> None:
         if self.seal is not None and meta.tail - meta.chunk_start >= self.seal.seal_bytes:
             self._roll(txn, meta, now)
@@ -100,6 +132,9 @@ class SealingBook:
         # The chunk's newest records may be journaled: in `records` they can be dropped in order.
         self.journal.fold_stream(txn, ref.sid)
         self._news.changed.add(ref.path)
+        meta = self._load(txn, ref.path)
+        if meta is not None and meta.sid == ref.sid and info.end <= meta.earliest:
+            self.release_retained(txn, meta)  # history a snapshot gave up while it was in the WAL
         return True
 
     def drop_sealed_records(self: StoreCore, txn: lmdb.Transaction, sid: int, limit: int = DROP_RECORDS) -> bool:

@@ -115,6 +115,8 @@ class Committed:
     # to publish: each path's descriptor as the commit left it (None: no stream), taken on the
     # writer thread (the metadata objects go on changing there)
     descriptors: dict[str, Descriptor | None] = field(default_factory=dict)
+    # object keys this commit made unreachable (queued in `sys` as del:<key>): the reaper's
+    released: list[str] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.changed or self.rolled or self.removed or self.descriptors)
+        return bool(self.changed or self.rolled or self.removed or self.descriptors or self.released)

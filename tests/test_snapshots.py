@@ -19,7 +19,7 @@ import pytest
 from multidict import CIMultiDict
 
 from shared.extensions import MAX_SNAPSHOT_CONTENT_TYPE
-from tests.cluster import Cluster, StoreView, append, create, read_pages, wait_for
+from tests.cluster import Cluster, StoreView, append, create, read_pages, scrape, wait_for
 from tests.s3server import CLEARED_ENV, TEST_ENV, MotoS3
 from tests.tcpgate import TcpGate
 
@@ -271,6 +271,39 @@ async def test_retention_deletes_chunks_before_the_snapshot_and_the_superseded_b
     pages = await read_pages(session, url, offs[39])
     got = [m["i"] for p in pages for m in json.loads(p.body)]
     assert got == list(range(40, 60))
+
+
+async def test_history_sealed_after_its_snapshot_or_read_by_a_fork_is_deleted_in_time(tmp_path: Path) -> None:
+    """Retention deleted only chunks sealed when the snapshot was published: history still in
+    the WAL then was sealed later and kept until another snapshot came, however long (found by
+    QA); and history a fork read at the publish was kept after the fork went."""
+    retention = 'ds3_objects_deleted_total{reason="retention"}'
+    with Cluster(tmp_path, StoreView.local(tmp_path / "objects"), seal_bytes=SEAL, seal_age=1.5) as c:
+        async with aiohttp.ClientSession(timeout=TIMEOUT) as s:
+            url = f"{c.reader.url}/v1/stream/late-seal"
+            await create(s, url, "text/plain")
+            tail = await append(s, url, b"old history", "text/plain")
+            assert (await call(s, "PUT", f"{url}/snapshot/{tail}", b"state")).status == 204
+            uid = c.store.descriptor("late-seal")["uid"]  # type: ignore[index]
+            assert c.store.chunk_keys(uid) == []  # the snapshot came before the seal (by age, 1.5 s)
+            await asyncio.to_thread(wait_for, lambda: scrape(c.ingester.url)[retention] == 1, 15,
+                                    "the chunk sealed after the publish deleted")
+            assert c.store.chunk_keys(uid) == []
+
+            # A fork reads the source when its snapshot is published: kept until the fork goes.
+            src = f"{c.reader.url}/v1/stream/forked-src"
+            await create(s, src, "text/plain")
+            at = await append(s, src, b"before", "text/plain")
+            suid = c.store.descriptor("forked-src")["uid"]  # type: ignore[index]
+            await asyncio.to_thread(wait_for, lambda: len(c.store.chunk_keys(suid)) == 1, 15, "the source sealed")
+            fork = f"{c.reader.url}/v1/stream/forked-copy"
+            await create(s, fork, "text/plain", **{"Stream-Forked-From": "/v1/stream/forked-src"})
+            assert (await call(s, "PUT", f"{src}/snapshot/{at}", b"state")).status == 204
+            await asyncio.sleep(1.0)
+            assert len(c.store.chunk_keys(suid)) == 1 and scrape(c.ingester.url)[retention] == 1  # the fork reads it
+            assert (await call(s, "DELETE", fork)).status == 204
+            await asyncio.to_thread(wait_for, lambda: not c.store.chunk_keys(suid) and scrape(c.ingester.url)[retention] == 2,
+                                    15, "the source's chunk deleted by retention")
 
 
 # ---------------------------------------------------------------- delete
