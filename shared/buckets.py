@@ -113,10 +113,15 @@ def stream_path_from_url(raw: str) -> str:
 
 
 def fork_source_path(value: str, max_path_bytes: int) -> str:
-    """The internal path a Stream-Forked-From header names: a plain stream path (taken as
-    is) or a bucketed stream's URL path (percent-decoded, like a request's)."""
+    """The internal path a Stream-Forked-From header names: a stream's URL path, plain or
+    bucketed, percent-decoded like a request's (a listing's `url` works as it is). A plain path
+    used to be taken as is, so `/v1/stream/a%20b` named no stream (found by QA)."""
     if value.startswith(P.STREAM_PREFIX):
-        return P.validate_stream_path(value[len(P.STREAM_PREFIX) :], max_path_bytes)
+        try:
+            path = unquote(value.split("?", 1)[0][len(P.STREAM_PREFIX) :], errors="strict")
+        except UnicodeDecodeError:
+            raise BadRequest("Stream-Forked-From: the stream path is not valid UTF-8") from None
+        return P.validate_stream_path(path, max_path_bytes)
     if value.startswith(BUCKETS_PREFIX):
         return stream_path_from_url(value.split("?", 1)[0])
     raise BadRequest(

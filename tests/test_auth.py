@@ -698,7 +698,10 @@ def test_targets_decode_like_the_handlers() -> None:
     assert target_of("/v1/stream/chat/room/bootstrap") == Target(None, "chat/room")
     assert target_of("/v1/stream/chat/snapshotx") == Target(None, "chat/snapshotx")
     assert target_of("/healthz") is None
-    assert fork_source_target("/v1/stream/a%20b") == Target(None, "a%20b")  # plain sources: as is
+    # decoded like a request's URL path, plain or bucketed (plain ones were taken as is)
+    assert fork_source_target("/v1/stream/a%20b") == Target(None, "a b")
+    assert fork_source_target("/v1/stream/pct%2541") == Target(None, "pct%41")
+    assert fork_source_target("/v1/stream/bad%FF") is None  # (refused with a 400 by the ingester)
     assert fork_source_target("/v1/buckets/pubb/a%20b?x") == Target("pubb", "a b")
     assert fork_source_target("elsewhere") is None
 

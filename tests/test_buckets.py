@@ -163,7 +163,10 @@ def test_identifier_rules_pure() -> None:
     assert SB.parse_url("/v1/buckets/abcd/caf%C3%A9") == ("abcd", "café")
     assert SB.fork_source_path("/v1/buckets/abcd/a%20b", 480) == SB.internal_path("abcd", "a b")
     assert SB.fork_source_path("/v1/stream/a/b", 480) == "a/b"
-    for bad_source in ("/v1/buckets/abcd/streams", "/v1/buckets/ABCD/x", "/v1/other/x", "/v1/buckets/abcd"):
+    assert SB.fork_source_path("/v1/stream/pc/sp%20ace", 480) == "pc/sp ace"  # as a listing's `url` spells it
+    assert SB.fork_source_path("/v1/stream/caf%C3%A9", 480) == "café"
+    for bad_source in ("/v1/buckets/abcd/streams", "/v1/buckets/ABCD/x", "/v1/other/x", "/v1/buckets/abcd",
+                       "/v1/stream/bad%FF", "/v1/stream/a/../b"):
         with pytest.raises(BadRequest):
             SB.fork_source_path(bad_source, 480)
 

@@ -334,6 +334,7 @@ async def test_bad_append_headers(client: TestClient[Any, Any], headers: dict[st
         ({"Stream-Fork-Offset": "0000000000000000_0000000000000000"}, "Stream-Forked-From"),
         ({"Stream-Forked-From": "src"}, "Stream-Forked-From"),
         ({"Stream-Forked-From": "/v1/stream/a/../src"}, "'..'"),
+        ({"Stream-Forked-From": "/v1/stream/sr%FF"}, "not valid UTF-8"),
         ({"Stream-Forked-From": "/v1/stream/src", "Stream-Fork-Offset": "bogus"}, "Stream-Fork-Offset"),
         ({"Stream-Forked-From": "/v1/stream/src", "Stream-Fork-Offset": "0000000000000000_0000000000000000",
           "Stream-Fork-Sub-Offset": "-1"}, "Stream-Fork-Sub-Offset"),
@@ -347,6 +348,17 @@ async def test_bad_create_headers(client: TestClient[Any, Any], headers: dict[st
     await assert_error(await put(client, "new", b"", headers), 400, needle)
     assert (await client.head(S + "new")).status == 404
     assert await state(client, "src") == before
+
+
+async def test_a_fork_names_its_source_as_its_url_spells_it(client: TestClient[Any, Any]) -> None:
+    """Stream-Forked-From is the source's URL path, percent-decoded like a request's: the
+    `url` a listing gives works as it is (a plain path was taken literally: 404; found by QA)."""
+    assert (await client.put(S + "pc/sp%20ace", data=b"abc", headers=TEXT)).status == 201
+    made = await client.put(S + "fk", headers={**TEXT, "Stream-Forked-From": "/v1/stream/pc/sp%20ace"})
+    assert made.status == 201, await made.text()
+    assert await (await client.get(S + "fk?offset=-1")).read() == b"abc"
+    listed = await (await client.get("/ds3/streams?prefix=pc/")).json()
+    assert [s["url"] for s in listed["streams"]] == ["/v1/stream/pc/sp%20ace"]
 
 
 async def test_fork_from_a_path_that_is_not_utf8(client: TestClient[Any, Any]) -> None:

@@ -87,9 +87,12 @@ def target_of(raw_path: str) -> Target | None:
 
 def fork_source_target(value: str) -> Target | None:
     """The target a Stream-Forked-From header names, decoded as shared.buckets.fork_source_path
-    decodes it (a plain path as is, a bucket URL percent-decoded)."""
+    decodes it (percent-decoded; None where that refuses it)."""
     if value.startswith(P.STREAM_PREFIX):
-        return Target(None, value[len(P.STREAM_PREFIX) :])
+        try:
+            return Target(None, unquote(value.split("?", 1)[0][len(P.STREAM_PREFIX) :], errors="strict"))
+        except UnicodeDecodeError:
+            return None
     if value.startswith(B.BUCKETS_PREFIX):
         return target_of(value.split("?", 1)[0])
     return None
