@@ -110,8 +110,7 @@ async def visibility(request: web.Request) -> Visible:
     authn = request.app[AUTH]
     if not authn.enabled:
         return lambda _t: True
-    header = request.headers.get("Authorization")
-    caller: Principal | None = await authn.authenticate(header) if header is not None else None
+    caller: Principal | None = await authn.caller(request.headers.get("Authorization"))
     policy = authn.policy
 
     def visible(t: Target) -> bool:

@@ -60,6 +60,16 @@ class Authenticator:
         hit = self._cache.get(hashlib.sha256(token.encode("utf-8", "surrogatepass")).digest())
         return hit[0] if hit is not None and hit[1] > time.time() else None
 
+    async def caller(self, header: str | None) -> Principal | None:
+        """The caller an Authorization header names. None for no header, or another scheme than
+        Bearer (a browser's or a proxy's Basic): no credentials of ours, as if none were sent
+        (RFC 6750 3.1: the 401 of a write then carries no error code, and public reads are
+        served; it answered 401 invalid_request, public reads included: found by QA).
+        Unauthorized for a bearer token that names nobody."""
+        if header is None or header.strip().partition(" ")[0].lower() != "bearer":
+            return None
+        return await self.authenticate(header)
+
     async def authenticate(self, header: str) -> Principal:
         """The caller an `Authorization` header names; Unauthorized when it names nobody."""
         scheme, _, token = header.strip().partition(" ")

@@ -66,8 +66,7 @@ async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamR
     target = target_of(raw)
     if target is None:
         return await handler(request)
-    header = request.headers.get("Authorization")
-    caller = await authn.authenticate(header) if header is not None else None
+    caller = await authn.caller(request.headers.get("Authorization"))
     if caller is not None:
         request[CALLER] = caller
     fork = request.headers.get(P.FORKED_FROM) if request.method == "PUT" else None

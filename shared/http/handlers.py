@@ -52,8 +52,11 @@ REALM: Final = 'Bearer realm="ds3"'
 
 
 def error_response(e: DS3Error) -> web.Response:
-    """The one place a domain error becomes an HTTP status."""
-    headers: dict[str, str] = {}
+    """The one place a domain error becomes an HTTP status. Never stored by a shared cache:
+    a refusal is the state of a moment (a 404 until the stream is created, a 410 of a deleted
+    path that can be used again), and without Cache-Control a CDN may keep one heuristically
+    (found by QA)."""
+    headers: dict[str, str] = {"Cache-Control": "no-store"}
     if isinstance(e, Retained):
         body = {"error": e.message, "earliest_offset": e.earliest_offset, "snapshot_offset": e.earliest_offset}
         headers[P.SNAPSHOT_OFFSET] = e.earliest_offset
@@ -64,7 +67,6 @@ def error_response(e: DS3Error) -> web.Response:
         headers[OWNER_HEADER] = e.owner_url
         headers[OWNER_ID_HEADER] = e.owner_id
         headers[GENERATION_HEADER] = str(e.generation)
-        headers["Cache-Control"] = "no-store"
         return web.Response(status=421, text=e.message + "\n", headers=headers, content_type="text/plain")
     if isinstance(e, BadRequest):
         status = 400
