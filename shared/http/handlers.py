@@ -191,6 +191,8 @@ async def common_headers(request: web.Request, response: web.StreamResponse) -> 
     # and has an origin of its own; fetch, XHR and EventSource clients are not affected. (The
     # console's pages send their own policy.)
     h.setdefault("Content-Security-Policy", P.UNTRUSTED_CONTENT_CSP)
+    if response.status >= 400:  # (aiohttp's own 404s and 405s too: see error_response)
+        h.setdefault("Cache-Control", "no-store")
     h["Cross-Origin-Resource-Policy"] = "cross-origin"
     h["Access-Control-Allow-Origin"] = "*"
     h["Access-Control-Expose-Headers"] = P.CORS_EXPOSE_HEADERS
