@@ -18,7 +18,7 @@ from shared import extensions
 from shared import protocol as P
 from shared.errors import BadRequest, Conflict, Retained
 from shared.extensions import BOOTSTRAP, Endpoint
-from shared.http.handlers import PREPARED, read_body
+from shared.http.handlers import PREPARED, read_snapshot_body
 
 READ_METHODS = "GET, HEAD, OPTIONS"
 
@@ -44,7 +44,7 @@ async def handle(request: web.Request, svc: IngesterService, path: str, ep: Endp
         location = request.raw_path.split("?", 1)[0] + "/" + latest
         return web.Response(status=307, headers={"Location": location, "Cache-Control": "no-store"})
     if method == "PUT":
-        body = await read_body(request, svc.config.max_snapshot_bytes)
+        body = await read_snapshot_body(request, svc.config.max_snapshot_bytes)
         await svc.snapshots.publish(path, ep.offset, request.headers.get("Content-Type"), body)
         return web.Response(status=204)
     if method in ("GET", "HEAD"):

@@ -22,7 +22,7 @@ from shared.buckets import url_path
 from shared.descriptor import Descriptor
 from shared.errors import BadRequest, Gone, NotFound, ObjectNotFound, Unavailable
 from shared.extensions import BOOTSTRAP, Endpoint
-from shared.http.handlers import PREPARED, read_body
+from shared.http.handlers import PREPARED, read_snapshot_body
 from shared.placement import placement_key
 
 log = logging.getLogger("ds3.reader")
@@ -36,7 +36,7 @@ async def handle(request: web.Request, st: ReaderState, path: str, ep: Endpoint)
             raise BadRequest("bootstrap is one-shot and has no live mode: tail from its Stream-Next-Offset")
         return await bootstrap(request, st, path)
     if method in ("PUT", "DELETE") and ep.kind != BOOTSTRAP:
-        body = await read_body(request, st.config.max_snapshot_bytes) if method == "PUT" else None
+        body = await read_snapshot_body(request, st.config.max_snapshot_bytes) if method == "PUT" else None
         st.forwarded += 1
         written = await st.router.call(placement_key(path), method, request.path_qs, headers, body)
         st.descriptors.forget(path)

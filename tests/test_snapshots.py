@@ -184,7 +184,8 @@ async def test_snapshot_offset_validation(session: aiohttp.ClientSession, base: 
     missing = await call(session, "PUT", f"{stream_url(base)}/snapshot/{a}", b"s")
     assert missing.status == 404
     too_big = await call(session, "PUT", f"{url}/snapshot/{a}", b"z" * (MAX_SNAPSHOT + 1))
-    assert too_big.status == 413
+    assert too_big.status == 413 and b"a snapshot is at most 262144 bytes (--max-snapshot-bytes" in too_big.body, \
+        too_big.body
     bad_type = await call(session, "PUT", f"{url}/snapshot/{a}", b"s", {"Content-Type": "not a type"})
     assert bad_type.status == 400
     # a type longer than what the store keeps with an object (the local store answered 503

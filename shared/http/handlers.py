@@ -242,6 +242,17 @@ def stream_path_of(raw: str, max_bytes: int) -> str:
     return P.validate_stream_path(path, max_bytes)
 
 
+async def read_snapshot_body(request: web.Request, limit: int) -> bytes:
+    """A snapshot's body (read_body), whose 413 names the snapshot limit and its setting: it
+    said "request body is larger than N bytes", which a user could not tell from the append
+    limit (found by QA)."""
+    try:
+        return await read_body(request, limit)
+    except PayloadTooLarge:
+        raise PayloadTooLarge(f"a snapshot is at most {limit} bytes (--max-snapshot-bytes, "
+                              "DS3_MAX_SNAPSHOT_BYTES)") from None
+
+
 async def read_body(request: web.Request, limit: int) -> bytes:
     """The request body, decoded from its Content-Encoding (shared.http.codings: 415 for a
     coding not decoded, 400 for a stream that does not decode whole); `limit` holds for the
