@@ -102,6 +102,8 @@ class StreamMeta:
     snapshot_size: int = 0
     snapshot_key: str | None = None  # its object (a fork's may be its source's)
     released: int = 0  # sealed chunks ending at or before this position were deleted (retention)
+    # its own superseded snapshot blobs, kept while forks read the stream (deleted once none does)
+    retired_snapshots: list[str] | None = None
     # Last append with data, as of the last metadata write (plain appends do not rewrite the
     # metadata: the writer keeps newer times in memory, see Store.last_writes). None: never.
     last_write_at: float | None = None

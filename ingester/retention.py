@@ -53,10 +53,11 @@ def publish(store: Store, txn: lmdb.Transaction, req: SnapshotRequest) -> list[s
     meta.snapshot_offset, meta.snapshot_type, meta.snapshot_size = req.offset, req.content_type, req.size
     meta.snapshot_key = req.key
     garbage: list[str] = []
-    # (forks may still read what this makes unreachable)
-    if meta.refcount == 0 and old_key is not None and old_key != req.key \
-            and old_key.startswith(keys.snapshot_prefix(meta.uid)):
-        garbage.append(old_key)
+    if old_key is not None and old_key != req.key and old_key.startswith(keys.snapshot_prefix(meta.uid)):
+        if meta.refcount == 0:
+            garbage.append(old_key)
+        else:  # forks may still read it: kept until the last one goes (Store.release_retained)
+            meta.retired_snapshots = [*(meta.retired_snapshots or []), old_key]
     store._save(meta)
     store._publish(txn, meta, meta.path)
     for key in garbage:

@@ -53,17 +53,20 @@ DELETE_PREFIX: Final = b"del:"  # in `sys`: an unreachable object to delete (ing
 
 class SealingBook:
     def release_retained(self: StoreCore, txn: lmdb.Transaction, meta: StreamMeta) -> list[str]:
-        """Queue for deletion the sealed chunks wholly before the stream's earliest retained
-        position (its snapshot's), once no fork reads the stream; their keys, also in this
-        commit's news (the reaper's). Called when a snapshot is published, when a chunk is
-        sealed, and when the stream's last fork goes: a chunk still in the WAL when its history
-        was given up used to wait for the next publish, however long (found by QA)."""
-        if meta.refcount > 0 or meta.earliest <= meta.released:
+        """Queue for deletion what the stream's snapshots gave up, once no fork reads the
+        stream: the sealed chunks wholly before its earliest retained position, and its
+        superseded snapshot blobs kept for forks; their keys, also in this commit's news (the
+        reaper's). Called when a snapshot is published, when a chunk is sealed, and when the
+        stream's last fork goes: a chunk still in the WAL when its history was given up used to
+        wait for the next publish, however long, and what forks kept stayed for good (found by
+        QA)."""
+        if meta.refcount > 0 or (meta.earliest <= meta.released and not meta.retired_snapshots):
             return []
-        earliest, out = meta.earliest, []
+        earliest, out = meta.earliest, list(meta.retired_snapshots or ())
+        meta.retired_snapshots = None
         prefix = SID.pack(meta.sid)
         cur = txn.cursor(self.wal.chunks)
-        if cur.set_range(chunk_key(meta.sid, 0)):
+        if earliest > meta.released and cur.set_range(chunk_key(meta.sid, 0)):
             for key, raw in cur:
                 if key[:8] != prefix:
                     break

@@ -277,7 +277,7 @@ async def test_retention_deletes_chunks_before_the_snapshot_and_the_superseded_b
 async def test_history_sealed_after_its_snapshot_or_read_by_a_fork_is_deleted_in_time(tmp_path: Path) -> None:
     """Retention deleted only chunks sealed when the snapshot was published: history still in
     the WAL then was sealed later and kept until another snapshot came, however long (found by
-    QA); and history a fork read at the publish was kept after the fork went."""
+    QA); and history and snapshots a fork could read at the publish were kept after the fork went."""
     retention = 'ds3_objects_deleted_total{reason="retention"}'
     with Cluster(tmp_path, StoreView.local(tmp_path / "objects"), seal_bytes=SEAL, seal_age=1.5) as c:
         async with aiohttp.ClientSession(timeout=TIMEOUT) as s:
@@ -299,12 +299,17 @@ async def test_history_sealed_after_its_snapshot_or_read_by_a_fork_is_deleted_in
             await asyncio.to_thread(wait_for, lambda: len(c.store.chunk_keys(suid)) == 1, 15, "the source sealed")
             fork = f"{c.reader.url}/v1/stream/forked-copy"
             await create(s, fork, "text/plain", **{"Stream-Forked-From": "/v1/stream/forked-src"})
-            assert (await call(s, "PUT", f"{src}/snapshot/{at}", b"state")).status == 204
+            assert (await call(s, "PUT", f"{src}/snapshot/{at}", b"state 1")).status == 204
+            assert (await call(s, "PUT", f"{src}/snapshot/{at}", b"state 2")).status == 204  # supersedes the first
+            blobs = f"snapshots/{suid[:2]}/{suid}/"
             await asyncio.sleep(1.0)
-            assert len(c.store.chunk_keys(suid)) == 1 and scrape(c.ingester.url)[retention] == 1  # the fork reads it
+            assert len(c.store.chunk_keys(suid)) == 1 and len(c.store.keys(blobs)) == 2  # the fork may read them
+            assert scrape(c.ingester.url)[retention] == 1
             assert (await call(s, "DELETE", fork)).status == 204
-            await asyncio.to_thread(wait_for, lambda: not c.store.chunk_keys(suid) and scrape(c.ingester.url)[retention] == 2,
-                                    15, "the source's chunk deleted by retention")
+            await asyncio.to_thread(
+                wait_for, lambda: not c.store.chunk_keys(suid) and len(c.store.keys(blobs)) == 1
+                and scrape(c.ingester.url)[retention] == 3, 15, "the source's chunk and first snapshot deleted")
+            assert (await call(s, "GET", f"{src}/snapshot/{at}")).body == b"state 2"
 
 
 # ---------------------------------------------------------------- delete
