@@ -62,7 +62,7 @@ class SealingBook:
         QA)."""
         if meta.refcount > 0 or (meta.earliest <= meta.released and not meta.retired_snapshots):
             return []
-        earliest, out = meta.earliest, list(meta.retired_snapshots or ())
+        earliest, released, out = meta.earliest, meta.released, list(meta.retired_snapshots or ())
         meta.retired_snapshots = None
         prefix = SID.pack(meta.sid)
         cur = txn.cursor(self.wal.chunks)
@@ -77,7 +77,8 @@ class SealingBook:
                     out.append(keys.chunk_key(meta.uid, SID.unpack(key[8:16])[0]))
                 meta.released = info.end
         # (the manifest entries stay: they still name the chunk of positions at their edges)
-        self._save(meta)
+        if out or meta.released != released:
+            self._save(meta)
         for k in out:
             txn.put(DELETE_PREFIX + k.encode(), b"", db=self.wal.sys)
         self._news.released += out

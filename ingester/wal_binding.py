@@ -26,6 +26,7 @@ from urllib.parse import unquote, urlsplit
 
 from ingester.logstore import StartRefused, wal_is_empty
 from ingester.wal import WalEnv
+from shared.objectstore.scoped import INGESTERS_PREFIX
 
 BOUND_TO: Final = b"store"  # in `sys`: the URL of the store whose log holds this WAL's commits
 IN_DATA_DIR: Final = "data-dir:"  # recorded for a local store inside the data dir: its path there
@@ -40,9 +41,8 @@ def bound_store(wal: WalEnv) -> tuple[str | None, bool]:
 
 def check(wal: WalEnv, wal_dir: Path, store: str | None) -> None:
     """StartRefused unless this WAL may run with `store` (its URL; None: no store)."""
-    bound, logged = bound_store(wal)
-    if bound is not None:
-        bound = _url(bound, wal_dir.parent)
+    recorded, logged = bound_store(wal)
+    bound = None if recorded is None else _url(recorded, wal_dir.parent)
     if store is None and bound is not None:
         raise StartRefused(
             f"not starting: the write-ahead log in {wal_dir} belongs with the object store {bound}: its "
@@ -53,8 +53,7 @@ def check(wal: WalEnv, wal_dir: Path, store: str | None) -> None:
         raise StartRefused(
             f"not starting: the write-ahead log in {wal_dir} was used with an object store (its commits "
             "were logged there): start with that --store (DS3_STORE), or use another --data-dir")
-    if store is not None and bound is not None and _same(bound) != _same(_url(_recorded(store, wal_dir.parent),
-                                                                               wal_dir.parent)):
+    if store is not None and recorded is not None and _same(recorded) != _same(_recorded(store, wal_dir.parent)):
         raise StartRefused(
             f"not starting: the write-ahead log in {wal_dir} belongs with the object store {bound}, not "
             f"{store} (--store, DS3_STORE, and --ingester-id in a cluster): its commit log and sealed chunks "
@@ -101,5 +100,5 @@ def _url(recorded: str, data_dir: Path) -> str:
 
 def _setting_of(bound: str) -> str:
     """The --store value that names `bound` (a cluster member's scope is not part of it)."""
-    head, sep, _ = bound.partition("/_ds3/ingesters/")
+    head, sep, _ = bound.partition("/" + INGESTERS_PREFIX)
     return head if sep else bound

@@ -19,7 +19,8 @@ from multidict import CIMultiDict
 from yarl import URL
 
 from reader.singleflight import SingleFlight
-from shared.errors import IngesterUnreachable, Unavailable
+from reader.upstream import unreachable
+from shared.errors import Unavailable
 from shared.http.auth import INTERNAL_HEADER
 from shared.http.handlers import PREPARED
 from shared.logs import REQUEST_ID_HEADER, RepeatedWarnings, request_id
@@ -177,7 +178,7 @@ class IngesterClient:
                 out = CIMultiDict((k, v) for k, v in up.headers.items() if k.lower() not in DROP_RESPONSE)
                 return Upstream(up.status, out, data)
         except (aiohttp.ClientConnectionError, TimeoutError) as e:
-            raise IngesterUnreachable(f"the ingester at {self.base} is unreachable ({type(e).__name__})", 2) from e
+            raise unreachable(type(e).__name__, self.base) from e
 
     @contextlib.asynccontextmanager
     async def open(self, method: str, path_qs: str, headers: Headers) -> AsyncIterator[aiohttp.ClientResponse]:
@@ -189,7 +190,7 @@ class IngesterClient:
                 allow_redirects=False, timeout=self._timeout, skip_auto_headers=SKIP_AUTO,
             )
         except (aiohttp.ClientConnectionError, TimeoutError) as e:
-            raise IngesterUnreachable(f"the ingester at {self.base} is unreachable ({type(e).__name__})", 2) from e
+            raise unreachable(type(e).__name__, self.base) from e
         if (refusal := refused_internal_token(up.status, up.headers.get("WWW-Authenticate"), self.base)) is not None:
             up.release()
             raise refusal

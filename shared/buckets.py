@@ -117,10 +117,7 @@ def fork_source_path(value: str, max_path_bytes: int) -> str:
     bucketed, percent-decoded like a request's (a listing's `url` works as it is). A plain path
     used to be taken as is, so `/v1/stream/a%20b` named no stream (found by QA)."""
     if value.startswith(P.STREAM_PREFIX):
-        try:
-            path = unquote(value.split("?", 1)[0][len(P.STREAM_PREFIX) :], errors="strict")
-        except UnicodeDecodeError:
-            raise BadRequest("Stream-Forked-From: the stream path is not valid UTF-8") from None
+        path = P.decode_stream_url(value.split("?", 1)[0], "Stream-Forked-From: the stream path")
         return P.validate_stream_path(path, max_path_bytes)
     if value.startswith(BUCKETS_PREFIX):
         return stream_path_from_url(value.split("?", 1)[0])

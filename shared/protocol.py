@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Final
+from urllib.parse import unquote
 
 from shared.errors import BadRequest
 
@@ -76,6 +77,16 @@ _RFC3339_RE: Final = re.compile(
 
 
 # --- paths -------------------------------------------------------------------------------
+
+
+def decode_stream_url(raw: str, what: str = "stream path") -> str:
+    """The stream path a plain stream URL path (`/v1/stream/...`, no query) names, percent-
+    decoded (requests and Stream-Forked-From alike); BadRequest naming `what` if that is not
+    UTF-8."""
+    try:
+        return unquote(raw[len(STREAM_PREFIX) :], errors="strict")
+    except UnicodeDecodeError as e:
+        raise BadRequest(f"{what} is not valid UTF-8") from e
 
 
 def validate_stream_path(path: str, max_bytes: int) -> str:

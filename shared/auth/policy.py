@@ -90,8 +90,8 @@ def fork_source_target(value: str) -> Target | None:
     decodes it (percent-decoded; None where that refuses it)."""
     if value.startswith(P.STREAM_PREFIX):
         try:
-            return Target(None, unquote(value.split("?", 1)[0][len(P.STREAM_PREFIX) :], errors="strict"))
-        except UnicodeDecodeError:
+            return Target(None, P.decode_stream_url(value.split("?", 1)[0]))
+        except BadRequest:
             return None
     if value.startswith(B.BUCKETS_PREFIX):
         return target_of(value.split("?", 1)[0])

@@ -8,7 +8,7 @@ import logging
 import re
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Final
-from urllib.parse import parse_qsl, unquote
+from urllib.parse import parse_qsl
 
 import orjson
 from aiohttp import web
@@ -235,11 +235,7 @@ def stream_path_of(raw: str, max_bytes: int) -> str:
         return buckets.stream_path_from_url(raw)
     if not raw.startswith(P.STREAM_PREFIX):
         raise NotFound("not a stream URL")
-    try:
-        path = unquote(raw[len(P.STREAM_PREFIX) :], errors="strict")
-    except UnicodeDecodeError as e:
-        raise BadRequest("stream path is not valid UTF-8") from e
-    return P.validate_stream_path(path, max_bytes)
+    return P.validate_stream_path(P.decode_stream_url(raw), max_bytes)
 
 
 async def read_snapshot_body(request: web.Request, limit: int) -> bytes:
