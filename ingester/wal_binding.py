@@ -10,8 +10,8 @@ then 500s naming a missing journal record). Started with another store (a typo i
 it copied the WAL there as if it were that prefix's history.
 
 So the WAL records, in `sys`, the URL of the store it logs to (the prefix, and a cluster
-member's scope, included; a local store inside the data dir, as `ds3 dev`'s, by its place there,
-so that the data dir can be moved), written at each start with a store, after any restore; a start
+member's scope, included; a local store beside the data dir, as `ds3 dev`'s, also by its place
+relative to it, so that the directory holding both can be moved), written at each start with a store, after any restore; a start
 without a store, or with another one, is refused, naming the store it belongs with. A WAL from
 before the record, which only a run with a store gives a commit seq, is refused without a store
 too (its store is unknown). A WAL never used with a store may start with one: that is how a
@@ -20,6 +20,7 @@ store is added (ingester/shipper.py checkpoints it first)."""
 from __future__ import annotations
 
 import contextlib
+import os
 from pathlib import Path
 from typing import Final
 from urllib.parse import unquote, urlsplit
@@ -29,7 +30,7 @@ from ingester.wal import WalEnv
 from shared.objectstore.scoped import INGESTERS_PREFIX
 
 BOUND_TO: Final = b"store"  # in `sys`: the URL of the store whose log holds this WAL's commits
-IN_DATA_DIR: Final = "data-dir:"  # recorded for a local store inside the data dir: its path there
+IN_DATA_DIR: Final = "data-dir:"  # recorded for a local store in or beside the data dir: its path from there
 
 
 def bound_store(wal: WalEnv) -> tuple[str | None, bool]:
@@ -42,7 +43,7 @@ def bound_store(wal: WalEnv) -> tuple[str | None, bool]:
 def check(wal: WalEnv, wal_dir: Path, store: str | None) -> None:
     """StartRefused unless this WAL may run with `store` (its URL; None: no store)."""
     recorded, logged = bound_store(wal)
-    bound = None if recorded is None else _url(recorded, wal_dir.parent)
+    bound = None if recorded is None else _urls(recorded, wal_dir.parent)[0]
     if store is None and bound is not None:
         raise StartRefused(
             f"not starting: the write-ahead log in {wal_dir} belongs with the object store {bound}: its "
@@ -53,7 +54,7 @@ def check(wal: WalEnv, wal_dir: Path, store: str | None) -> None:
         raise StartRefused(
             f"not starting: the write-ahead log in {wal_dir} was used with an object store (its commits "
             "were logged there): start with that --store (DS3_STORE), or use another --data-dir")
-    if store is not None and recorded is not None and _same(recorded) != _same(_recorded(store, wal_dir.parent)):
+    if store is not None and recorded is not None and not _accepts(recorded, store, wal_dir.parent):
         raise StartRefused(
             f"not starting: the write-ahead log in {wal_dir} belongs with the object store {bound}, not "
             f"{store} (--store, DS3_STORE, and --ingester-id in a cluster): its commit log and sealed chunks "
@@ -83,19 +84,44 @@ def _same(url: str) -> str:
     return url.rstrip("/")
 
 
+def _accepts(recorded: str, store: str, data_dir: Path) -> bool:
+    """Whether `store` is the one recorded: at the recorded URL, or (a local store in or beside
+    the data dir) at the same place relative to the data dir, wherever that is now."""
+    return _same(_normal(store)) in {_same(url) for url in _urls(recorded, data_dir)}
+
+
 def _recorded(url: str, data_dir: Path) -> str:
-    """What is recorded of a store's URL: a local store inside the data dir by its place there."""
+    """What is recorded of a store's URL. A local store in the data dir or beside it (`ds3 dev
+    --ingesters N`: the store next to each member's data dir) is recorded by its place relative
+    to the data dir and by its URL (a line each): moved together, or the data dir alone, they
+    still match."""
     if url.startswith("file://"):
-        path = Path(unquote(urlsplit(url).path)).resolve()
-        with contextlib.suppress(ValueError):
-            return IN_DATA_DIR + path.relative_to(data_dir.resolve()).as_posix()
+        path = _path(url)
+        base = data_dir.resolve()
+        for root in (base, base.parent):
+            with contextlib.suppress(ValueError):
+                path.relative_to(root)
+                return f"{IN_DATA_DIR}{os.path.relpath(path, base)}\n{path.as_uri()}"
     return url
 
 
-def _url(recorded: str, data_dir: Path) -> str:
-    if recorded.startswith(IN_DATA_DIR):
-        return (data_dir.resolve() / recorded.removeprefix(IN_DATA_DIR)).as_uri()
-    return recorded
+def _urls(recorded: str, data_dir: Path) -> list[str]:
+    """The URLs a recorded value accepts, the first the one to name (a value recorded before
+    the URL line was added holds one relative path)."""
+    urls = []
+    for line in recorded.splitlines():
+        if line.startswith(IN_DATA_DIR):
+            line = (data_dir.resolve() / line.removeprefix(IN_DATA_DIR)).resolve().as_uri()
+        urls.append(line)
+    return urls
+
+
+def _normal(url: str) -> str:
+    return _path(url).as_uri() if url.startswith("file://") else url
+
+
+def _path(url: str) -> Path:
+    return Path(unquote(urlsplit(url).path)).resolve()
 
 
 def _setting_of(bound: str) -> str:

@@ -114,3 +114,34 @@ def test_a_data_dir_holding_its_store_can_be_moved(tmp_path: Path) -> None:
         moved.stop()
     said = _start_refused(new, "--store", (tmp_path / "elsewhere").as_uri())
     assert f"belongs with the object store {(new / 'objects').as_uri()}, not" in said, said
+
+
+def test_a_data_dir_beside_its_store_can_be_moved_with_it_or_alone(tmp_path: Path) -> None:
+    """`ds3 dev --ingesters N` keeps each member's data dir beside the store (`.ds3/i1`,
+    `.ds3/objects`): found by QA, the moved `.ds3` was refused as belonging with the store's old
+    path. Moved together, or the data dir alone (the store where it was), the WAL starts."""
+    old = tmp_path / "old"
+
+    def started(data: Path, store: Path) -> procs.Proc:
+        return procs.ingester(data, "--store", store.as_uri(), "--seal-age", "0.2").start()
+
+    first = started(old / "i1", old / "objects")
+    try:
+        assert procs.request(first, "PUT", "/v1/stream/s", b"sealed", headers=TEXT)[0] == 201
+    finally:
+        first.stop()
+    new = old.rename(tmp_path / "new")
+    moved = started(new / "i1", new / "objects")
+    try:
+        assert procs.request(moved, "POST", "/v1/stream/s", b"+1", headers=TEXT)[0] == 204
+    finally:
+        moved.stop()
+    alone = (new / "i1").rename(tmp_path / "i1")
+    again = started(alone, new / "objects")
+    try:
+        assert procs.request(again, "POST", "/v1/stream/s", b"+2", headers=TEXT)[0] == 204
+        assert procs.read_all(again, "/v1/stream/s") == b"sealed+1+2"
+    finally:
+        again.stop()
+    said = _start_refused(alone, "--store", (tmp_path / "old" / "objects").as_uri())
+    assert f"belongs with the object store {(new / 'objects').as_uri()}, not" in said, said
