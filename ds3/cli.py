@@ -208,9 +208,18 @@ def _access_configs(kw: dict[str, Any]) -> dict[str, Any]:
 def _ingester_config(kw: dict[str, Any]) -> IngesterConfig:
     names = set(IngesterConfig.names()) - {"auth", "limits"}
     try:
-        return IngesterConfig(**{k: v for k, v in kw.items() if k in names}, **_access_configs(kw))
+        config = IngesterConfig(**{k: v for k, v in kw.items() if k in names}, **_access_configs(kw))
     except ConfigError as e:
         raise click.UsageError(str(e)) from e
+    mode = config.durability if config.store is not None else None
+    for name, env, applies in (("ship_interval", "DS3_SHIP_INTERVAL", "local"),
+                               ("log_uploads", "DS3_LOG_UPLOADS", "store")):
+        given = click.get_current_context().get_parameter_source(name)
+        if given not in (None, click.core.ParameterSource.DEFAULT) and mode != applies:
+            # (a setting given that cannot apply is likely a misunderstanding: say so, once)
+            log.warning("--%s (%s) is ignored: it applies only to --durability %s with a --store (here: %s)",
+                        name.replace("_", "-"), env, applies, f"--durability {mode}" if mode else "no --store")
+    return config
 
 
 def _reader_config(kw: dict[str, Any]) -> ReaderConfig:

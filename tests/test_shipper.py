@@ -810,3 +810,29 @@ def test_max_ship_lag_is_refused_by_name_where_it_cannot_apply(
     assert message in str(e.value)
     assert IngesterConfig(data_dir=tmp_path, store="file:///tmp/x").ship_lag_bound == 5.0
     assert IngesterConfig(data_dir=tmp_path, store="file:///tmp/x", ship_interval=4).ship_lag_bound == 12.0
+
+
+@pytest.mark.parametrize(("args", "env", "said"), [
+    (["--ship-interval", "2"], {}, "--ship-interval (DS3_SHIP_INTERVAL) is ignored: it applies only to "
+                                   "--durability local with a --store (here: no --store)"),
+    (["--store", "STORE", "--durability", "store"], {"DS3_SHIP_INTERVAL": "2"},
+     "--ship-interval (DS3_SHIP_INTERVAL) is ignored: it applies only to --durability local with a --store "
+     "(here: --durability store)"),
+    (["--store", "STORE", "--log-uploads", "2"], {}, "--log-uploads (DS3_LOG_UPLOADS) is ignored"),
+    (["--store", "STORE", "--ship-interval", "2"], {}, None),
+])
+def test_a_log_setting_that_cannot_apply_is_named_at_start(
+        tmp_path: Path, args: list[str], env: dict[str, str], said: str | None) -> None:
+    """A --ship-interval given to an ingester in store mode (or without a store) used to be
+    taken silently: the user believed it shaped what a lost disk loses."""
+    from tests import procs
+
+    p = procs.ingester(tmp_path / "d", *[a.replace("STORE", (tmp_path / "s").as_uri()) for a in args])
+    p.env.update(env)
+    p.start()
+    p.stop()
+    log = p.log_path.read_text()
+    if said is None:
+        assert "is ignored" not in log, log
+    else:
+        assert log.count(said) == 1, log
