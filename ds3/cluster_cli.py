@@ -118,7 +118,7 @@ def cluster_set(store: str, s3_endpoint: str | None, ingesters: tuple[str, ...],
     there (docs/architecture.md "Moves")."""
     import json
 
-    from shared.cluster import set_cluster
+    from shared.cluster import read_cluster, set_cluster
     from shared.placement import Cluster, PlacementError, parse_ingester_spec
 
     try:
@@ -126,9 +126,20 @@ def cluster_set(store: str, s3_endpoint: str | None, ingesters: tuple[str, ...],
         Cluster.of(pairs)  # duplicates and the like, before the store is asked
     except PlacementError as e:
         raise click.UsageError(str(e)) from e
-    new = _cluster_run(store, s3_endpoint,
-                       lambda objects: set_cluster(objects, pairs, expected_generation=if_generation), creates=True)
+    async def write(objects: Any) -> tuple[Cluster, Any]:
+        from shared.adoption import read_adoption
+
+        first = await read_cluster(objects) is None
+        new = await set_cluster(objects, pairs, expected_generation=if_generation)
+        return new, await read_adoption(objects) if first else None
+
+    new, adoption = _cluster_run(store, s3_endpoint, write, creates=True)
     click.echo(json.dumps(new.to_json(), indent=2))
+    if adoption is not None:
+        click.echo(f"ingester {adoption.ingester} (listed first) adopts the streams of the single ingester that owned "
+                   f"this prefix ({adoption.owner_id}): start it on that ingester's data dir with --ingester-id "
+                   f"{adoption.ingester} (its disk lost: on an empty one, restored from the store's log); the streams "
+                   "placed on the others move to them", err=True)
     for line in _cluster_set_advice(new):
         click.echo(line, err=True)
 

@@ -52,9 +52,12 @@ def own_store(objects: ObjectStore, config: IngesterConfig) -> ObjectStore:
     return ScopedStore(objects, ingester_scope(config.ingester_id))
 
 
-async def own_and_restore(config: IngesterConfig, ownership: Ownership, own_objects: ObjectStore) -> None:
+async def own_and_restore(config: IngesterConfig, ownership: Ownership, own_objects: ObjectStore, *,
+                          adopted_from: ObjectStore | None = None) -> None:
     """With a store: own its prefix, and restore an empty data dir from the store's log,
-    before the WAL is opened."""
+    before the WAL is opened. `adopted_from`: the prefix's root, whose log is that of the
+    single ingester whose streams this member adopts (shared/adoption.py): restored from there
+    while this member's own log is empty (the single ingester's disk lost)."""
     try:
         await ownership.acquire()
     except OwnedElsewhere as e:
@@ -75,6 +78,8 @@ async def own_and_restore(config: IngesterConfig, ownership: Ownership, own_obje
         await drop_wal_behind_log(own_objects, config.wal_dir, config.wal_map_size)
     if wal_is_empty(config.wal_dir):
         await restore_wal(config, own_objects)
+    if wal_is_empty(config.wal_dir) and adopted_from is not None:
+        await restore_wal(config, adopted_from)
 
 
 def say_if_weaker(previous: OwnerRecord | None, config: IngesterConfig) -> None:

@@ -21,13 +21,14 @@ import aiohttp
 import lmdb
 from aiohttp import web
 
-from ingester import retention, standby, wal_binding
+from ingester import membership, retention, standby, wal_binding
 from ingester.cluster_member import OwnedCheck, join_cluster
 from ingester.forks_across import CrossForks
 from ingester.housekeeping import housekeeping
 from ingester.lease import keep_lease
 from ingester.live import Notifier
 from ingester.log_follow import LogFollower
+from ingester.logstore import StartRefused
 from ingester.moves import Mover
 from ingester.owning import own_and_restore, own_store, owner_id
 from ingester.reads import ReadResult, Reads
@@ -53,7 +54,7 @@ from shared import offsets
 from shared.chunkstore import ChunkReader
 from shared.cluster import Membership
 from shared.config import IngesterConfig
-from shared.errors import Superseded, Unavailable
+from shared.errors import ObjectStoreError, Superseded, Unavailable
 from shared.http.metrics import LoopHistogram
 from shared.objectstore import LocalStore, ObjectStore, open_store
 from shared.owner_watch import MemberOwners
@@ -182,8 +183,17 @@ class IngesterService:
             wal_binding.check(self.wal, self.config.wal_dir, None)
         else:
             self._open_ownership()
-            assert self.own_objects is not None
-            wal_binding.check_dir(self.config.wal_dir, self.config.wal_map_size, self.own_objects.url)
+            assert self.own_objects is not None and self.objects is not None
+            if self.config.ingester_id is None:
+                try:
+                    await membership.check_lone(self.objects, self.config.store)
+                except ObjectStoreError as e:
+                    if not self.config.standby:  # (a standby waits for its store; taking over checks it)
+                        raise StartRefused(f"not starting: cannot read {self.config.store}: {e}") from None
+            adopts = self.config.ingester_id is not None and await membership.adopts(self.objects,
+                                                                                     self.config.ingester_id)
+            wal_binding.check_dir(self.config.wal_dir, self.config.wal_map_size, self.own_objects.url,
+                                  may_join=adopts)
         if self.config.standby:
             self.standby_status = "standby (owner: not read yet)"
             self._standby_task = asyncio.create_task(standby.stand_by(self), name="ds3-standby")
@@ -191,7 +201,8 @@ class IngesterService:
             return
         if self.ownership is not None:
             assert self.own_objects is not None
-            await own_and_restore(self.config, self.ownership, self.own_objects)
+            await own_and_restore(self.config, self.ownership, self.own_objects,
+                                  adopted_from=self.objects if adopts else None)
         await self.start_owned()
 
     async def start_owned(self) -> None:

@@ -15,11 +15,14 @@ relative to it, so that the directory holding both can be moved), written at eac
 without a store, or with another one, is refused, naming the store it belongs with. A WAL from
 before the record, which only a run with a store gives a commit seq, is refused without a store
 too (its store is unknown). A WAL never used with a store may start with one: that is how a
-store is added (ingester/shipper.py checkpoints it first)."""
+store is added (ingester/shipper.py checkpoints it first). A WAL bound to a prefix's root may
+start as a cluster member on that prefix (its namespace below the root): that is how a single
+ingester grows into a cluster (ingester/membership.py)."""
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from pathlib import Path
 from typing import Final
@@ -28,6 +31,8 @@ from urllib.parse import unquote, urlsplit
 from ingester.logstore import StartRefused, wal_is_empty
 from ingester.wal import WalEnv
 from shared.objectstore.scoped import INGESTERS_PREFIX
+
+log = logging.getLogger("ds3.ingester")
 
 BOUND_TO: Final = b"store"  # in `sys`: the URL of the store whose log holds this WAL's commits
 IN_DATA_DIR: Final = "data-dir:"  # recorded for a local store in or beside the data dir: its path from there
@@ -40,8 +45,10 @@ def bound_store(wal: WalEnv) -> tuple[str | None, bool]:
         return (None if raw is None else bytes(raw).decode()), wal.commit_seq(txn) > 0
 
 
-def check(wal: WalEnv, wal_dir: Path, store: str | None) -> None:
-    """StartRefused unless this WAL may run with `store` (its URL; None: no store)."""
+def check(wal: WalEnv, wal_dir: Path, store: str | None, *, may_join: bool = False) -> None:
+    """StartRefused unless this WAL may run with `store` (its URL; None: no store). `may_join`:
+    this ingester adopts a single ingester's streams (shared/adoption.py): a WAL bound to the
+    prefix's root may become its."""
     recorded, logged = bound_store(wal)
     bound = None if recorded is None else _urls(recorded, wal_dir.parent)[0]
     if store is None and bound is not None:
@@ -54,6 +61,10 @@ def check(wal: WalEnv, wal_dir: Path, store: str | None) -> None:
         raise StartRefused(
             f"not starting: the write-ahead log in {wal_dir} was used with an object store (its commits "
             "were logged there): start with that --store (DS3_STORE), or use another --data-dir")
+    if store is not None and bound is not None and may_join and _joins(bound, store):
+        log.info("the write-ahead log in %s held the streams of %s alone: it joins the cluster as %s (its log "
+                 "goes on there; streams placed on other members move to them)", wal_dir, bound, store)
+        return
     if store is not None and recorded is not None and not _accepts(recorded, store, wal_dir.parent):
         raise StartRefused(
             f"not starting: the write-ahead log in {wal_dir} belongs with the object store {bound}, not "
@@ -61,13 +72,13 @@ def check(wal: WalEnv, wal_dir: Path, store: str | None) -> None:
             "are there. Start with that store; to restore from this one instead, start on an empty --data-dir")
 
 
-def check_dir(wal_dir: Path, map_size: int, store: str | None) -> None:
+def check_dir(wal_dir: Path, map_size: int, store: str | None, *, may_join: bool = False) -> None:
     """check() on a WAL nobody has open yet (before a restore may replace it), if there is one."""
     if wal_is_empty(wal_dir):
         return
     wal = WalEnv(wal_dir, map_size)
     try:
-        check(wal, wal_dir, store)
+        check(wal, wal_dir, store, may_join=may_join)
     finally:
         wal.close()
 
@@ -88,6 +99,13 @@ def _accepts(recorded: str, store: str, data_dir: Path) -> bool:
     """Whether `store` is the one recorded: at the recorded URL, or (a local store in or beside
     the data dir) at the same place relative to the data dir, wherever that is now."""
     return _same(_normal(store)) in {_same(url) for url in _urls(recorded, data_dir)}
+
+
+def _joins(bound: str, store: str) -> bool:
+    """A lone ingester's WAL (bound to the prefix's root) started as a member of a cluster on
+    that prefix: how a single ingester grows into a cluster (ingester/membership.py)."""
+    head, sep, _ = _normal(store).partition("/" + INGESTERS_PREFIX)
+    return bool(sep) and _same(head) == _same(_normal(bound))
 
 
 def _recorded(url: str, data_dir: Path) -> str:

@@ -132,7 +132,13 @@ async def set_cluster(store: ObjectStore, ingesters: Iterable[tuple[str, str]] |
         return now.cluster
     # The new description carries the one it replaces: a stream's new owner asks the previous
     # owner for it (ingester/moves.py), even if it never saw that description itself.
-    new = Cluster(gen + 1, wanted.ingesters, previous=now.cluster.alone() if now is not None else None)
+    if now is None and key == keys.CLUSTER_KEY:  # (a single ingester's prefix: shared/adoption.py)
+        from shared.adoption import first_description
+
+        new = await first_description(store, wanted, next(iter(ingesters))[0] if not isinstance(ingesters, Mapping)
+                                      else next(iter(ingesters)))
+    else:
+        new = Cluster(gen + 1, wanted.ingesters, previous=now.cluster.alone() if now is not None else None)
     await write_cluster(store, new, if_match=now.etag if now is not None else None, key=key)
     return new
 
