@@ -87,6 +87,11 @@ class Store(SealingBook, ExpiryBook):
         self._news = Committed()
         self._expiry: list[tuple[float, str]] = []  # (deadline hint, path) min-heap
         self._aging: list[tuple[float, str]] = []  # (open chunk's first record time, path)
+        # An open chunk's first record time is not in its stored metadata (plain appends do not
+        # rewrite it): kept across reset(), or each aborted batch restarted every open chunk's
+        # seal age, and a WAL full of unsealed data was never sealed while clients kept retrying
+        # (found by QA: the map full, 503s every 2 s, the backlog never drained).
+        self._opened: dict[str, tuple[int, float]] = {}  # path -> (chunk_start, first record time)
         self.releases_queued = False  # a fork of another ingester's stream was removed (remote_forks)
         # In a cluster, run by every write on the writer thread: Misdirected unless `path` is
         # ours now and not frozen for a move (ingester/moves.py, "Why nothing is lost").
@@ -114,7 +119,11 @@ class Store(SealingBook, ExpiryBook):
         return news
 
     def reset(self) -> None:
-        """A batch aborted: forget everything cached, reload from the WAL on demand."""
+        """A batch aborted: forget everything cached, reload from the WAL on demand (an open
+        chunk keeps its age: _opened)."""
+        for path, meta in self._metas.items():
+            if meta is not None and meta.chunk_opened_at is not None:
+                self._opened[path] = (meta.chunk_start, meta.chunk_opened_at)
         self._metas.clear()
         self._producers.clear()
         self._dirty.clear()
@@ -131,6 +140,9 @@ class Store(SealingBook, ExpiryBook):
             return self._metas[path]
         raw = txn.get(path.encode(), db=self.wal.streams)
         meta = refresh_tail(txn, self.wal, StreamMeta.decode(raw), self.clock()) if raw is not None else None
+        opened = self._opened.pop(path, None) if self._opened else None
+        if meta is not None and meta.chunk_opened_at is not None and opened is not None and opened[0] == meta.chunk_start:
+            meta.chunk_opened_at = min(meta.chunk_opened_at, opened[1])
         self._metas[path] = meta
         return meta
 

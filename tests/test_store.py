@@ -650,3 +650,26 @@ def test_callback_deliveries_arrive_on_the_loop_and_one_broken_callback_spares_t
     finally:
         h.close()
         loop.close()
+
+
+def test_an_aborted_batch_keeps_the_age_of_open_chunks(tmp_path: Path, clock: Clock) -> None:
+    """Found by QA: every aborted batch (a full map, a failed commit) reloaded each stream's
+    metadata and restarted its open chunk's age, so while clients retried a full WAL every few
+    seconds nothing ever aged into a seal and the backlog never drained."""
+    from ingester.writes import SealPolicy
+
+    h = Harness(tmp_path / "wal", clock, seal=SealPolicy(seal_bytes=1 << 20, seal_age=10, wal_max_bytes=1 << 30))
+    try:
+        h.create("s")
+        h.append("s", b"open chunk")
+        clock.now += 6
+
+        def fails(txn: lmdb.Transaction) -> None:
+            raise RuntimeError("the commit failed")
+
+        with pytest.raises(Unavailable, match="nothing was stored"):
+            h.run(fails)
+        clock.now += 4.5  # 10.5 s after the chunk's first record, 4.5 s after the abort
+        assert h.run(h.store.seal_aged) == 1
+    finally:
+        h.close()
