@@ -317,6 +317,7 @@ class IngesterService:
             with contextlib.suppress(Exception):
                 folds.append(self.committer.submit(self.store.fold_touches))
                 folds.append(self.committer.submit(self.store.fold_last_writes))
+                folds.append(self.committer.submit(self.store.mark_clean))  # (after the folds: commit order)
             if self.shipper is None:
                 await asyncio.gather(*folds, return_exceptions=True)
             await asyncio.get_running_loop().run_in_executor(None, self.committer.stop)

@@ -6,11 +6,15 @@ shutdown."""
 from __future__ import annotations
 
 import heapq
+from typing import Final
 
 import lmdb
 
 from ingester.records import StreamMeta
 from ingester.store_core import StoreCore
+
+# In `sys` while an ingester runs on the WAL (load_expiry_index), deleted by a clean shutdown.
+RUNNING: Final = b"running"
 
 
 class ExpiryBook:
@@ -70,14 +74,29 @@ class ExpiryBook:
         return removed
 
     def load_expiry_index(self: StoreCore, txn: lmdb.Transaction) -> int:
-        """At start: find every stream with a TTL or expiry time."""
+        """At start: find every stream with a TTL or expiry time. After a run that did not end
+        with mark_clean (a crash, a SIGKILL, a standby's takeover), the renewals reads made
+        since the last fold_touches are lost (reads renew in memory; a fold persists them
+        every few seconds): every stream with a TTL counts as renewed now, so none expires
+        before its time (found by QA: a read renewed a stream, a SIGKILL half a second later,
+        and the restarted ingester deleted it at its old deadline). Such a stream may live up
+        to one TTL longer than it would have; never shorter."""
+        unclean = txn.get(RUNNING, db=self.wal.sys) is not None
+        txn.put(RUNNING, b"1", db=self.wal.sys)
+        now = self.clock()
         n = 0
         for _key, raw in txn.cursor(db=self.wal.streams):
             meta = StreamMeta.decode(raw)
             if not meta.soft_deleted and meta.moved_to is None and meta.deadline() is not None:
+                if unclean and meta.ttl is not None:
+                    self.touches[meta.path] = now
                 self._track_expiry(meta)
                 n += 1
         return n
+
+    def mark_clean(self: StoreCore, txn: lmdb.Transaction) -> int:
+        """At shutdown, after fold_touches: every renewal is in the WAL."""
+        return int(txn.delete(RUNNING, db=self.wal.sys))
 
 
     def _track_expiry(self: StoreCore, meta: StreamMeta) -> None:
