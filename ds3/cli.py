@@ -332,6 +332,9 @@ async def _wait_while_parent_lives() -> None:
 @click.pass_context
 def main(ctx: click.Context) -> None:
     """ds3: a Durable Streams server whose history lives in S3-compatible object storage."""
+    from ds3.process import die_with_parent
+
+    die_with_parent()
     if ctx.invoked_subcommand in ("pipeline", "cluster"):  # (the servers say it in their logs)
         from ds3.settings import known_settings, unknown_settings
 

@@ -4,8 +4,11 @@ open-files limit and the garbage collector."""
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import gc
 import logging
+import os
+import signal
 
 log = logging.getLogger("ds3")
 
@@ -50,3 +53,27 @@ def settle_gc() -> int:
     gc.freeze()
     gc.set_threshold(*GC_THRESHOLDS)
     return gc.get_freeze_count()
+
+
+# Set by `ds3 dev` for its ingesters and reader: the pid of the dev process. Found by QA: a
+# SIGKILLed `ds3 dev` (which cannot pass SIGTERM on) left them serving, holding the port and the
+# data dir's lock, so the next `ds3 dev` could not start.
+DEV_PARENT_ENV = "DS3_DEV_PARENT"
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def die_with_parent() -> None:
+    """Under `ds3 dev` (DEV_PARENT_ENV): get SIGTERM (a drain) when the dev process dies, and
+    stop at once if it has already. The variable is taken out of the environment: this
+    process's own children (a reader's workers) watch this process, not dev."""
+    parent = os.environ.pop(DEV_PARENT_ENV, None)
+    if parent is None:
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux: nothing watches the parent
+        log.debug("prctl(PR_SET_PDEATHSIG) is not available")
+        return
+    if str(os.getppid()) != parent:  # (it died before the prctl)
+        os.kill(os.getpid(), signal.SIGTERM)

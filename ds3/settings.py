@@ -15,7 +15,7 @@ import click
 # tests/test_crash.py's knobs).
 INTERNAL_PREFIXES = ("DS3_READER_", "DS3_TEST_", "DS3_CRASH_")
 # A switch for A/B measurements (docs/bench.md), and the scripts' and tests' own knobs.
-INTERNAL = frozenset({"DS3_FAST_LANE", "DS3_STANDBY_FOLLOW", "DS3_VENV", "DS3_PYTHON", "DS3_ROOT", "DS3_FORCE_INSTALL", "DS3_FUZZ_SCALE",
+INTERNAL = frozenset({"DS3_DEV_PARENT", "DS3_FAST_LANE", "DS3_STANDBY_FOLLOW", "DS3_VENV", "DS3_PYTHON", "DS3_ROOT", "DS3_FORCE_INSTALL", "DS3_FUZZ_SCALE",
                       "DS3_INTEROP_BASE_URL", "DS3_UPDATE_SCREENSHOTS"})
 
 

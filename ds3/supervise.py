@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Final
 
+from ds3.process import DEV_PARENT_ENV
 from ds3.retiring import Retiring, left_out
 from shared.cluster import load_cluster_file
 from shared.localfile import write_durably
@@ -192,7 +193,7 @@ def run_dev(
     common = ["--long-poll-timeout", str(long_poll_timeout), "--log-level", log_level, "--log-format", log_format]
     if access_log is not None:  # else each process's own default
         common.append("--access-log" if access_log else "--no-access-log")
-    env = child_environment(dict(os.environ))
+    env = {**child_environment(dict(os.environ)), DEV_PARENT_ENV: str(os.getpid())}
     store = ["--store", objects.as_uri(), "--seal-bytes", str(seal_bytes), "--seal-age", str(seal_age)]
     ingester_urls = [f"http://127.0.0.1:{_free_port('127.0.0.1')}" for _ in range(ingesters)]
     commands: list[list[str]] = []

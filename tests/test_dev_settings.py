@@ -239,3 +239,32 @@ def test_pipeline_and_cluster_commands_name_a_misspelt_setting(tmp_path: Path, a
     result = CliRunner().invoke(main, args, env=env)
     said = "warning: DS3_STOR is not a ds3 setting: it is ignored (did you mean DS3_STORE?)"
     assert result.stderr.count(said) == 1, (result.stdout, result.stderr)
+
+
+def test_a_sigkilled_dev_takes_its_servers_with_it(tmp_path: Path) -> None:
+    """Found by QA: `kill -9` of `ds3 dev` left its ingester and reader serving (holding the port
+    and the data dir's lock: the next `ds3 dev` could not start). They drain and stop; a new dev
+    starts on the same port and data dir and finds the stream."""
+    port = free_port()
+    log = tmp_path / "dev.log"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DS3_")}
+    cmd = [DS3, "dev", "--port", str(port), "--data-dir", str(tmp_path / "d")]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 40
+        while "ds3 dev ready" not in log.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.1)
+        url = f"http://127.0.0.1:{port}/v1/stream/s"
+        assert _call(url, "PUT", b"kept") == 201
+        proc.kill()  # the dev process alone, not its group
+        proc.wait(10)
+        deadline = time.monotonic() + 20
+        while subprocess.run(["pgrep", "-f", "--", f"--port {port} "], capture_output=True).returncode == 0:
+            assert time.monotonic() < deadline, "the reader is still running"
+            time.sleep(0.2)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+    with dev(tmp_path, {}) as again:
+        assert _call(f"{again}/v1/stream/s", "GET") == 200
