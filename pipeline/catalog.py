@@ -125,6 +125,12 @@ class StreamPlan:
     chunks: tuple[ChunkRef, ...]  # sealed history, contiguous from position 0 (or `earliest`)
     earliest: int = 0  # the earliest retained position (a snapshot's; extensions §2)
     earliest_offset: str | None = None  # its spelling
+    # A fork whose inherited history is not all sealed: (lo, hi, chunk) for each ancestor's
+    # unsealed part past the sealed end, positions lo..hi, the chunk holding its bytes (its
+    # last sealed chunk's successor: ids run on by one). A tail page spans such a part and the
+    # fork's own bytes, and the server spells offsets there with the ancestor's chunk (found
+    # by QA: spelled with the fork's, they were refused, 400).
+    inherited_tail: tuple[tuple[int, int, int], ...] = ()
 
     @property
     def sealed_end(self) -> int:
@@ -328,7 +334,16 @@ class Catalog:
             position = self._level(level, cap, position, refs, root.first_chunk)
             if cap is not None and position < cap:
                 break  # the inherited history is not all sealed yet: the plan ends here
-        return StreamPlan(desc.path, desc.uid, desc.content_type, root.first_chunk, tuple(refs))
+        inherited: list[tuple[int, int, int]] = []
+        for i in range(len(chain) - 1, 0, -1):  # the ancestors' unsealed parts, root first
+            level = chain[i]
+            cap = min(d.fork_position for d in chain[:i])
+            lo = max(level.fork_position if level.fork_source is not None else 0, position)
+            if lo < cap:
+                mine = [r.chunk for r in refs if r.uid == level.uid]
+                inherited.append((lo, cap, mine[-1] + 1 if mine else level.first_chunk))
+        return StreamPlan(desc.path, desc.uid, desc.content_type, root.first_chunk, tuple(refs),
+                          inherited_tail=tuple(inherited))
 
     def _level(self, level: Descriptor, cap: int | None, position: int, refs: list[ChunkRef],
                zero_chunk: int) -> int:

@@ -115,7 +115,9 @@ def _selection(opts: dict[str, str]) -> Selection:
     raise OptionError("stream", "name what to read: stream, bucket + stream_id, bucket, or prefix")
 
 
-def _offset_map(opts: dict[str, str], name: str) -> dict[str, offsets.Offset | None]:
+def _offset_map(opts: dict[str, str], name: str, selection: Selection) -> dict[str, offsets.Offset | None]:
+    """{stream URL path: offset}, each key a stream the read selects, spelled as the rows'
+    streams are (a key naming none was ignored: a typo read everything; found by QA)."""
     raw = opts.get(name)
     if raw is None:
         return {}
@@ -125,7 +127,24 @@ def _offset_map(opts: dict[str, str], name: str) -> dict[str, offsets.Offset | N
         obj = None
     if not isinstance(obj, dict) or not all(isinstance(v, str) for v in obj.values()):
         raise OptionError(name, 'must be a JSON object {"<stream URL path>": "<offset>", ...}')
-    return {str(k): _offset(name, v) for k, v in obj.items()}
+    return {_selected_url_path(name, str(k), selection): _offset(name, v) for k, v in obj.items()}
+
+
+def _selected_url_path(name: str, key: str, selection: Selection) -> str:
+    try:
+        if key.startswith(buckets.BUCKETS_PREFIX):
+            path = buckets.stream_path_from_url(key)
+        elif key.startswith(protocol.STREAM_PREFIX):
+            path = protocol.decode_stream_url(key)
+        else:
+            raise OptionError(name, f"key {key!r} is not a stream URL path ({protocol.STREAM_PREFIX}<path> or "
+                              f"{buckets.BUCKETS_PREFIX}<bucket>/<stream id>)")
+    except BadRequest as e:
+        raise OptionError(name, f"key {key!r}: {e}") from None
+    if (selection.paths is not None and path not in selection.paths) or (
+            selection.path_prefix is not None and not path.startswith(selection.path_prefix)):
+        raise OptionError(name, f"key {key!r} names no stream this read selects")
+    return buckets.url_path(path)
 
 
 @dataclass(frozen=True)
@@ -158,8 +177,8 @@ class ReadOptions:
         if isinstance(store, LocalSyncStore) and not store.root.is_dir():  # a typo would read "nothing"
             raise OptionError("store", f"{opts['store']}: no such directory")
         selection = _selection(opts)
-        start = _offset_map(opts, "start_offsets")
-        end = _offset_map(opts, "end_offsets")
+        start = _offset_map(opts, "start_offsets", selection)
+        end = _offset_map(opts, "end_offsets", selection)
         for single, many in (("start_offset", start), ("end_offset", end)):
             if single in opts:
                 if selection.paths is None or len(selection.paths) != 1:

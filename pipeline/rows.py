@@ -164,13 +164,15 @@ class Page:
     body: bytes
 
 
-def tail_batch(target: Target, pages: list[Page]) -> pa.RecordBatch:
+def tail_batch(target: Target, pages: list[Page],
+               inherited: Sequence[tuple[int, int, int]] = ()) -> pa.RecordBatch:
     """Rows of tail pages read over HTTP. JSON pages split into their messages; a byte
     stream's page is one row (HTTP does not mark where its appends began), cut at `hi`.
 
     The offsets of messages inside a JSON page name the page's chunk; only when a page spans
     a chunk roll (rare: a rolled chunk not uploaded yet) do they name its last chunk, which
-    the server reads the same way."""
+    the server reads the same way. A fork's page that spans an ancestor's unsealed part
+    (`inherited`: StreamPlan.inherited_tail) names that ancestor's chunk for positions in it."""
     cols = _Columns(target)
     for page in pages:
         start = offsets.ZERO if page.offset == offsets.START else offsets.parse(page.offset)
@@ -187,7 +189,8 @@ def tail_batch(target: Target, pages: list[Page]) -> pa.RecordBatch:
                 if cols.json or pos >= target.hi:
                     return cols.batch()
                 m, stop = m[: target.hi - pos], target.hi
-            nxt = page.next_offset if i == len(pieces) - 1 and stop == end.position else offsets.encode(chunk_id, stop)
+            chunk = next((c for lo, hi, c in inherited if lo < stop <= hi), chunk_id)
+            nxt = page.next_offset if i == len(pieces) - 1 and stop == end.position else offsets.encode(chunk, stop)
             if pos >= target.lo:
                 cols.add(m, prev, nxt, pos, None, None)
             pos, prev = stop, nxt

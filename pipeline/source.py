@@ -68,13 +68,14 @@ class TailRead(InputPartition):
     """A stream's unsealed tail, read over HTTP from `offset` up to position `stop`."""
 
     def __init__(self, url: str, token: str | None, url_path: str, target: rows.Target, offset: str,
-                 stop: int) -> None:
+                 stop: int, inherited: tuple[tuple[int, int, int], ...] = ()) -> None:
         self.url = url
         self.token = token
         self.url_path = url_path
         self.target = target
         self.offset = offset
         self.stop = stop
+        self.inherited = inherited  # StreamPlan.inherited_tail
 
 
 def later(a: offsets.Offset | None, b: offsets.Offset | None) -> offsets.Offset | None:
@@ -116,7 +117,8 @@ def plan_partitions(
         if stop <= begin:
             continue
         offset = plan.sealed_end_offset if begin == plan.sealed_end else (b.lo_offset or "-1")
-        parts.append(TailRead(tail_url, token, plan.url_path, target_of(plan, b), offset, stop))
+        parts.append(TailRead(tail_url, token, plan.url_path, target_of(plan, b), offset, stop,
+                              plan.inherited_tail))
     return parts
 
 
@@ -160,7 +162,7 @@ def read_partition(partition: InputPartition, columns: Sequence[str] = rows.COLU
             client.close()
         batch = rows.tail_batch(rows.Target(partition.target.stream, partition.target.bucket,
                                             partition.target.content_type, partition.target.lo,
-                                            partition.stop), pages)
+                                            partition.stop), pages, partition.inherited)
         if batch.num_rows:
             yield rows.project(batch, columns)
     else:

@@ -165,8 +165,10 @@ class DS3Writer(DataSourceWriter):
         return InputChanged(
             f"ds3 writer: producer {producer_id!r} appended {rows} rows of another input before ({how}): "
             f"a producer_id stands for one input, which may only grow at the end of its last partition. "
-            f"Nothing of this partition was appended. Write with a new producer_id (and only the rows not "
-            f"written yet, e.g. read from the previous run's end offset), or with the input it had")
+            f"Nothing of this partition was appended (other tasks of this job may have appended theirs: with the "
+            f"same producer_id a re-run must partition its input as the run before did). Write with a new "
+            f"producer_id (and only the rows not written yet, e.g. read from the previous run's end offset), or with "
+            f"the input it had")
 
     def commit(self, messages: list[WriterCommitMessage | None]) -> None:
         """Every task's appends are already durable; nothing to do."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import json
 import random
+import urllib.request
 from typing import Any
 
 import pytest
@@ -184,6 +185,27 @@ def test_include_tail_reads_unsealed_messages_over_http(pipeline_env: PipelineEn
             assert b"".join(bytes(r.message) for r in rows) == b"".join(p.body for p in pages)
 
 
+def test_include_tail_of_a_fork_made_in_its_sources_unsealed_part(pipeline_env: PipelineEnv, spark: Any) -> None:
+    """Found by QA: a fork made at an offset its source had not sealed; with the tail, the rows
+    of the source's unsealed part below the fork point named the fork's chunk, offsets the
+    server refuses (400) and a consumer resuming from them could not use."""
+    env = pipeline_env
+    env.create("/v1/stream/usrc", JSON)
+    fork_at = env.append_all("/v1/stream/usrc", json_bodies(80, 12), JSON)  # some sealed (4 KiB chunks), a tail
+    env.create("/v1/stream/ufork", JSON, **{"Stream-Forked-From": "/v1/stream/usrc", "Stream-Fork-Offset": fork_at})
+    env.append_all("/v1/stream/ufork", json_bodies(5, 13), JSON)
+    rows = sorted_rows(env, spark, stream="ufork", include_tail="true", url=env.url)
+    pages = env.pages("/v1/stream/ufork")
+    check_against_pages(rows, pages, True)
+    below = [r for r in rows if r.position < offsets.parse(fork_at).position and r.chunk is None]
+    assert below, "part of the source below the fork point is unsealed"
+    assert fork_at in {r.next_offset for r in rows}  # the fork point, spelled as the server does
+    for r in below[-3:] + rows[-3:]:
+        for offset in (r.offset, r.next_offset):
+            with urllib.request.urlopen(f"{env.url}/v1/stream/ufork?offset={offset}", timeout=10) as answer:
+                assert answer.status == 200, offset
+
+
 @pytest.mark.parametrize(("options", "named"), [
     ({}, "stream"),
     ({"stream": "x", "prefix": "y"}, "prefix"),
@@ -195,10 +217,20 @@ def test_include_tail_reads_unsealed_messages_over_http(pipeline_env: PipelineEn
     ({"stream": "x", "include_tail": "yes", "url": "http://h"}, "include_tail"),
     ({"stream": "x", "partition_bytes": "0"}, "partition_bytes"),
     ({"stream": "x", "colour": "red"}, "colour"),
+    # (found by QA: a key that names no selected stream was ignored, and the read took everything)
+    ({"prefix": "orders/", "start_offsets": '{"orders/json": "-1"}'}, "start_offsets"),
+    ({"prefix": "orders/", "end_offsets": '{"/v1/stream/other": "-1"}'}, "end_offsets"),
+    ({"stream": "a", "start_offsets": '{"/v1/buckets/b/a": "-1"}'}, "start_offsets"),
 ])
 def test_bad_options_name_the_option(options: dict[str, str], named: str) -> None:
     with pytest.raises(OptionError, match=f"option '{named}'"):
         ReadOptions.parse({"store": "file:///tmp", **options})  # (a directory that exists)
+
+
+def test_offset_maps_take_any_spelling_of_a_selected_streams_url() -> None:
+    opts = ReadOptions.parse({"store": "file:///tmp", "prefix": "a b/",
+                              "start_offsets": '{"/v1/stream/a b/c": "-1", "/v1/stream/a%20b/d": "-1"}'})
+    assert set(opts.start) == {"/v1/stream/a%20b/c", "/v1/stream/a%20b/d"}  # as the plans' url paths
 
 
 def test_errors_reach_the_spark_user(pipeline_env: PipelineEnv, spark: Any) -> None:
