@@ -432,3 +432,33 @@ def test_swapped_urls_are_named_as_such(pair: Pair, tmp_path: Path) -> None:
                 assert b"check them with `ds3 cluster show`" in body
     finally:
         reader.stop()
+
+
+def test_an_ingester_added_and_removed_before_it_ran_holds_nothing(tmp_path: Path) -> None:
+    """Found by QA: `cluster set` with an ingester d that was never started, then without it
+    again: the streams d's description placed on it answered 503 ("moving here from ingester
+    d, which does not answer") until the next change. d never owned its namespace (no
+    ownership record), so it holds nothing: they are created at once."""
+    store_root = tmp_path / "objects"
+    pa, pb = procs.free_port(), procs.free_port()
+    ab = {"a": f"http://127.0.0.1:{pa}", "b": f"http://127.0.0.1:{pb}"}
+    procs.write_cluster(store_root, ab)
+    common = ["--store", store_root.as_uri(), "--cluster-refresh", "0.2"]
+    a = procs.ingester(tmp_path / "a", *common, "--ingester-id", "a", port=pa).start()
+    b = procs.ingester(tmp_path / "b", *common, "--ingester-id", "b", port=pb).start()
+    try:
+        with_d = procs.write_cluster(store_root, {**ab, "d": f"http://127.0.0.1:{procs.free_port()}"})
+        paths = [p for p in (f"new-{n}" for n in range(200)) if with_d.owner(p).id == "d"][:4]
+        assert paths
+        back = procs.write_cluster(store_root, ab)
+        deadline = time.monotonic() + 10
+        while any(readyz(p)[1]["cluster"]["generation"] != back.generation for p in (a, b)):  # type: ignore[index]
+            assert time.monotonic() < deadline, "the members never read the last description"
+            time.sleep(0.1)
+        for path in paths:
+            owner = a if back.owner(path).id == "a" else b
+            status, _, body = request(owner, "PUT", f"/v1/stream/{path}")
+            assert status == 201, (path, status, body)
+    finally:
+        b.stop()
+        a.stop()
