@@ -363,6 +363,10 @@ def test_cluster_command(tmp_path: Path) -> None:
     assert r.exit_code == 0 and json.loads(r.stdout)["generation"] == 2
     assert "ingester b (http://127.0.0.1:2) is removed: keep it running until it has handed its streams over" in r.stderr
     assert "retired_at 2" in r.stderr
+    r = run(main, ["cluster", "set", "--store", store, "--ingester", "a=http://127.0.0.1:1"])  # the same list
+    assert r.exit_code == 0 and json.loads(r.stdout)["generation"] == 2
+    assert "unchanged: generation 2 lists these ingesters already; nothing was written" in r.stderr
+    assert "is removed" not in r.stderr  # (not said again)
     r = run(main, ["cluster", "owner", "--store", store, "/v1/stream/x", "/v1/buckets/tenant-1",
                    "/v1/buckets/tenant-1/s%20s"])
     assert r.exit_code == 0, r.output
