@@ -26,10 +26,15 @@ def _check_store_url(url: str) -> None:
     bad one stops the process at start with the setting named, not at first use."""
     from shared.objectstore.url import StoreURLError, parse_store_url  # it imports this module
 
+    from shared.objectstore.url import FileStoreURL
+
     try:
-        parse_store_url(url)
+        parsed = parse_store_url(url)
     except StoreURLError as e:
         raise ConfigError(f"store (DS3_STORE): {e}") from None
+    if isinstance(parsed, FileStoreURL) and parsed.root.exists() and not parsed.root.is_dir():
+        # (a traceback from the store's mkdir at the first write: found by QA)
+        raise ConfigError(f"store (DS3_STORE): {parsed.root} is a file, not a directory")
 
 
 def check_s3_endpoint(url: str | None) -> None:

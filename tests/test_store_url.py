@@ -151,6 +151,15 @@ def test_the_configs_refuse_bad_urls_at_start_naming_the_setting(url: str, probl
         assert problem in str(e.value)
 
 
+def test_a_local_store_that_is_a_file_is_refused_at_start(tmp_path: Path) -> None:
+    """Found by QA: a traceback (FileExistsError) from the ingester, the reader and `cluster show`."""
+    (tmp_path / "f").write_bytes(b"")
+    for make in (lambda: IngesterConfig(data_dir=tmp_path / "d", store=(tmp_path / "f").as_uri()),
+                 lambda: ReaderConfig(ingester="http://127.0.0.1:1", store=(tmp_path / "f").as_uri())):
+        with pytest.raises(ConfigError, match=f"store \\(DS3_STORE\\): {tmp_path / 'f'} is a file, not a directory"):
+            make()
+
+
 @pytest.mark.parametrize("endpoint", ["127.0.0.1:9000", "localhost:9000", "http://", "https:///x", "ftp://minio:9000",
                                       "http://minio:99999", "http://minio:port"])
 def test_the_configs_refuse_a_bad_s3_endpoint_naming_the_setting(endpoint: str, tmp_path: Path) -> None:
