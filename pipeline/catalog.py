@@ -390,3 +390,17 @@ def resolve(catalog: Catalog, paths: Sequence[str] | None, path_prefix: str | No
         return out
     assert path_prefix is not None
     return catalog.descriptors_under(path_prefix)
+
+
+def check_bucket(catalog: Catalog, paths: Sequence[str] | None, path_prefix: str | None) -> None:
+    """A read of a whole bucket that found no stream: StreamNotFound unless the store knows the
+    bucket (some stream of it, deleted ones included). The store holds no record of a bucket
+    itself, so a bucket that has no stream yet is refused too (a misspelt bucket read as empty:
+    found by QA)."""
+    parts = buckets.split_internal(path_prefix or "")
+    if paths is not None or parts is None:
+        return
+    bucket = parts[0]
+    if not catalog.descriptors_under(buckets.bucket_key_prefix(bucket), deleted=True):
+        raise StreamNotFound(f"bucket {bucket!r} not found in store {catalog.store.url}: no stream of it is "
+                             f"there (a bucket with no stream yet has nothing to read either)")

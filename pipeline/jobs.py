@@ -34,12 +34,12 @@ from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
 from pipeline import jvm
-from pipeline.catalog import Catalog, StreamNotFound, display_name, resolve
+from pipeline.catalog import Catalog, check_bucket, display_name, resolve
 from pipeline.http import Client, HTTPError
 from pipeline.options import OptionError, ReadOptions
 from pipeline.statefold import fold
 from pipeline.store import check_store
-from shared import buckets, offsets
+from shared import offsets
 from shared import protocol as P
 from shared.buckets import url_path
 
@@ -133,20 +133,6 @@ def _recover(spark: SparkSession, output: Path, state_path: Path, state: dict[st
     shutil.rmtree(output / STAGING_DIR, ignore_errors=True)  # runs that died before their commit
 
 
-def _check_bucket(catalog: Catalog, opts: ReadOptions) -> None:
-    """A bucket read that found no stream: StreamNotFound unless the store knows the bucket
-    (some stream of it, deleted ones included). The store holds no record of a bucket itself,
-    so a bucket that has no stream yet is refused too."""
-    prefix = opts.selection.path_prefix
-    parts = buckets.split_internal(prefix or "")
-    if opts.selection.paths is not None or parts is None:
-        return
-    bucket = parts[0]
-    if not catalog.descriptors_under(buckets.bucket_key_prefix(bucket), deleted=True):
-        raise StreamNotFound(f"bucket {bucket!r} not found in store {catalog.store.url}: no stream of it is "
-                             f"there (a bucket with no stream yet has nothing to read either)")
-
-
 def export(spark: SparkSession, read_options: dict[str, str], output: Path,
            state_path: Path | None = None) -> ExportResult:
     """Append every sealed message after the saved offsets to Parquet under `output`,
@@ -156,7 +142,7 @@ def export(spark: SparkSession, read_options: dict[str, str], output: Path,
     catalog = Catalog(opts.store)
     descs = resolve(catalog, opts.selection.paths, opts.selection.path_prefix)
     if not descs:
-        _check_bucket(catalog, opts)
+        check_bucket(catalog, opts.selection.paths, opts.selection.path_prefix)
     output = output.resolve()
     state_path = state_path or output / STATE_FILE
     state_path.parent.mkdir(parents=True, exist_ok=True)

@@ -38,7 +38,7 @@ from pyspark.sql.datasource import (
 from pyspark.sql.types import StructType
 
 from pipeline import rows
-from pipeline.catalog import Catalog, ChunkRef, StreamPlan, display_name, resolve
+from pipeline.catalog import Catalog, ChunkRef, StreamPlan, check_bucket, display_name, resolve
 from pipeline.http import Client
 from pipeline.options import OptionError, ReadOptions, WriteOptions
 from pipeline.store import LocalSyncStore, S3SyncStore
@@ -289,6 +289,8 @@ class DS3BatchReader(DataSourceReader):
         o = self.opts
         catalog = Catalog(o.store)
         descs = resolve(catalog, o.selection.paths, o.selection.path_prefix)
+        if not descs:
+            check_bucket(catalog, o.selection.paths, o.selection.path_prefix)
         starts = dict(o.start)
         lo = self.offset_range.start()
         if lo is not None and len(descs) == 1:  # `offset >= X` of one stream: plan from X too

@@ -76,6 +76,9 @@ class DS3Writer(DataSourceWriter):
             if opts.create:
                 client.create(opts.url_path, opts.content_type or P.DEFAULT_CONTENT_TYPE)
             r = client.request("HEAD", opts.url_path)
+            if r.status == 404:  # (a HEAD's 404 has no body to say why: found by QA)
+                raise OptionError("stream", f"{opts.url + opts.url_path} does not exist: create it first, or write "
+                                  "with the option create=true")
             if r.status != 200:
                 raise HTTPError("HEAD", opts.url + opts.url_path, r.status, r.body)
             self.content_type = r.headers.get("content-type", P.DEFAULT_CONTENT_TYPE)

@@ -238,6 +238,8 @@ def test_errors_reach_the_spark_user(pipeline_env: PipelineEnv, spark: Any) -> N
         spark.read.format("ds3").option("store", "ftp://x").option("stream", "a").load().collect()
     with pytest.raises(Exception, match="stream 'nope' not found"):
         pipeline_env.read(spark, stream="nope").collect()
+    with pytest.raises(Exception, match="bucket 'nope' not found"):  # (found by QA: it read as empty)
+        pipeline_env.read(spark, bucket="nope").collect()
 
 
 def test_offset_filters_prune_chunks_at_planning(pipeline_env: PipelineEnv, spark: Any) -> None:

@@ -110,6 +110,9 @@ def test_writer_option_errors(pipeline_env: PipelineEnv, spark: Any) -> None:
     with pytest.raises(Exception, match="'message' or a string 'value' column"):
         spark.createDataFrame([(1,)], "n int").write.format("ds3").mode("append").options(
             url=pipeline_env.url, stream="x").save()
+    with pytest.raises(Exception, match="/v1/stream/no-such does not exist: create it first, or write with the "
+                                        "option create=true"):  # (found by QA: "HEAD ...: HTTP 404 ")
+        df.write.format("ds3").mode("append").options(url=pipeline_env.url, stream="no-such").save()
 
 
 def test_rerun_over_a_source_that_grew_appends_exactly_the_new_rows(pipeline_env: PipelineEnv, spark: Any) -> None:
