@@ -371,10 +371,12 @@ class GroupCommitter:
                 self._on_abort()
                 results.extend((p, self._map_full(), False) for p in todo)
                 todo = []
-            except lmdb.Error:
+            except lmdb.Error as e:
                 self._on_abort()
-                log.exception("write-ahead log commit failed")
-                results.extend((p, Unavailable("write-ahead log commit failed", 5), False) for p in todo)
+                log.exception("write-ahead log commit failed (%d writes refused with 503)", len(todo))
+                # (found by QA: a full disk read "commit failed", which said nothing of why)
+                results.extend((p, Unavailable(f"write-ahead log commit failed ({e}: the data dir's disk may be full "
+                                               "or failing); nothing was stored, retry", 5), False) for p in todo)
                 todo = []
             except Exception:  # on_commit failed: nothing was committed; never let the writer die
                 self._on_abort()

@@ -30,7 +30,7 @@ async def test_a_delete_whose_commit_fails_deletes_no_objects(tmp_path: Path, cl
         assert meta is not None
         real = h.wal.env
         h.wal.env = FailingCommits(real)  # type: ignore[assignment]
-        with pytest.raises(Unavailable):
+        with pytest.raises(Unavailable, match="the data dir's disk may be full or failing"):  # (it said only "failed")
             await h.committer.submit(lambda txn: h.store.delete(txn, "s"))
         h.wal.env = real
         await h.committer.submit(lambda txn: h.store.append(txn, AppendRequest("s", "text/plain", b"+more", None)))  # a commit that works
