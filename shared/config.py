@@ -24,9 +24,7 @@ class ConfigError(ValueError):
 def _check_store_url(url: str) -> None:
     """The store URL means a store (shared.objectstore.parse_store_url, the one parser), so a
     bad one stops the process at start with the setting named, not at first use."""
-    from shared.objectstore.url import StoreURLError, parse_store_url  # it imports this module
-
-    from shared.objectstore.url import FileStoreURL
+    from shared.objectstore.url import FileStoreURL, StoreURLError, parse_store_url  # it imports this module
 
     try:
         parsed = parse_store_url(url)
