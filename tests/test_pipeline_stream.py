@@ -189,3 +189,25 @@ def test_a_restart_below_the_retained_start_warns(pipeline_env: PipelineEnv, cap
     assert f"{url}: messages from position {offsets.parse(saved).position} to " \
         f"{offsets.parse(snapshot).position} were removed by retention" in caplog.text
     assert parts  # and the rest is read
+
+
+def test_a_batch_of_a_deleted_stream_warns_only_when_it_skips_something(pipeline_env: PipelineEnv,
+                                                                         caplog: Any) -> None:
+    """Found by QA: a batch planned for a stream since deleted and created again said it skipped
+    the old stream's messages up to its end when the query had read them all already."""
+    from pipeline.options import ReadOptions
+    from pipeline.streaming import DS3StreamReader
+
+    env, name = pipeline_env, "live/gone"
+    url = f"/v1/stream/{name}"
+    write_closed(env, url, name, JSON, json_bodies(6, 27))
+    old_uid, old_end = env.uid(name), env.pages(url)[-1].next_offset
+    env.recreate(name, JSON, json_bodies(2, 28))
+    reader = DS3StreamReader(ReadOptions.parse(env.source_options(stream=name)))
+    batch = {"streams": {url: old_end}, "uids": {url: old_uid}}
+    with caplog.at_level(logging.WARNING, "ds3.pipeline"):
+        reader.partitions(batch, batch)  # it had read the old stream to its end: nothing skipped
+    assert "skipping its messages" not in caplog.text
+    with caplog.at_level(logging.WARNING, "ds3.pipeline"):
+        reader.partitions({"streams": {}, "uids": {}}, batch)  # nothing of it read yet
+    assert f"{url}: skipping its messages up to {old_end}" in caplog.text
