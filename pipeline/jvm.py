@@ -39,7 +39,7 @@ from typing import Any, Final
 
 from pipeline import rows
 from pipeline.options import ReadOptions
-from pipeline.source import ChunkGroup, DS3BatchReader
+from pipeline.source import ChunkGroup, DS3BatchReader, batch_options
 from shared import protocol
 
 log = logging.getLogger(__name__)
@@ -145,7 +145,7 @@ def load(spark: Any, options: Mapping[str, str], schema: str | None = None, *,
     """A DataFrame of the `ds3` rows the read `options` select (the data source's options), with
     the columns of `schema` when given (a projection, as `.schema(...)` on the data source):
     through the JVM chunk reader where the session has it, else the Python data source."""
-    opts = ReadOptions.parse(options)
+    opts = batch_options(options)
     if opts.include_tail or not on_session(spark):
         if not opts.include_tail:
             log.info("the session has no JVM chunk reader jar (spark.jars): reading with the Python data source")

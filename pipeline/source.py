@@ -16,7 +16,7 @@ is one more partition that reads it through a ds3 reader or ingester.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -279,6 +279,15 @@ class OffsetRange:
         return ref.start_offset < self.hi or (ref.start_offset == self.hi and self.hi_closed)
 
 
+def batch_options(options: Mapping[str, str]) -> ReadOptions:
+    """A batch read's options: a streaming one among them is refused (it was taken without a
+    word, as if it bounded the read: found by QA)."""
+    opts = ReadOptions.parse(options)
+    if opts.max_chunks_per_trigger is not None:
+        raise OptionError("max_chunks_per_trigger", "applies to streaming reads (spark.readStream) only")
+    return opts
+
+
 class DS3BatchReader(DataSourceReader):
     def __init__(self, opts: ReadOptions, columns: Sequence[str] = rows.COLUMNS) -> None:
         self.opts = opts
@@ -323,7 +332,7 @@ class DS3DataSource(DataSource):
         return rows.SCHEMA_DDL
 
     def reader(self, schema: StructType) -> DataSourceReader:
-        return DS3BatchReader(ReadOptions.parse(self.options), columns_of(schema))
+        return DS3BatchReader(batch_options(self.options), columns_of(schema))
 
     def streamReader(self, schema: StructType) -> DataSourceStreamReader:
         from pipeline.streaming import DS3StreamReader
@@ -355,7 +364,7 @@ class DS3PruningDataSource(DS3DataSource):
     """`format("ds3")` where the session allows Python filter pushdown."""
 
     def reader(self, schema: StructType) -> DataSourceReader:
-        return DS3PruningReader(ReadOptions.parse(self.options), columns_of(schema))
+        return DS3PruningReader(batch_options(self.options), columns_of(schema))
 
 
 PUSHDOWN_CONF = "spark.sql.python.filterPushdown.enabled"

@@ -240,6 +240,8 @@ def test_errors_reach_the_spark_user(pipeline_env: PipelineEnv, spark: Any) -> N
         pipeline_env.read(spark, stream="nope").collect()
     with pytest.raises(Exception, match="bucket 'nope' not found"):  # (found by QA: it read as empty)
         pipeline_env.read(spark, bucket="nope").collect()
+    with pytest.raises(Exception, match="option 'max_chunks_per_trigger': applies to streaming reads"):
+        pipeline_env.read(spark, stream="nope", max_chunks_per_trigger="2").collect()
 
 
 def test_offset_filters_prune_chunks_at_planning(pipeline_env: PipelineEnv, spark: Any) -> None:
