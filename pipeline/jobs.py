@@ -236,7 +236,8 @@ def compact(spark: SparkSession, read_options: dict[str, str], url: str, offset:
     published) when a message is not a state-protocol message (pipeline/statefold.py)."""
     opts = ReadOptions.parse({**read_options, "url": url})
     if opts.selection.paths is None or len(opts.selection.paths) != 1:
-        raise OptionError("stream", "compact works on one stream: stream, or bucket + stream_id")
+        raise OptionError("stream", "compact works on one stream: stream (--stream), or bucket + stream_id "
+                          "(--bucket and --stream-id)")
     check_store(opts.store)
     catalog = Catalog(opts.store)
     plan = catalog.plan(resolve(catalog, opts.selection.paths, None)[0])

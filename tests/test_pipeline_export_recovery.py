@@ -337,3 +337,13 @@ def test_a_bucket_the_store_has_no_stream_of_is_an_error(
     result = CliRunner().invoke(main, [*base, "--bucket", "expb", "--prefix", "zzz"])
     assert result.exit_code == 0, result.output
     assert json.loads(result.output)["exported_up_to"] == {}
+
+
+def test_compact_offers_only_the_options_of_one_stream() -> None:
+    """Found by QA: `compact --help` listed --prefix and a --bucket "all its streams", which
+    compact refuses."""
+    shown = CliRunner().invoke(main, ["pipeline", "compact", "--help"]).output
+    assert "--prefix" not in shown and "The bucket of --stream-id." in shown
+    refused = CliRunner().invoke(main, ["pipeline", "compact", "--store", "file:///tmp", "--prefix", "x",
+                                        "--url", "http://127.0.0.1:1"])
+    assert refused.exit_code == 2 and "No such option '--prefix'" in refused.output
