@@ -107,7 +107,7 @@ def cluster_show(store: str | None, s3_endpoint: str | None, cluster_file: Path 
 @click.option("--ingester", "ingesters", multiple=True, required=True, metavar="ID=URL",
               help="An ingester: its id (what placement hashes; keep it when the machine changes) and the URL "
                    "readers reach it at. Repeat it for each; the list replaces the current one.")
-@click.option("--if-generation", type=int, default=None,
+@click.option("--if-generation", type=click.IntRange(min=0), default=None,
               help="Write only if the description is at this generation now (0: none yet).")
 def cluster_set(store: str, s3_endpoint: str | None, ingesters: tuple[str, ...], if_generation: int | None) -> None:
     """Replace the ingester list: writes the next generation with If-Match on the version read,

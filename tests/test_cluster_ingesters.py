@@ -359,6 +359,8 @@ def test_cluster_command(tmp_path: Path) -> None:
     assert shown["etag"]
     r = run(main, ["cluster", "set", "--store", store, "--ingester", "a=http://127.0.0.1:1", "--if-generation", "0"])
     assert r.exit_code == 1 and "at generation 1, not 0" in r.output
+    r = run(main, ["cluster", "set", "--store", store, "--ingester", "a=http://127.0.0.1:1", "--if-generation", "-1"])
+    assert r.exit_code == 2 and "-1 is not in the range x>=0" in r.output  # (was taken, then "not -1")
     r = run(main, ["cluster", "set", "--store", store, "--ingester", "a=http://127.0.0.1:1", "--if-generation", "1"])
     assert r.exit_code == 0 and json.loads(r.stdout)["generation"] == 2
     assert "ingester b (http://127.0.0.1:2) is removed: keep it running until it has handed its streams over" in r.stderr
