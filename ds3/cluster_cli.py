@@ -88,6 +88,13 @@ def _description(store: str | None, s3_endpoint: str | None, cluster_file: Path 
         raise click.UsageError("Missing option '--store' (or DS3_STORE), or give --file")
     found = _cluster_run(store, s3_endpoint, read_cluster)
     if found is None:
+        from shared.objectstore.url import FileStoreURL, parse_store_url
+
+        parsed = parse_store_url(store)
+        dev_file = parsed.root.parent / "cluster.json" if isinstance(parsed, FileStoreURL) else None
+        if dev_file is not None and dev_file.is_file():  # (QA: the hint pointed away from dev's file)
+            raise click.ClickException(f"no cluster description in {store}: `ds3 dev --ingesters N` keeps its own in "
+                                       f"{dev_file}: give --file {dev_file}")
         raise click.ClickException(f"no cluster description in {store} yet: write one with `ds3 cluster set`")
     return found.cluster, found.etag
 

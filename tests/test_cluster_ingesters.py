@@ -338,6 +338,16 @@ def test_settings_are_validated(tmp_path: Path) -> None:
         _config(tmp_path, ingester_id="a", cluster=bad)
 
 
+def test_cluster_show_on_a_dev_store_points_at_devs_file(tmp_path: Path) -> None:
+    """Found by QA: on `ds3 dev --ingesters N`'s store, show said to write a description with
+    `cluster set`, where dev keeps one in DATA_DIR/cluster.json."""
+    (tmp_path / "objects").mkdir()
+    procs.write_cluster(tmp_path / "elsewhere", {"i1": "http://127.0.0.1:1"})
+    (tmp_path / "cluster.json").write_bytes((tmp_path / "elsewhere" / "_ds3" / "cluster.json").read_bytes())
+    r = CliRunner().invoke(main, ["cluster", "show", "--store", (tmp_path / "objects").as_uri()])
+    assert r.exit_code == 1 and f"give --file {tmp_path / 'cluster.json'}" in r.output, r.output
+
+
 def test_cluster_command(tmp_path: Path) -> None:
     store = (tmp_path / "objects").as_uri()
     run = CliRunner().invoke
