@@ -184,14 +184,15 @@ class IngesterService:
         else:
             self._open_ownership()
             assert self.own_objects is not None and self.objects is not None
-            if self.config.ingester_id is None:
-                try:
+            adopts = False
+            try:
+                if self.config.ingester_id is None:
                     await membership.check_lone(self.objects, self.config.store)
-                except ObjectStoreError as e:
-                    if not self.config.standby:  # (a standby waits for its store; taking over checks it)
-                        raise StartRefused(f"not starting: cannot read {self.config.store}: {e}") from None
-            adopts = self.config.ingester_id is not None and await membership.adopts(self.objects,
-                                                                                     self.config.ingester_id)
+                else:
+                    adopts = await membership.adopts(self.objects, self.config.ingester_id)
+            except ObjectStoreError as e:
+                if not self.config.standby:  # (a standby waits for its store; taking over checks it)
+                    raise StartRefused(f"not starting: cannot read {self.config.store}: {e}") from None
             wal_binding.check_dir(self.config.wal_dir, self.config.wal_map_size, self.own_objects.url,
                                   may_join=adopts)
         if self.config.standby:

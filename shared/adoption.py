@@ -29,7 +29,7 @@ from shared.objectstore.base import ObjectStore
 from shared.ownership import DEFAULT_MAX_SKEW, read_owner
 from shared.placement import Cluster
 
-ADOPTION_KEY: Final = "_ds3/adoption.json"
+ADOPTION_KEY: Final = keys.ADOPTION_KEY
 
 
 @dataclass(frozen=True)

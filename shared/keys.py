@@ -11,6 +11,9 @@
                                                    written conditionally only (`ds3 cluster set`)
     _ds3/cluster-retired/<id>.json                 an ingester left out of the description: the
                                                    generation at which it held nothing any more
+    _ds3/adoption.json                             the member that adopted the streams of the single
+                                                   ingester that ran the prefix before its first
+                                                   description (shared.adoption)
 
 Streams are keyed by `uid` (random, 128 bits) rather than by path, so a path deleted and
 created again never reaches old objects, and several ingesters can share one bucket. The
@@ -27,6 +30,7 @@ from typing import Final
 OWNER_KEY: Final = "_ds3/owner.json"
 CLUSTER_KEY: Final = "_ds3/cluster.json"
 CLUSTER_RETIRED_PREFIX: Final = "_ds3/cluster-retired/"
+ADOPTION_KEY: Final = "_ds3/adoption.json"
 
 
 def chunk_prefix(uid: str) -> str:
