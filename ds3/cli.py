@@ -299,6 +299,10 @@ def _run(app: web.Application, host: str, port: int, banner: str, config: Ingest
 
 def _why(e: OSError) -> str:
     """The reason of a failed listen, without uvloop's "error while attempting to bind" wording."""
+    import socket
+
+    if isinstance(e, socket.gaierror):  # (it read "Unknown error -2": found by QA)
+        return f"the host name does not resolve ({e.strerror}; --host, DS3_HOST)"
     return os.strerror(e.errno) if e.errno else str(e)
 
 

@@ -37,6 +37,14 @@ def test_an_ingester_on_a_port_in_use_says_so_and_releases_its_lease(tmp_path: P
     assert "released " in r.stderr, r.stderr  # the store's lease: another ingester may start at once
 
 
+def test_a_host_that_does_not_resolve_is_named(tmp_path: Path) -> None:
+    """Found by QA: "cannot listen on ...: Unknown error -2"."""
+    r = _run("ingester", "--host", "not.a.host.invalid", "--port", "4421", "--data-dir", "d", cwd=tmp_path)
+    assert r.returncode == 1, r.stderr
+    assert "cannot listen on not.a.host.invalid port 4421: the host name does not resolve" in r.stderr, r.stderr
+    assert "--host, DS3_HOST" in r.stderr and "Unknown error" not in r.stderr
+
+
 def test_a_lone_reader_on_a_port_in_use_says_so(tmp_path: Path, taken_port: int) -> None:
     (tmp_path / "o").mkdir()
     r = _run("reader", "--workers", "1", "--port", str(taken_port), "--ingester", "http://127.0.0.1:1",
