@@ -436,3 +436,20 @@ def test_loop_histogram_exposes_what_prometheus_client_does(values: list[float])
         plain_theirs.observe(v)
         plain_ours.observe(v)
     assert _exposed(plain_ours) == _exposed(plain_theirs)
+
+
+async def test_an_sse_client_that_leaves_is_logged_with_what_it_was_sent(tmp_path: Path, local_store: StoreView) -> None:
+    """Found by QA: the access line of an SSE answer whose client hung up said 0 bytes."""
+    with Cluster(tmp_path, local_store, reader_args=JSON_LOGS) as c:
+        url = f"{c.reader.url}/v1/stream/sse-left"
+        async with aiohttp.ClientSession() as s:
+            await create(s, url, TEXT)
+            async with s.post(url, data=b"x" * 500, headers={"Content-Type": TEXT}) as r:
+                assert r.status == 204
+            async with s.get(url, params={"offset": "-1", "live": "sse"}, headers={"X-Request-Id": "sse-left-1"}) as r:
+                assert r.status == 200
+                await r.content.readuntil(b"x" * 100)  # some of it, then hang up
+        wait_for(lambda: "sse-left-1" in c.reader.log_path.read_text(), 10, "the SSE access line")
+    line = next(r for r in _json_lines(c.reader.log_path) if r.get("request_id") == "sse-left-1"
+                and r["logger"] == "ds3.access")
+    assert line["bytes"] >= 500, line

@@ -98,14 +98,13 @@ def _sibling_scrape(request: web.Request, raw_path: str) -> bool:
 
 def _log_access(request: web.Request, response: web.StreamResponse | None, route: str, status: int,
                 seconds: float) -> None:
-    # Body bytes. A streamed response without Content-Length (SSE) only knows what it wrote
-    # to the connection, headers and chunk framing included.
-    sent = 0
-    if response is not None:
-        if response.content_length is not None:
-            sent = response.content_length
-        elif response.prepared:
-            sent = response.body_length
+    # Body bytes (a streamed response without Content-Length: see below).
+    if response is not None and response.content_length is not None:
+        sent = response.content_length
+    else:  # streamed (SSE), finished or left midway by its client: what went to the connection,
+        # headers included (the response's body_length is only set at its end: a client that
+        # left logged 0B, found by QA)
+        sent = getattr(request.writer, "output_size", 0)
     lim = request.app.get(LIMITS)
     forwarded = request.headers.get("X-Forwarded-For")
     client = request.remote or "unknown"
