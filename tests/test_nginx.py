@@ -433,7 +433,7 @@ async def check_passthrough(session: aiohttp.ClientSession, edge: str) -> None:
     for _ in range(2):
         async with session.head(url) as r:
             assert r.status == 200 and r.headers["Stream-Next-Offset"] == tail
-            assert r.headers.get("X-Cache-Status") == "MISS"  # no-store: not kept
+            assert r.headers.get("X-Cache-Status") is None  # never stored: past the cache (and its lock)
 
     # A long-poll at the tail waits through nginx and gets the append.
     async def append_later() -> None:
@@ -523,6 +523,51 @@ async def test_a_long_poll_from_now_is_not_served_from_the_cache(stack: Stack) -
 
         assert await subscribe_then_append("first") == b"first"
         assert await subscribe_then_append("second") == b"second"
+
+
+async def test_subscribers_from_now_at_once_all_get_the_next_message(stack: Stack) -> None:
+    """Found by QA: behind the cache lock, 4 identical offset=now long-polls reached the reader
+    one after another, each starting at a later tail: each got a different single message, and
+    the last never saw the first three. They go past the cache and its lock now."""
+    url = stack.nginx.url + "/v1/stream/nowcrowd"
+    text = {"Content-Type": "text/plain"}
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
+        async with session.put(url, headers=text) as r:
+            assert r.status == 201
+
+        async def subscribe() -> bytes:
+            async with session.get(url, params={"offset": "now", "live": "long-poll"}) as r:
+                assert r.status == 200
+                return await r.read()
+
+        subscribers = [asyncio.create_task(subscribe()) for _ in range(4)]
+        await asyncio.sleep(1.0)  # all parked
+        for message in ("A", "B", "C"):
+            async with session.post(url, data=message, headers=text) as r:
+                assert r.status == 204
+            await asyncio.sleep(0.5)
+        assert await asyncio.gather(*subscribers) == [b"A"] * 4
+        # HEADs (never stored) go past the lock too: at once, side by side
+        heads = await asyncio.gather(*(session.head(url) for _ in range(6)))
+        assert {h.status for h in heads} == {200} and {h.headers.get("X-Cache-Status") for h in heads} == {None}
+
+
+async def test_an_expired_tail_page_is_not_served_stale(stack: Stack) -> None:
+    """Found by QA: a catch-up page ending at the tail (max-age=1) was served 20 s later as it
+    was (STALE: `proxy_cache_use_stale updating`), still Stream-Up-To-Date, a close missed."""
+    url = stack.nginx.url + "/v1/stream/stalepage"
+    text = {"Content-Type": "text/plain"}
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
+        async with session.put(url, data="v1;", headers=text) as r:
+            assert r.status == 201
+        async with session.get(url, params={"offset": "-1"}) as r:
+            assert await r.read() == b"v1;"
+        await asyncio.sleep(2.5)  # past its max-age
+        async with session.post(url, data="v2;", headers={**text, "Stream-Closed": "true"}) as r:
+            assert r.status == 204
+        async with session.get(url, params={"offset": "-1"}) as r:
+            assert r.headers.get("X-Cache-Status") != "STALE", dict(r.headers)
+            assert await r.read() == b"v1;v2;" and r.headers.get("Stream-Closed") == "true"
 
 
 async def metric_or_zero(session: aiohttp.ClientSession, base: str, name: str) -> int:
