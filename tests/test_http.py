@@ -157,6 +157,8 @@ def sse_events(body: bytes) -> list[tuple[str, str]]:
         ("offset=-1&live=", "live mode"),
         ("live=long-poll", "requires an offset"),
         ("live=sse", "requires an offset"),
+        ("offset=-1&live=sse&live=long-poll", "one live parameter"),  # (the first one won)
+        ("offset=-1&live=long-poll&live=sse", "one live parameter"),
     ],
 )
 async def test_bad_read_parameters(client: TestClient[Any, Any], query: str, needle: str) -> None:

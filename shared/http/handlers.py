@@ -293,7 +293,10 @@ def start_offset(request: web.Request) -> offsets.Offset | str | None:
 
 
 def live_mode(request: web.Request, given: offsets.Offset | str | None) -> str | None:
-    live = request.query.get("live")
+    values = request.query.getall("live", [])
+    if len(values) > 1:  # (the first one won, as SSE or long-poll by their order: found by QA)
+        raise BadRequest("send one live parameter, not several")
+    live = values[0] if values else None
     if live not in (None, "long-poll", "sse"):
         raise BadRequest(f"unknown live mode {live[:40]!r}: use long-poll or sse")
     if live is not None and given is None:
