@@ -87,7 +87,8 @@ def collect(app: web.Application) -> Iterator[Metric]:
                       "forwards to without a cluster description) moved while it ran.", owner.changes)
     yield counter("ds3_reader_collapsed", "Requests that shared another client's upstream request.",
                   router.collapsed_total)
-    yield counter("ds3_reader_sse_shared", "SSE clients that joined an existing upstream subscription.",
+    yield counter("ds3_reader_sse_shared", "SSE clients that joined an existing upstream subscription at its offset, with no "
+                  "read first (clients that caught up first and then attached are not counted).",
                   st.sse.shared)
     yield gauge("ds3_reader_sse_upstreams", "Live channels (one upstream subscription per stream, for "
                 "long-poll and SSE) open now.", len(st.sse.channels))
