@@ -132,15 +132,9 @@ def _offset_map(opts: dict[str, str], name: str, selection: Selection) -> dict[s
 
 def _selected_url_path(name: str, key: str, selection: Selection) -> str:
     try:
-        if key.startswith(buckets.BUCKETS_PREFIX):
-            path = buckets.stream_path_from_url(key)
-        elif key.startswith(protocol.STREAM_PREFIX):
-            path = protocol.decode_stream_url(key)
-        else:
-            raise OptionError(name, f"key {key!r} is not a stream URL path ({protocol.STREAM_PREFIX}<path> or "
-                              f"{buckets.BUCKETS_PREFIX}<bucket>/<stream id>)")
+        path = buckets.path_of_stream_url(key, 4096, f"key {key!r}")
     except BadRequest as e:
-        raise OptionError(name, f"key {key!r}: {e}") from None
+        raise OptionError(name, str(e)) from None
     if (selection.paths is not None and path not in selection.paths) or (
             selection.path_prefix is not None and not path.startswith(selection.path_prefix)):
         raise OptionError(name, f"key {key!r} names no stream this read selects")

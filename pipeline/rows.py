@@ -189,7 +189,7 @@ def tail_batch(target: Target, pages: list[Page],
                 if cols.json or pos >= target.hi:
                     return cols.batch()
                 m, stop = m[: target.hi - pos], target.hi
-            chunk = next((c for lo, hi, c in inherited if lo < stop <= hi), chunk_id)
+            chunk = next((c for lo, hi, c in inherited if lo < stop <= hi), chunk_id) if inherited else chunk_id
             nxt = page.next_offset if i == len(pieces) - 1 and stop == end.position else offsets.encode(chunk, stop)
             if pos >= target.lo:
                 cols.add(m, prev, nxt, pos, None, None)

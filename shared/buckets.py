@@ -116,11 +116,15 @@ def fork_source_path(value: str, max_path_bytes: int) -> str:
     """The internal path a Stream-Forked-From header names: a stream's URL path, plain or
     bucketed, percent-decoded like a request's (a listing's `url` works as it is). A plain path
     used to be taken as is, so `/v1/stream/a%20b` named no stream (found by QA)."""
+    return path_of_stream_url(value, max_path_bytes, "Stream-Forked-From")
+
+
+def path_of_stream_url(value: str, max_path_bytes: int, what: str) -> str:
+    """The internal path of the stream a URL path names (`/v1/stream/...` percent-decoded, or
+    `/v1/buckets/{b}/{s}`; a query is ignored); BadRequest naming `what` otherwise."""
     if value.startswith(P.STREAM_PREFIX):
-        path = P.decode_stream_url(value.split("?", 1)[0], "Stream-Forked-From: the stream path")
+        path = P.decode_stream_url(value.split("?", 1)[0], f"{what}: the stream path")
         return P.validate_stream_path(path, max_path_bytes)
     if value.startswith(BUCKETS_PREFIX):
         return stream_path_from_url(value.split("?", 1)[0])
-    raise BadRequest(
-        f"Stream-Forked-From must be a stream path starting with {P.STREAM_PREFIX} or {BUCKETS_PREFIX}"
-    )
+    raise BadRequest(f"{what} must be a stream path starting with {P.STREAM_PREFIX} or {BUCKETS_PREFIX}")

@@ -120,11 +120,12 @@ async def set_cluster(store: ObjectStore, ingesters: Iterable[tuple[str, str]] |
     """Replace the ingester list: the next generation, written with If-Match on the version
     read (If-None-Match: * for the first, generation 1). `expected_generation`: refuse unless
     the current one is that (0: none yet), so an admin changes what they looked at."""
+    pairs = list(ingesters.items()) if isinstance(ingesters, Mapping) else list(ingesters)
     now = await read_cluster(store, key)
     gen = now.cluster.generation if now is not None else 0
     if expected_generation is not None and expected_generation != gen:
         raise ClusterChanged(f"the cluster description is at generation {gen}, not {expected_generation}", gen)
-    wanted = Cluster.of(ingesters, gen + 1)
+    wanted = Cluster.of(pairs, gen + 1)
     if now is not None and set(wanted.ingesters) == set(now.cluster.ingesters):
         # The same list again (a retry, a config tool run twice): nothing to write. A new
         # generation would name this list as its previous one, and streams still moving under
@@ -135,8 +136,7 @@ async def set_cluster(store: ObjectStore, ingesters: Iterable[tuple[str, str]] |
     if now is None and key == keys.CLUSTER_KEY:  # (a single ingester's prefix: shared/adoption.py)
         from shared.adoption import first_description
 
-        new = await first_description(store, wanted, next(iter(ingesters))[0] if not isinstance(ingesters, Mapping)
-                                      else next(iter(ingesters)))
+        new = await first_description(store, wanted, pairs[0][0])
     else:
         new = Cluster(gen + 1, wanted.ingesters, previous=now.cluster.alone() if now is not None else None)
     await write_cluster(store, new, if_match=now.etag if now is not None else None, key=key)
