@@ -122,7 +122,8 @@ def _ingester_options(f: FC) -> FC:
                     "failing), appends answer 503 until it catches up, so a lost disk loses at most this "
                     "much; 0: no bound (keep acknowledging). Default: 5, or 3 x --ship-interval if larger."),
         option("--log-uploads", env="DS3_LOG_UPLOADS", type=int, default=4,
-               help="store durability: log segment uploads in flight at once (1-4); appends are still "
+               help="store durability: log segment uploads in flight at once (1-4) once a PUT takes 20 ms or "
+                    "more (a nearer store gets one at a time: fewer, larger segments); appends are still "
                     "acknowledged in commit order."),
         option("--checkpoint-interval", env="DS3_CHECKPOINT_INTERVAL", type=float, default=300.0,
                help="Seconds between checkpoints of the WAL into the store (they bound recovery; 1 s to a week)."),

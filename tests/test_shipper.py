@@ -334,12 +334,13 @@ class SlowStore(FlakyStore):
 async def test_uploads_in_flight_acknowledge_in_commit_order(tmp_path: Path, wal: WalEnv) -> None:
     objects = SlowStore(tmp_path / "objects")
     s = Shipper(wal, objects, asyncio.get_running_loop(), durability="store")
+    s._segments.put_seconds = objects.delay  # a far store (a near one gets one upload at a time)
     s.start()
     try:
         gates = []
         for i in range(1, 7):
             gates.append(s.on_logged(commit(i)))
-            await asyncio.sleep(0.02)  # each commit while the previous PUTs are in flight
+            await asyncio.sleep(0.03)  # each commit while the previous PUTs are in flight (> HOLD_MAX apart)
         order: list[int] = []
         def note(i: int) -> Callable[[ConcurrentFuture[None]], None]:
             def done(_: ConcurrentFuture[None]) -> None:
@@ -356,7 +357,7 @@ async def test_uploads_in_flight_acknowledge_in_commit_order(tmp_path: Path, wal
         more = []
         for i in range(7, 12):
             more.append(s.on_logged(commit(i)))
-            await asyncio.sleep(0.02)
+            await asyncio.sleep(0.03)
         await asyncio.wait_for(asyncio.gather(*(asyncio.wrap_future(g) for g in more if g)), 10)
         assert s.upload_failures == 1 and s.shipped_seq == 11
     finally:
@@ -392,6 +393,31 @@ async def test_commits_arriving_while_uploads_are_in_flight_share_segments(tmp_p
     assert all(last - first >= 1 for first, last in burst), spans  # the rest in shared segments
     assert len(burst) <= 10 and objects.most_in_flight > 1, spans
     assert await restore(objects, tmp_path / "r", 64 * 1024 * 1024) == 33
+
+
+async def test_a_near_store_gets_one_upload_at_a_time(tmp_path: Path, wal: WalEnv) -> None:
+    """A store that answers a PUT within NEAR_PUT_SECONDS (a local directory, MinIO or moto near
+    by) gets one segment upload at a time, whatever --log-uploads: the commits gather while the
+    PUT before runs, in fewer, larger segments (4 in flight cost about twice the CPU per append
+    on both sides, for no more appends/s: docs/bench.md). A store further away gets up to
+    --log-uploads (the tests above: 100 ms PUTs, more than one in flight)."""
+    objects = SlowStore(tmp_path / "objects")
+    objects.delay = 0.002
+    s = Shipper(wal, objects, asyncio.get_running_loop(), durability="store", uploads=4)
+    s.start()
+    try:
+        gates = []
+        for i in range(1, 61):  # a commit every 0.5 ms: several arrive during each PUT
+            gates.append(s.on_logged(commit(i)))
+            await asyncio.sleep(0.0005)
+        await asyncio.wait_for(asyncio.gather(*(asyncio.wrap_future(g) for g in gates if g)), 10)
+        assert s.shipped_seq == 60
+    finally:
+        await s.stop()
+    assert objects.most_in_flight == 1
+    spans = [(ref.first, ref.last) for ref in (await list_log(objects)).segments]
+    assert len(spans) < 40, spans  # shared segments
+    assert await restore(objects, tmp_path / "r", 64 * 1024 * 1024) == 60
 
 
 async def restored_keys(objects: FlakyStore, path: Path) -> tuple[int, list[bytes]]:
