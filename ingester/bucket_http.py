@@ -23,7 +23,14 @@ from ingester.service import SERVICE, IngesterService
 from shared import buckets as B
 from shared import extensions
 from shared.errors import BadRequest, NotFound
-from shared.http.handlers import BUCKET_METHODS, method_not_allowed, one_param, preflight, strict_query
+from shared.http.handlers import (
+    BUCKET_METHODS,
+    method_not_allowed,
+    no_bucket_id,
+    one_param,
+    preflight,
+    strict_query,
+)
 from shared.placement import bucket_placement_key
 
 DEFAULT_LIMIT = 1000
@@ -47,7 +54,7 @@ async def handle(request: web.Request) -> web.StreamResponse:
         await svc.owned_key(bucket_placement_key(bucket_id))
     if stream_id is None:
         return await handle_bucket(request, svc, bucket_id)
-    if stream_id == B.RESERVED_STREAM_ID and request.method == "GET":
+    if stream_id == B.RESERVED_STREAM_ID and request.method in ("GET", "HEAD"):
         return await handle_listing(request, svc, bucket_id)
     try:
         return await handle_stream(request)
@@ -117,4 +124,5 @@ async def handle_listing(request: web.Request, svc: IngesterService, bucket_id: 
 
 
 def add_routes(app: web.Application) -> None:
+    app.router.add_route("*", "/v1/buckets", no_bucket_id)
     app.router.add_route("*", r"/v1/buckets/{rest:[\s\S]*}", handle)

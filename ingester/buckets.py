@@ -80,7 +80,7 @@ class Buckets:
         """Delete an empty bucket. `expire(path)` removes the stream at path if its time is up."""
         meta = get(txn, self.wal, bucket_id)
         if meta is None:
-            raise NotFound("bucket not found")
+            raise NotFound(f"bucket {bucket_id!r} not found")
         if 0 < meta.streams <= EXPIRE_SCAN_LIMIT:
             for path in self._paths(txn, bucket_id, EXPIRE_SCAN_LIMIT):
                 expire(path)
@@ -148,7 +148,7 @@ def list_streams(
     `after` (exclusive), in id order (UTF-8 byte order is code point order). A range scan
     over the bucket's keys that reads limit + 1 entries at most (plus expired ones it skips)."""
     if get(txn, wal, bucket_id) is None:
-        raise NotFound("bucket not found")
+        raise NotFound(f"bucket {bucket_id!r} not found")
     base = B.bucket_key_prefix(bucket_id).encode()
     low = base + (prefix or "").encode()
     start, skip = low, None

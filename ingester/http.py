@@ -28,6 +28,7 @@ from shared.http.handlers import (
     read_body,
     refuse_repeated_headers,
     start_offset,
+    stream_location,
     stream_path_of,
 )
 
@@ -67,7 +68,7 @@ async def handle_stream(request: web.Request) -> web.StreamResponse:
 async def handle_put(request: web.Request, svc: IngesterService, path: str) -> web.Response:
     req = create_request(request.headers.get, path, svc.config.max_path_bytes)
     body = await read_body(request, svc.config.max_body_bytes)
-    status, headers = create_answer(await svc.create(dataclasses.replace(req, body=body)), str(request.url.with_query(None)))
+    status, headers = create_answer(await svc.create(dataclasses.replace(req, body=body)), stream_location(request, path))
     return web.Response(status=status, headers=headers)
 
 

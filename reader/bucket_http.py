@@ -12,7 +12,7 @@ from reader.proxy import IngesterClient, to_response
 from reader.state import READER
 from shared import buckets as B
 from shared import extensions
-from shared.http.handlers import BUCKET_METHODS, method_not_allowed, preflight, read_body
+from shared.http.handlers import BUCKET_METHODS, method_not_allowed, no_bucket_id, preflight, read_body
 from shared.placement import bucket_placement_key
 
 
@@ -23,7 +23,7 @@ async def handle(request: web.Request) -> web.StreamResponse:
         return preflight()
     raw, _endpoint = extensions.split(request.raw_path.split("?", 1)[0])  # {stream}/snapshot...
     bucket_id, stream_id = B.parse_url(raw)  # 400 when invalid
-    listing = stream_id == B.RESERVED_STREAM_ID and method == "GET"
+    listing = stream_id == B.RESERVED_STREAM_ID and method in ("GET", "HEAD")
     if stream_id is not None and not listing:
         return await handle_stream(request)
     if method not in ("PUT", "GET", "HEAD", "DELETE"):
@@ -37,4 +37,5 @@ async def handle(request: web.Request) -> web.StreamResponse:
 
 
 def add_routes(app: web.Application) -> None:
+    app.router.add_route("*", "/v1/buckets", no_bucket_id)
     app.router.add_route("*", r"/v1/buckets/{rest:[\s\S]*}", handle)

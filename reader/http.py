@@ -43,6 +43,7 @@ from shared.http.handlers import (
     read_body,
     refuse_repeated_headers,
     start_offset,
+    stream_location,
     stream_path_of,
 )
 from shared.objectstore import MappedRange
@@ -82,7 +83,7 @@ async def handle_stream(request: web.Request) -> web.StreamResponse:
     if method in ("PUT", "DELETE", "POST"):
         st.descriptors.forget(path)
     if "Location" in up.headers:
-        up.headers["Location"] = str(request.url.with_query(None))
+        up.headers["Location"] = stream_location(request, path)
     return to_response(up)
 
 

@@ -79,7 +79,10 @@ def url_path(path: str) -> str:
     parts = split_internal(path)
     if parts is None:
         return P.STREAM_PREFIX + quote(path, safe="/")
-    return f"{BUCKETS_PREFIX}{parts[0]}/{quote(parts[1], safe='')}"
+    # A stream id "." is percent-encoded too: as a bare path segment every URL parser (yarl,
+    # browsers, proxies) drops it, and the URL would name the bucket's empty stream id.
+    stream_id = "%2E" if parts[1] == "." else quote(parts[1], safe="")
+    return f"{BUCKETS_PREFIX}{parts[0]}/{stream_id}"
 
 
 def _unquote(text: str, what: str) -> str:

@@ -236,8 +236,8 @@ async def test_stream_id_rules(session: aiohttp.ClientSession, base: str) -> Non
     # `streams` is reserved for the listing: every stream operation on it is refused
     for method in ("PUT", "POST", "DELETE"):
         expect_error(await call(session, method, f"{base}{BK}{bid}/streams", b"x", TEXT), 400, "reserved")
-    assert (await call(session, "HEAD", f"{base}{BK}{bid}/streams")).status == 400
     assert (await call(session, "GET", f"{base}{BK}{bid}/streams")).status == 200  # the listing
+    assert (await call(session, "HEAD", f"{base}{BK}{bid}/streams")).status == 200  # (as a GET)
     # Stream-Forked-From naming an invalid or reserved bucketed path is refused too
     for source in (f"/v1/buckets/{bid}/streams", f"/v1/buckets/{bid}/a%2Fb", "/v1/buckets/NOPE/x"):
         r = await call(session, "PUT", surl(base, bid, "fork-bad"), None, {**TEXT, "Stream-Forked-From": source})
@@ -324,6 +324,32 @@ async def test_missing_bucket_is_404_for_every_stream_operation(session: aiohttp
     other = await make_bucket(session, base)
     expect_error(await call(session, "GET", surl(base, other, "nope"), params={"offset": "-1"}), 404, "stream")
     expect_error(await call(session, "DELETE", surl(base, other, "nope")), 404, "stream")
+
+
+async def test_a_dot_stream_is_named_reachably_and_the_bucket_urls_explain_themselves(
+        session: aiohttp.ClientSession, base: str) -> None:
+    """QA, as a new user: a stream id "." is valid (only ".." is not), but as a bare path
+    segment every URL parser drops it: the create's Location named the bucket's empty stream
+    id (400). It is percent-encoded there. HEAD of the listing answered 400 ("reserved"); a
+    missing bucket's DELETE and listing said only "bucket not found"; /v1/buckets was aiohttp's
+    bare 404."""
+    bid = await make_bucket(session, base)
+    r = await raw(base, "PUT", f"{BK}{bid}/.", TEXT)
+    assert r.status == 201, r
+    location = yarl.URL(r.headers["Location"], encoded=True)
+    assert location.raw_path == f"{BK}{bid}/%2E", r.headers["Location"]
+    assert (await call(session, "POST", base + location.raw_path, b"dot", TEXT)).status == 204
+    got = await call(session, "GET", base + location.raw_path, params={"offset": "-1"})
+    assert got.status == 200 and got.body == b"dot"
+    listing = (await call(session, "GET", f"{base}{BK}{bid}/streams")).json()
+    assert [e["stream_id"] for e in listing["streams"]] == ["."]
+    head = await call(session, "HEAD", f"{base}{BK}{bid}/streams")
+    assert head.status == 200 and head.body == b"", head
+    assert head.headers["Content-Type"].startswith("application/json")
+    missing = new_bucket_id("gone")
+    expect_error(await call(session, "DELETE", f"{base}{BK}{missing}"), 404, f"bucket '{missing}' not found")
+    expect_error(await call(session, "GET", f"{base}{BK}{missing}/streams"), 404, f"bucket '{missing}' not found")
+    expect_error(await call(session, "GET", f"{base}/v1/buckets"), 404, "GET /ds3/buckets lists them")
 
 
 # ---------------------------------------------------------------- §1.6 stream operations

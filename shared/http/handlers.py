@@ -238,6 +238,18 @@ def stream_path_of(raw: str, max_bytes: int) -> str:
     return P.validate_stream_path(P.decode_stream_url(raw), max_bytes)
 
 
+async def no_bucket_id(request: web.Request) -> web.Response:
+    """/v1/buckets itself: not a resource; say where the buckets are."""
+    raise NotFound(f"a bucket's URL is {buckets.BUCKETS_PREFIX}{{bucket_id}}; GET /ds3/buckets lists them")
+
+
+def stream_location(request: web.Request, path: str) -> str:
+    """The absolute URL of the stream at internal `path`, as a create's Location names it:
+    spelled canonically (buckets.url_path), not as the request spelled it (a dot segment
+    dropped by the URL parser would name another stream)."""
+    return str(request.url.with_path(buckets.url_path(path), encoded=True).with_query(None))
+
+
 async def read_snapshot_body(request: web.Request, limit: int) -> bytes:
     """A snapshot's body (read_body), whose 413 names the snapshot limit and its setting: it
     said "request body is larger than N bytes", which a user could not tell from the append

@@ -49,8 +49,10 @@ from shared.limits import client_address, client_identity
 log = logging.getLogger("ds3.http")
 access_log = logging.getLogger("ds3.access")
 
-# Plain stream URLs only: anything aiohttp might decode or normalise before routing is its.
-_PLAIN_URL: Final = re.compile(rb"/v1/(?:stream/|buckets/[A-Za-z0-9_~!$&'()*+,;=:@.-]+/)[A-Za-z0-9_~!$&'()*+,;=:@./-]+")
+# Plain stream URLs only: anything aiohttp might decode or normalise before routing is its, and
+# so is a bucket's listing (`streams`, the reserved stream id).
+_PLAIN_URL: Final = re.compile(
+    rb"/v1/(?:stream/|buckets/[A-Za-z0-9_~!$&'()*+,;=:@.-]+/(?!streams\Z))[A-Za-z0-9_~!$&'()*+,;=:@./-]+")
 # (a body with a Content-Encoding, identity included, is aiohttp's: read_body decodes it)
 _REFUSED_HEADERS: Final = frozenset({b"transfer-encoding", b"content-encoding", b"expect", b"upgrade"})
 _MAX_HEAD: Final = 16 * 1024  # a candidate's head must be complete within this many bytes
