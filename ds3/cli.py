@@ -444,6 +444,9 @@ def reader(**kw: Any) -> None:
 @option("--ingesters", env="DS3_INGESTERS", type=int, default=1,
         help="Ingesters sharing the store (ids i1..iN, WALs in DIR/iK, the cluster description in "
              "DIR/cluster.json); the reader routes each stream to its owner. 1: one ingester, no cluster.")
+@option("--ingester-port", env="DS3_INGESTER_PORT", type=int, default=0,
+        help="The ingester's port on 127.0.0.1 (with --ingesters N: N consecutive ports from this one). "
+             "Default: a free port.")
 @_log_options
 def dev(**kw: Any) -> None:
     """Run an ingester and a reader on this machine with a local-directory object store
@@ -466,6 +469,11 @@ def dev(**kw: Any) -> None:
         refuse(str(e))
     if not 1 <= kw["ingesters"] <= 64:
         refuse(f"ingesters (DS3_INGESTERS): {kw['ingesters']} is not between 1 and 64")
+    first, last = kw["ingester_port"], kw["ingester_port"] + kw["ingesters"] - 1
+    if first and (first < 1 or last > 65535):
+        refuse(f"ingester_port (DS3_INGESTER_PORT): {first} is not a port from 1 to {65536 - kw['ingesters']}")
+    if first and first <= kw["port"] <= last:
+        refuse(f"ingester_port (DS3_INGESTER_PORT): {first} is the public port's (--port {kw['port']})")
     if kw["workers"] is not None and not 1 <= kw["workers"] <= 256:
         refuse(f"workers (DS3_WORKERS): {kw['workers']} is not between 1 and 256")
     try:

@@ -82,7 +82,7 @@ def _wait_ready(url: str, proc: subprocess.Popen[bytes], stopping: Callable[[], 
 # Settings `ds3 dev` takes itself and hands on as flags (its own options).
 DEV_OWN: Final = frozenset({
     "DS3_HOST", "DS3_PORT", "DS3_DATA_DIR", "DS3_LONG_POLL_TIMEOUT", "DS3_SEAL_BYTES", "DS3_SEAL_AGE",
-    "DS3_LOG_LEVEL", "DS3_LOG_FORMAT", "DS3_ACCESS_LOG", "DS3_WORKERS", "DS3_INGESTERS",
+    "DS3_LOG_LEVEL", "DS3_LOG_FORMAT", "DS3_ACCESS_LOG", "DS3_WORKERS", "DS3_INGESTERS", "DS3_INGESTER_PORT",
 })
 # Settings that cannot apply: `ds3 dev` decides them.
 NOT_FOR_DEV: Final = {
@@ -166,7 +166,7 @@ def write_cluster_file(path: Path, ingesters: list[tuple[str, str]],
 def run_dev(
     *, host: str, port: int, data_dir: Path, long_poll_timeout: float, seal_bytes: int, seal_age: float,
     log_level: str, log_format: str = "text", access_log: bool | None = None, workers: int | None = None,
-    ingesters: int = 1,
+    ingesters: int = 1, ingester_port: int = 0,
 ) -> int:
     stopping = False
 
@@ -183,10 +183,12 @@ def run_dev(
     if mismatch is not None:
         log.error("ds3 dev: %s", mismatch)
         return 1
-    busy = port_in_use(host, port)
-    if busy is not None:
-        log.error("ds3 dev: cannot listen on %s port %d: %s", host, port, busy.strerror or busy)
-        return 1
+    wanted = [(host, port)] + [("127.0.0.1", ingester_port + n) for n in range(ingesters if ingester_port else 0)]
+    for where, number in wanted:
+        busy = port_in_use(where, number)
+        if busy is not None:
+            log.error("ds3 dev: cannot listen on %s port %d: %s", where, number, busy.strerror or busy)
+            return 1
     objects = data_dir / "objects"
     objects.mkdir(parents=True, exist_ok=True)
     ds3 = [sys.executable, "-m", "ds3.cli"]
@@ -195,7 +197,8 @@ def run_dev(
         common.append("--access-log" if access_log else "--no-access-log")
     env = {**child_environment(dict(os.environ)), DEV_PARENT_ENV: str(os.getpid())}
     store = ["--store", objects.as_uri(), "--seal-bytes", str(seal_bytes), "--seal-age", str(seal_age)]
-    ingester_urls = [f"http://127.0.0.1:{_free_port('127.0.0.1')}" for _ in range(ingesters)]
+    ingester_urls = [f"http://127.0.0.1:{ingester_port + n if ingester_port else _free_port('127.0.0.1')}"
+                     for n in range(ingesters)]
     commands: list[list[str]] = []
     routing: list[str]
     leaving: list[tuple[str, str]] = []  # ingesters of an earlier run, left out now (ds3/retiring.py)

@@ -133,6 +133,42 @@ def test_a_port_in_use_is_refused_before_anything_says_ready(tmp_path: Path) -> 
     assert not (tmp_path / "d" / "objects").exists()  # nothing was started
 
 
+def test_the_ingesters_ports_can_be_chosen(tmp_path: Path) -> None:
+    """QA: a user behind a firewall (or given a port range) could not choose the ingester's
+    port: always a random free one. --ingester-port P: P, P+1.. for --ingesters N; a port in
+    use or the public one is refused before anything starts."""
+    import socket
+
+    def two_free_ports() -> int:
+        for _ in range(50):
+            first = free_port()
+            with socket.socket() as a, socket.socket() as b:
+                try:
+                    a.bind(("127.0.0.1", first))
+                    b.bind(("127.0.0.1", first + 1))
+                except OSError:
+                    continue
+            return first
+        raise AssertionError("no two consecutive free ports")
+
+    first = two_free_ports()
+    with dev(tmp_path, {}, "--ingesters", "2", "--ingester-port", str(first)) as url:
+        assert _call(f"{url}/v1/stream/a", "PUT") == 201
+        for port in (first, first + 1):
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=10) as r:
+                assert r.status == 200
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        busy = taken.getsockname()[1]
+        r = _dev_run(tmp_path / "busy", "--ingester-port", str(busy))
+    assert r.returncode == 1 and f"port {busy}" in r.stderr, r.stderr
+    assert not (tmp_path / "busy" / "d" / "objects").exists()
+    public = free_port()
+    r = _dev_run(tmp_path / "same", "--ingester-port", str(public), port=public)
+    assert r.returncode == 2 and "DS3_INGESTER_PORT" in r.stderr and "public port" in r.stderr, r.stderr
+
+
 def test_a_data_dir_keeps_its_layout_whatever_the_number_of_ingesters(tmp_path: Path) -> None:
     """A data dir of one ingester started with `--ingesters 2` used to start empty, its streams
     out of sight: it is refused, saying how to start it. One of `--ingesters 2` started without
