@@ -41,7 +41,7 @@ MAX_TTL_SECONDS: Final = 100 * 365 * 24 * 3600
 
 CORS_ALLOW_HEADERS: Final = ", ".join(
     [
-        "Content-Type", "Authorization", "If-None-Match", "Last-Event-ID", "Cache-Control",
+        "Content-Type", "Authorization", "If-None-Match", "Last-Event-ID", "Cache-Control", "X-Request-Id",
         SEQ, TTL, EXPIRES_AT, CLOSED, PRODUCER_ID, PRODUCER_EPOCH, PRODUCER_SEQ,
         FORKED_FROM, FORK_OFFSET, FORK_SUB_OFFSET,
     ]
@@ -54,6 +54,7 @@ CORS_EXPOSE_HEADERS: Final = ", ".join(
         NEXT_OFFSET, CURSOR, UP_TO_DATE, CLOSED, TTL, EXPIRES_AT, SSE_ENCODING, SNAPSHOT_OFFSET,
         PRODUCER_EPOCH, PRODUCER_SEQ, PRODUCER_EXPECTED_SEQ, PRODUCER_RECEIVED_SEQ,
         "ETag", "Content-Type", "Content-Encoding", "Vary", "Location", "Retry-After", "WWW-Authenticate",
+        "X-Request-Id",
     ]
 )
 CORS_ALLOW_METHODS: Final = "GET, POST, PUT, DELETE, HEAD, OPTIONS"

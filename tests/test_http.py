@@ -443,13 +443,13 @@ async def test_preflight_allows_the_protocol_headers(client: TestClient[Any, Any
     allowed = {h.strip().lower() for h in resp.headers["Access-Control-Allow-Headers"].split(",")}
     for name in ("Content-Type", "If-None-Match", "Producer-Id", "Producer-Epoch", "Producer-Seq",
                  "Stream-Seq", "Stream-TTL", "Stream-Expires-At", "Stream-Closed", "Stream-Forked-From",
-                 "Stream-Fork-Offset"):
+                 "Stream-Fork-Offset", "X-Request-Id"):  # (the README invites callers to send their id)
         assert name.lower() in allowed, name
     methods = {m.strip() for m in resp.headers["Access-Control-Allow-Methods"].split(",")}
     assert {"GET", "POST", "PUT", "DELETE", "HEAD"} <= methods
     exposed = {h.strip().lower() for h in resp.headers["Access-Control-Expose-Headers"].split(",")}
     for name in ("Stream-Next-Offset", "Stream-Cursor", "Stream-Up-To-Date", "Stream-Closed", "ETag",
-                 "Producer-Epoch", "Producer-Seq", "Producer-Expected-Seq", "Producer-Received-Seq"):
+                 "Producer-Epoch", "Producer-Seq", "Producer-Expected-Seq", "Producer-Received-Seq", "X-Request-Id"):
         assert name.lower() in exposed, name
 
 
