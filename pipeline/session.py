@@ -22,7 +22,6 @@ def spark_session(master: str = "local[*]", app_name: str = "ds3-pipeline",
         .config("spark.ui.enabled", "false")
         .config("spark.sql.session.timeZone", "UTC")
         .config("spark.python.worker.reuse", "true")
-        .config("spark.sql.python.filterPushdown.enabled", "true")  # offset filters prune chunks
     )
     conf = dict(conf or {})
     from pipeline import jvm

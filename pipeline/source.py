@@ -16,7 +16,7 @@ is one more partition that reads it through a ds3 reader or ingester.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -27,13 +27,7 @@ from pyspark.sql.datasource import (
     DataSourceReader,
     DataSourceStreamReader,
     DataSourceWriter,
-    EqualTo,
-    Filter,
-    GreaterThan,
-    GreaterThanOrEqual,
     InputPartition,
-    LessThan,
-    LessThanOrEqual,
 )
 from pyspark.sql.types import StructType
 
@@ -43,7 +37,6 @@ from pipeline.http import Client
 from pipeline.options import OptionError, ReadOptions, WriteOptions
 from pipeline.store import LocalSyncStore, S3SyncStore
 from shared import offsets
-from shared.buckets import url_path
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,13 +69,6 @@ class TailRead(InputPartition):
         self.offset = offset
         self.stop = stop
         self.inherited = inherited  # StreamPlan.inherited_tail
-
-
-def later(a: offsets.Offset | None, b: offsets.Offset | None) -> offsets.Offset | None:
-    """The later of two start offsets of one stream (None: from the start)."""
-    if a is None or b is None:
-        return a or b
-    return a if a.position >= b.position else b
 
 
 def target_of(plan: StreamPlan, bounds: Bounds) -> rows.Target:
@@ -231,54 +217,6 @@ def tail_ends(url: str, plans: Sequence[StreamPlan], token: str | None = None) -
         client.close()
 
 
-@dataclass(frozen=True, slots=True)
-class OffsetRange:
-    """Pushed-down filters on the `offset` column, for pruning chunks at planning: rows at or
-    after `lo` (strictly after, `lo_open`) and before `hi` (or at it, `hi_closed`)."""
-
-    lo: str | None = None
-    lo_open: bool = False
-    hi: str | None = None
-    hi_closed: bool = False
-
-    def narrowed(self, f: Filter) -> OffsetRange | None:
-        """This range with `f` applied, or None when `f` is not an offset bound it understands."""
-        if tuple(getattr(f, "attribute", ())) != ("offset",) or not isinstance(getattr(f, "value", None), str):
-            return None
-        v: str = f.value  # type: ignore[attr-defined]
-        if isinstance(f, GreaterThan | GreaterThanOrEqual):
-            is_open = isinstance(f, GreaterThan)
-            if self.lo is None or v > self.lo or (v == self.lo and is_open):
-                return OffsetRange(v, is_open, self.hi, self.hi_closed)
-            return self
-        if isinstance(f, LessThan | LessThanOrEqual):
-            closed = isinstance(f, LessThanOrEqual)
-            if self.hi is None or v < self.hi or (v == self.hi and not closed):
-                return OffsetRange(self.lo, self.lo_open, v, closed)
-            return self
-        if isinstance(f, EqualTo):
-            return OffsetRange(v, False, self.hi, self.hi_closed).narrowed(LessThanOrEqual(("offset",), v))
-        return None
-
-    def start(self) -> offsets.Offset | None:
-        """The lower bound as an offset, when it is one (a string filter may be anything)."""
-        if self.lo is None:
-            return None
-        try:
-            return offsets.parse(self.lo)
-        except ValueError:
-            return None
-
-    def may_hold(self, ref: ChunkRef) -> bool:
-        """Whether a row of `ref` may pass: its rows' offsets lie in [start_offset, end_offset)
-        (string order is stream order), so a chunk wholly outside the range is skipped."""
-        if self.lo is not None and ref.end_offset <= self.lo:
-            return False
-        if self.hi is None:
-            return True
-        return ref.start_offset < self.hi or (ref.start_offset == self.hi and self.hi_closed)
-
-
 def batch_options(options: Mapping[str, str]) -> ReadOptions:
     """A batch read's options: a streaming one among them is refused (it was taken without a
     word, as if it bounded the read: found by QA)."""
@@ -289,10 +227,16 @@ def batch_options(options: Mapping[str, str]) -> ReadOptions:
 
 
 class DS3BatchReader(DataSourceReader):
+    """A batch read's plan and its tasks. No filter pushdown: Spark 4.3 keeps the plan a Python
+    source makes for pushed filters (PythonScanBuilder.pushFilters -> setReadInfo on the
+    DataFrame's PythonDataSourceV2) and answers every later query of that DataFrame from it,
+    filtered or not: a plan pruned for `offset >= X` made a later plain count of the same
+    DataFrame count from X (found by QA). The JVM chunk reader (pipeline.jvm) prunes: a Java
+    source's scan is built again for each query."""
+
     def __init__(self, opts: ReadOptions, columns: Sequence[str] = rows.COLUMNS) -> None:
         self.opts = opts
         self.columns = tuple(columns)
-        self.offset_range = OffsetRange()
 
     def partitions(self) -> Sequence[InputPartition]:
         o = self.opts
@@ -300,22 +244,10 @@ class DS3BatchReader(DataSourceReader):
         descs = resolve(catalog, o.selection.paths, o.selection.path_prefix)
         if not descs:
             check_bucket(catalog, o.selection.paths, o.selection.path_prefix)
-        starts = dict(o.start)
-        lo = self.offset_range.start()
-        if lo is not None and len(descs) == 1:  # `offset >= X` of one stream: plan from X too
-            path = url_path(descs[0].path)
-            starts[path] = later(starts.get(path), lo)
-        plans = catalog.plans(descs, starts)
+        plans = catalog.plans(descs, dict(o.start))
         ends = tail_ends(o.url, plans, o.token) if o.include_tail and o.url else None
         parts = plan_partitions(plans, bounds_for(o, plans), o.store, o.partition_bytes, o.url, ends, o.token)
-        pruned: list[InputPartition] = []
-        for part in parts:
-            if isinstance(part, ChunkGroup):
-                part = ChunkGroup(part.store, [(t, r) for t, r in part.items if self.offset_range.may_hold(r)])
-                if not part.items:
-                    continue
-            pruned.append(part)
-        return pruned or [ChunkGroup(o.store, [])]
+        return parts or [ChunkGroup(o.store, [])]
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
         return read_partition(partition, self.columns)
@@ -345,33 +277,6 @@ class DS3DataSource(DataSource):
         return DS3Writer(WriteOptions.parse(self.options), schema, overwrite)
 
 
-class DS3PruningReader(DS3BatchReader):
-    """DS3BatchReader with filter pushdown (Spark refuses a reader that has pushFilters while
-    spark.sql.python.filterPushdown.enabled is false, so it is a class of its own)."""
-
-    def pushFilters(self, filters: list[Filter]) -> Iterable[Filter]:
-        """Offset bounds prune chunks at planning (the catalog's chunk refs say which offsets
-        each holds); Spark still applies every filter to the rows, so pruning only has to be
-        safe, never exact."""
-        for f in filters:
-            narrowed = self.offset_range.narrowed(f)
-            if narrowed is not None:
-                self.offset_range = narrowed
-            yield f
-
-
-class DS3PruningDataSource(DS3DataSource):
-    """`format("ds3")` where the session allows Python filter pushdown."""
-
-    def reader(self, schema: StructType) -> DataSourceReader:
-        return DS3PruningReader(batch_options(self.options), columns_of(schema))
-
-
-PUSHDOWN_CONF = "spark.sql.python.filterPushdown.enabled"
-
-
 def register(spark: SparkSession) -> None:
-    """Make `format("ds3")` available in this session: with offset filters pruning chunks at
-    planning when the session enables Python filter pushdown (pipeline.session does)."""
-    enabled = (spark.conf.get(PUSHDOWN_CONF, "false") or "false").lower() == "true"
-    spark.dataSource.register(DS3PruningDataSource if enabled else DS3DataSource)
+    """Make `format("ds3")` available in this session."""
+    spark.dataSource.register(DS3DataSource)

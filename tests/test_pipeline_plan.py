@@ -148,13 +148,13 @@ def test_a_forks_plan_from_an_offset_is_its_whole_history(pipeline_env: Pipeline
 
 def test_a_read_from_a_start_offset_plans_from_it(pipeline_env: PipelineEnv, long_stream: str,
                                                    spark: Any) -> None:
-    """The data source's planning with start_offset and with a pushed `offset >=` filter: the
-    rows are the whole read's from there, and the planner read a few headers, not all."""
+    """The data source's planning with start_offset, and a query's `offset >=` filter: the rows
+    are the whole read's from there; with start_offset the planner read a few headers, not all
+    (a filter is not pushed to the Python source: see pipeline.source.DS3BatchReader)."""
     from pyspark.sql import functions as F
-    from pyspark.sql.datasource import GreaterThanOrEqual
 
     from pipeline.options import ReadOptions
-    from pipeline.source import ChunkGroup, DS3PruningReader
+    from pipeline.source import ChunkGroup, DS3BatchReader
 
     env = pipeline_env
     everything = env.read(spark, stream=long_stream).orderBy("position").collect()
@@ -163,17 +163,14 @@ def test_a_read_from_a_start_offset_plans_from_it(pipeline_env: PipelineEnv, lon
     by_filter = env.read(spark, stream=long_stream).filter(F.col("offset") >= start).orderBy("position").collect()
     assert by_option == by_filter == everything[-40:]
 
-    def planned(reader: DS3PruningReader) -> tuple[int, int]:
+    def planned(reader: DS3BatchReader) -> tuple[int, int]:
         counting = CountingStore(reader.opts.store)
         reader.opts = dataclasses.replace(reader.opts, store=counting)  # type: ignore[arg-type]
         parts = reader.partitions()
         return counting.gets, sum(len(p.items) for p in parts if isinstance(p, ChunkGroup))
 
-    whole_gets, whole_chunks = planned(DS3PruningReader(ReadOptions.parse(env.source_options(stream=long_stream))))
-    option_gets, option_chunks = planned(DS3PruningReader(ReadOptions.parse(
+    whole_gets, whole_chunks = planned(DS3BatchReader(ReadOptions.parse(env.source_options(stream=long_stream))))
+    option_gets, option_chunks = planned(DS3BatchReader(ReadOptions.parse(
         env.source_options(stream=long_stream, start_offset=start))))
-    pruning = DS3PruningReader(ReadOptions.parse(env.source_options(stream=long_stream)))
-    list(pruning.pushFilters([GreaterThanOrEqual(("offset",), start)]))
-    filter_gets, filter_chunks = planned(pruning)
-    assert 0 < option_chunks == filter_chunks < whole_chunks / 3
-    assert option_gets < whole_gets / 3 and filter_gets < whole_gets / 3, (whole_gets, option_gets, filter_gets)
+    assert 0 < option_chunks < whole_chunks / 3
+    assert option_gets < whole_gets / 3, (whole_gets, option_gets)
