@@ -11,7 +11,7 @@ The counters move in the write transaction that creates or removes the stream th
 (deleted, but forks still read their data: the id cannot be reused yet and reads answer 410);
 `soft_deleted` says how many of them are such. A bucket can be deleted only when `streams`
 is 0. A stream whose TTL ran out still counts until the writer removes it (the housekeeping
-sweep, within --sweep-interval, or a bucket delete, which expires them first); the listing
+sweep, every second, or a bucket delete, which expires them first); the listing
 leaves it out at once.
 """
 

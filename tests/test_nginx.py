@@ -242,7 +242,7 @@ def test_compose_matches_cli() -> None:
     assert sorted(described) == ["i1", "i2"]
     nginx = services["nginx"]
     assert "./nginx.conf:/etc/nginx/nginx.conf:ro" in nginx["volumes"]
-    assert nginx["ports"] == ["4437:80"]
+    assert nginx["ports"] == ["127.0.0.1:4437:80"]  # this machine only: auth is off
     conf = NGINX_CONF.read_text()
     assert sorted(re.findall(r"^\s*server (reader\d+):4437;$", conf, flags=re.M)) == sorted(roles["reader"])
 
