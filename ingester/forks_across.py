@@ -113,8 +113,7 @@ class CrossForks:
             self._wake.set()
             return result
         self.created += 1
-        if self.svc.sealer is not None:
-            await self.svc.sealer.published(req.path, 2.0)
+        await self.svc.published(req.path)
         return result
 
     async def release_now(self, timeout: float = 5.0) -> None:

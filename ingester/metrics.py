@@ -145,6 +145,10 @@ def collect(app: web.Application) -> Iterator[Metric]:
         if svc.visibility is not None:
             yield gauge("ds3_log_unseen_commits", "Commits in the WAL that readers do not see yet: the store's log "
                         "does not hold them (--durability store).", svc.visibility.held)
+        if svc.store_effects is not None:
+            yield gauge("ds3_log_held_store_effects", "Commits whose effects in the object store (chunk uploads, "
+                        "descriptors, deletions) wait for the store's log to hold them (--durability local).",
+                        svc.store_effects.held)
         yield gauge("ds3_log_lag_seconds", "How long the oldest commit not yet in the object store has waited "
                     "(0: none waits).", shipper.lag_seconds())
     ownership = svc.ownership

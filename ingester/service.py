@@ -15,7 +15,7 @@ import functools
 import logging
 import time
 from collections.abc import Callable
-from typing import Final, TypeVar, cast
+from typing import Any, Final, TypeVar, cast
 
 import aiohttp
 import lmdb
@@ -39,6 +39,7 @@ from ingester.sealing import Sealer
 from ingester.shipper import Durability, Shipper
 from ingester.snapshots import Snapshots
 from ingester.store import Store
+from ingester.store_effects import StoreEffects
 from ingester.visibility import Visibility
 from ingester.wal import GroupCommitter, WalEnv, gate_refusal
 from ingester.writes import (
@@ -106,6 +107,7 @@ class IngesterService:
         self.standby_owner: OwnerRecord | None = None
         self.follower: LogFollower | None = None  # a standby's copy of the store's log (ingester/log_follow.py)
         self.visibility: Visibility | None = None  # --durability store: what readers see (ingester/visibility.py)
+        self.store_effects: StoreEffects | None = None  # --durability local (ingester/store_effects.py)
         self._standby_task: asyncio.Task[None] | None = None
         # Collected by ingester.metrics at scrape time; observed on the event loop only.
         self.append_seconds = LoopHistogram(
@@ -217,13 +219,18 @@ class IngesterService:
                                    interval=self.config.ship_interval, max_lag=self.config.ship_lag_bound,
                                    checkpoint_interval=self.config.checkpoint_interval, ownership=self.ownership,
                                    uploads=self.config.log_uploads)
-        hold = None
+        hold: Callable[[int, Any], Any] | None = None
         if self.shipper is not None and self.config.durability == "store":
             # Readers see a commit once the store's log has it (ingester/visibility.py).
             self.visibility = Visibility(self.wal, self._on_durable, time.time)
             self.store.visibility = self.reads.visibility = self.visibility
             self.shipper.on_stored = self.visibility.release
             hold = self.visibility.hold
+        elif self.shipper is not None:
+            # A commit's effects in the store wait for the store's log (ingester/store_effects.py).
+            self.store_effects = StoreEffects(self._on_durable, self.shipper.wake_soon)
+            self.shipper.on_stored, self.shipper.urgent = self.store_effects.release, self.store_effects.urgent
+            hold = self.store_effects.hold
         self._committer = GroupCommitter(
             self.wal, loop, on_abort=self.store.reset, on_commit=self.store.flush, on_durable=self._on_durable,
             on_logged=self.shipper.on_logged if self.shipper is not None else None, hold=hold,
@@ -259,8 +266,8 @@ class IngesterService:
         self._reaper.enqueue(await self.committer.submit(lambda txn: retention.pending(self.store, txn)))
         self._reaper.start()
         self._snapshots = Snapshots(
-            self.store, self.committer, self.reads, self._blobs, self.chunk_reader, self.sealer, self._reaper,
-            self.config.max_read_bytes,
+            self.store, self.committer, self.reads, self._blobs, self.chunk_reader, self.published,
+            self.reap_when_stored, self.config.max_read_bytes,
         )
         self._tasks.append(asyncio.create_task(
             housekeeping(self.config, self.committer, self.store, sealing=self.sealer is not None),
@@ -381,7 +388,7 @@ class IngesterService:
         if result.created and self.sealer is not None:
             # The path may have held an earlier stream (deleted, or expired just now): readers
             # must see the new descriptor before anyone can read the new stream through them.
-            await self.sealer.published(req.path, 2.0)
+            await self.published(req.path)
         return result
 
     async def _sealed_sub_offset(self, source_path: str, fork_offset: str, sub: int) -> int | None:
@@ -405,7 +412,24 @@ class IngesterService:
             self.store.releases_queued = False
             await self.cross_forks.release_now()
         if self.sealer is not None:  # readers must stop serving it once the DELETE is answered
-            await self.sealer.published(path, 2.0)
+            await self.published(path)
+
+    async def published(self, path: str) -> None:
+        """Wait (bounded) until readers see the path's descriptor as the last commit left it:
+        in local durability its publishing waits for the store's log first (store_effects)."""
+        if self.sealer is None:
+            return
+        if self.store_effects is not None:
+            await self.store_effects.released(self.committer.seq, 2.0)
+        await self.sealer.published(path, 2.0)
+
+    def reap_when_stored(self, garbage: list[str]) -> None:
+        """Objects the last commit made unreachable, to delete once the store's log holds it
+        (at once but in local durability: store_effects)."""
+        if self.store_effects is not None:
+            self.store_effects.after(self.committer.seq, Committed(released=garbage))
+        elif self._reaper is not None:
+            self._reaper.enqueue(garbage)
 
     # --- reads -------------------------------------------------------------------------
 

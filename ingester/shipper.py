@@ -117,6 +117,9 @@ class Shipper:
         self.shipped_seq = shipped_seq  # the highest commit seq known to be in the store
         # Told every seq the store holds everything up to (ingester/visibility.py's release).
         self.on_stored: Callable[[int], None] | None = None
+        # local durability: whether something waits for the log (ingester/store_effects.py):
+        # ship at once then, not half an interval later
+        self.urgent: Callable[[], bool] = lambda: False
         self.shipped_at = time.time()  # when the commit at shipped_seq ... was shipped (wall)
         # metrics
         self.segments_uploaded = 0
@@ -253,6 +256,11 @@ class Shipper:
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="ds3-log-shipper")
 
+    def wake_soon(self) -> None:
+        """Wake the shipping loop, from any thread."""
+        with contextlib.suppress(RuntimeError):  # the loop closed during shutdown
+            self.loop.call_soon_threadsafe(self.wake.set)
+
     async def stop(self, flush_timeout: float = 5.0) -> None:
         """Stop the loop; then one last attempt (within flush_timeout) to ship what is queued."""
         self._stopping = True
@@ -282,7 +290,7 @@ class Shipper:
                         # Gather about half an interval's commits into one segment.
                         oldest = queue.oldest_at
                         wait = 0.0 if oldest is None else oldest + self.interval / 2 - time.monotonic()
-                        if wait > 0 and queue.bytes < MAX_SEGMENT_BYTES:
+                        if wait > 0 and queue.bytes < MAX_SEGMENT_BYTES and not self.urgent():
                             self.wake.clear()
                             with contextlib.suppress(TimeoutError):
                                 await asyncio.wait_for(self.wake.wait(), wait)

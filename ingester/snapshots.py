@@ -10,15 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from functools import partial
 
 from ingester import retention
 from ingester.reads import Reads
-from ingester.reaper import ObjectReaper
 from ingester.records import StreamMeta
-from ingester.sealing import Sealer
 from ingester.store import Store
 from ingester.wal import GroupCommitter
 from shared import chunks, extensions, keys, offsets
@@ -41,15 +39,16 @@ class SnapshotBlob:
 class Snapshots:
     def __init__(
         self, store: Store, committer: GroupCommitter, reads: Reads, objects: ObjectStore,
-        chunk_reader: ChunkReader | None, sealer: Sealer | None, reaper: ObjectReaper, max_read_bytes: int,
+        chunk_reader: ChunkReader | None, published: Callable[[str], Awaitable[None]],
+        reap: Callable[[list[str]], None], max_read_bytes: int,
     ) -> None:
         self.store = store
         self.committer = committer
         self.reads = reads
         self.objects = objects
         self.chunk_reader = chunk_reader
-        self.sealer = sealer
-        self.reaper = reaper
+        self.published = published  # IngesterService.published: readers see the path's descriptor
+        self.reap = reap  # IngesterService.reap_when_stored
         self.max_read_bytes = max_read_bytes
         self._cleanups: set[asyncio.Task[None]] = set()  # blob deletes of abandoned publishes
 
@@ -97,16 +96,15 @@ class Snapshots:
             # then the snapshot is this blob. Found by QA: it was deleted, and the snapshot and
             # /bootstrap answered 404 once the commit shipped.)
             raise
-        self.reaper.enqueue(garbage)
-        if self.sealer is not None:  # readers answer 410 before the earliest offset once we answer
-            await self.sealer.published(path, 2.0)
+        self.reap(garbage)
+        await self.published(path)  # readers answer 410 before the earliest offset once we answer
 
     def _after_abandoned_commit(self, key: str, commit: asyncio.Future[list[str]]) -> None:
         error = None if commit.cancelled() else commit.exception()
         if commit.cancelled() or (error is not None and not getattr(error, "in_wal", False)):
             spawn(self._delete_quietly(key), self._cleanups, f"deleting the abandoned snapshot {key}")
         elif error is None:
-            self.reaper.enqueue(commit.result())  # what the committed snapshot superseded
+            self.reap(commit.result())  # what the committed snapshot superseded
 
     async def _delete_quietly(self, key: str) -> None:
         with contextlib.suppress(Exception):

@@ -78,16 +78,16 @@ class Visibility:
             if staged is not None:
                 self._unhide(staged[0], staged[1], last=True)
 
-    def hold(self, seq: int, changed: Any) -> bool:
-        """Commit `seq` is in LMDB: keep `changed` until the store has it. False: the store
-        already does (its segment landed while LMDB synced), deliver it now."""
+    def hold(self, seq: int, changed: Any) -> Any:
+        """Commit `seq` is in LMDB: keep `changed` until the store has it (returns None). The
+        store already does (its segment landed while LMDB synced): returns it, to deliver now."""
         with self._lock:
             staged, self._staged = self._staged, None
             paths = staged[1] if staged is not None and staged[0] == seq else []
             if seq <= self.released_upto:
-                return False
+                return changed
             self._held.append((seq, paths, changed))
-            return True
+            return None
 
     # --- the event loop ---------------------------------------------------------------
 

@@ -189,12 +189,13 @@ class GroupCommitter:
         on_commit: Callable[[lmdb.Transaction], Any],
         on_durable: Callable[[Any], None],
         on_logged: OnLogged | None = None,
-        hold: Callable[[int, Any], bool] | None = None,
+        hold: Callable[[int, Any], Any] | None = None,
         max_batch: int = 4096,
     ) -> None:
         self.wal = wal
-        # hold(seq, changed): True if it takes a logged commit's `changed` and delivers it
-        # itself once the store has the commit (--durability store: ingester/visibility.py).
+        # hold(seq, changed): what of a logged commit's `changed` to deliver now (None: nothing);
+        # it delivers the rest itself once the store has the commit (--durability store:
+        # ingester/visibility.py; local: ingester/store_effects.py).
         self._hold = hold
         self.loop = loop
         self._on_abort = on_abort
@@ -346,8 +347,8 @@ class GroupCommitter:
                 changed = news
                 if commit is not None:
                     self.seq, logged = commit.seq, commit
-                    if self._hold is not None and self._hold(commit.seq, news):
-                        changed = None  # delivered once the store has the commit (ingester/visibility.py)
+                    if self._hold is not None:  # the rest once the store has the commit
+                        changed = self._hold(commit.seq, news)
                 results.extend(outcome)
                 todo = []
             except _WalBroken:

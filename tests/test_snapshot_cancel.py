@@ -23,8 +23,11 @@ class Parts:
         self.h = Harness(tmp_path / "wal", clock, loop=asyncio.get_running_loop())
         self.objects = LocalStore(tmp_path / "objects")
         self.reaper = ObjectReaper(self.h.store, self.h.committer, self.objects)  # not started: see queued()
-        self.snapshots = Snapshots(self.h.store, self.h.committer, self.h.reads, self.objects, None, None,
-                                   self.reaper, 1 << 20)
+        self.snapshots = Snapshots(self.h.store, self.h.committer, self.h.reads, self.objects, None,
+                                   self._published, self.reaper.enqueue, 1 << 20)
+
+    async def _published(self, path: str) -> None:
+        """(no store: nothing for readers to see)"""
 
     def queued(self) -> list[str]:
         """The object keys given to the reaper."""
