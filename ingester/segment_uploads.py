@@ -18,7 +18,13 @@ from collections import deque
 from typing import TYPE_CHECKING, Final
 
 from ingester.logstore import ORPHANS_MAX
-from shared.errors import ObjectNotFound, ObjectStoreError, PreconditionFailed, Superseded
+from shared.errors import (
+    ObjectNotFound,
+    ObjectStoreError,
+    ObjectStoreUnavailable,
+    PreconditionFailed,
+    Superseded,
+)
 from shared.http.metrics import LoopHistogram
 from shared.logsegment import Commit, LogSegmentError, encode, parse_prelude, segment_key
 
@@ -45,6 +51,12 @@ HOLD_MAX: Final = 0.025
 # costs more than the PUTs: up to --log-uploads. (10 ms sat inside moto's PUT p99 under load:
 # the count flipped back and forth.)
 NEAR_PUT_SECONDS: Final = 0.020
+# A segment PUT that has not answered after this (plus a second per MiB) is abandoned as
+# failed and cut again: a store that hangs instead of refusing (a frozen server, a dropped
+# route) never failed a PUT, so store-mode appends waited for the lease to lapse (10 s) instead
+# of GATE_SECONDS, and the upload failures and /readyz said nothing (found by QA). If the
+# abandoned PUT lands after all, the segment cut again overlaps it: harmless (logstore).
+PUT_TIMEOUT_SECONDS: Final = 2.0
 # (fine enough for a p99 within a fifth: scripts/bench durability reads it)
 PUT_SECONDS_BUCKETS: Final = (0.0005, 0.001, 0.0015, 0.002, 0.003, 0.004, 0.005, 0.006, 0.008, 0.01, 0.0125, 0.015,
                               0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5, 5.0)
@@ -156,9 +168,15 @@ class SegmentUploads:
 
     async def _put_segment(self, key: str, body: bytes, commits: list[Commit], epoch: int) -> None:
         objects = self.shipper.objects
+        timeout = PUT_TIMEOUT_SECONDS + len(body) / (1 << 20)
         for _ in range(STALE_SEGMENT_ATTEMPTS):
             try:
-                await objects.put(key, body, content_type="application/octet-stream", if_absent=True)
+                try:
+                    await asyncio.wait_for(
+                        objects.put(key, body, content_type="application/octet-stream", if_absent=True), timeout)
+                except TimeoutError:
+                    raise ObjectStoreUnavailable(f"{key}: the store did not answer a PUT within {timeout:.1f} s") \
+                        from None
                 return
             except PreconditionFailed:
                 try:

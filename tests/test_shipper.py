@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future as ConcurrentFuture
 from pathlib import Path
@@ -118,6 +119,45 @@ async def test_store_errors_fail_the_gate_after_bounded_retries_and_ship_later(
     assert gate3 is not None and not gate3.done()  # and gates wait for uploads again
     assert await s.ship_once() == 1 and gate3.exception() is None
     assert s.upload_failures == GATE_ATTEMPTS and objects.put_keys == [segment_key(1, 2), segment_key(3, 3)]
+
+
+class HangingStore(FlakyStore):
+    """Log segment PUTs never answer while `hang` is set (a frozen server, a dropped route)."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(root)
+        self.hang = True
+
+    async def put(self, key: str, data: bytes, **kw: Any) -> str:
+        if key.startswith("log/") and self.hang:
+            await asyncio.sleep(3600)
+        return await super().put(key, data, **kw)
+
+
+async def test_a_store_that_hangs_fails_the_gate_as_one_that_refuses(
+        wal: WalEnv, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """QA: a store that stopped answering (SIGSTOPped moto) never failed a segment PUT: a
+    store-mode append waited until the lease lapsed, and the upload failures (and /readyz)
+    said nothing. A PUT not answered within PUT_TIMEOUT_SECONDS counts as failed."""
+    from ingester import segment_uploads
+
+    monkeypatch.setattr(segment_uploads, "PUT_TIMEOUT_SECONDS", 0.2)
+    objects = HangingStore(tmp_path / "objects")
+    s = Shipper(wal, objects, asyncio.get_running_loop(), durability="store")
+    s.start()
+    try:
+        gate = s.on_logged(commit(1))
+        assert gate is not None
+        with pytest.raises(Unavailable):  # 503: after GATE_ATTEMPTS timed-out PUTs
+            await asyncio.wait_for(asyncio.wrap_future(gate), 10)
+        assert s.upload_failures >= GATE_ATTEMPTS
+        objects.hang = False  # the store answers again: the commit ships
+        deadline = time.monotonic() + 10
+        while s.shipped_seq < 1:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.05)
+    finally:
+        await s.stop()
 
 
 async def test_the_loop_backs_off_and_retries(wal: WalEnv, objects: FlakyStore) -> None:
