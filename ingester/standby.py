@@ -38,6 +38,11 @@ def refusal(svc: IngesterService) -> Unavailable:
         return Unavailable(f"this ingester is a standby ({svc.standby_status}); it acknowledges no writes "
                            "until it owns the store prefix", retry_after=1)
     wait = rec.lease_expires_at + (own.max_skew if own is not None else 0) - time.time()
+    if wait <= 0 or rec.released:
+        # (QA: it said "send requests there", naming the dead or frozen owner it is replacing)
+        return Unavailable(f"this ingester is taking over the store prefix: the lease of {rec.owner_id} at "
+                           f"{rec.advertise_url or '(no URL)'} (epoch {rec.epoch}) "
+                           f"{'was released' if rec.released else 'lapsed'}; retry", retry_after=1)
     return Unavailable(f"this ingester is a standby: the store prefix is owned by {rec.owner_id} at "
                        f"{rec.advertise_url or '(no URL)'} (epoch {rec.epoch}); send requests there",
                        retry_after=max(1, math.ceil(wait)))

@@ -376,3 +376,27 @@ async def test_the_record_says_what_its_owner_acknowledges_after(store: ObjectSt
     old = orjson.loads(found.encode())
     del old["durability"]
     assert OwnerRecord.decode(orjson.dumps(old)).durability is None
+
+
+def test_a_standby_taking_over_does_not_send_clients_to_the_owner_it_replaces() -> None:
+    """QA: between the owner's lapse and the end of the takeover, the standby's 503 said "send
+    requests there", naming the dead (or frozen) owner; the reader had just said it was replaced."""
+    import time
+    from types import SimpleNamespace
+    from typing import Any, cast
+
+    from ingester.standby import refusal
+    from shared.ownership import OwnerRecord
+
+    now = time.time()
+    live = OwnerRecord(epoch=2, owner_id="a", advertise_url="http://a:1", lease_expires_at=now + 5, renewed_at=now)
+    svc: Any = SimpleNamespace(standby_owner=live, ownership=SimpleNamespace(max_skew=1.0), standby_status="")
+    assert "send requests there" in refusal(cast(Any, svc)).message
+    for rec in (OwnerRecord(epoch=2, owner_id="a", advertise_url="http://a:1", lease_expires_at=now - 2,
+                            renewed_at=now - 8),  # lapsed
+                OwnerRecord(epoch=2, owner_id="a", advertise_url="http://a:1", lease_expires_at=now,
+                            renewed_at=now)):  # released
+        svc.standby_owner = rec
+        got = refusal(cast(Any, svc))
+        assert "taking over" in got.message and "send requests there" not in got.message, got.message
+        assert got.retry_after == 1
