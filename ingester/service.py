@@ -158,7 +158,8 @@ class IngesterService:
         if isinstance(refusal, Superseded):
             return refusal
         return Superseded("this ingester does not own its store prefix now: its lease lapsed before it was "
-                          "renewed", own.epoch)
+                          "renewed (the object store did not answer in time, or another ingester took over)",
+                          own.epoch)
 
     @property
     def committer(self) -> GroupCommitter:
