@@ -30,6 +30,7 @@ from shared.logsegment import Commit, LogSegmentError, encode, parse_prelude, se
 
 if TYPE_CHECKING:
     from ingester.shipper import Shipper
+    from shared.objectstore.base import ObjectStore
 
 log = logging.getLogger("ds3.shipper")
 
@@ -168,15 +169,9 @@ class SegmentUploads:
 
     async def _put_segment(self, key: str, body: bytes, commits: list[Commit], epoch: int) -> None:
         objects = self.shipper.objects
-        timeout = PUT_TIMEOUT_SECONDS + len(body) / (1 << 20)
         for _ in range(STALE_SEGMENT_ATTEMPTS):
             try:
-                try:
-                    await asyncio.wait_for(
-                        objects.put(key, body, content_type="application/octet-stream", if_absent=True), timeout)
-                except TimeoutError:
-                    raise ObjectStoreUnavailable(f"{key}: the store did not answer a PUT within {timeout:.1f} s") \
-                        from None
+                await _put_within(objects, key, body)
                 return
             except PreconditionFailed:
                 try:
@@ -205,6 +200,17 @@ class SegmentUploads:
         thread went on), and the lease taken back cut the same commits again under the next
         epoch. The log holds them already; nobody else can have written that epoch."""
         return any(there == encode(commits, held) for held in self.shipper.epochs_held if held < epoch)
+
+
+async def _put_within(objects: ObjectStore, key: str, body: bytes) -> None:
+    """An if_absent PUT of a segment, failed (ObjectStoreUnavailable) if the store does not
+    answer within PUT_TIMEOUT_SECONDS plus a second per MiB."""
+    timeout = PUT_TIMEOUT_SECONDS + len(body) / (1 << 20)
+    try:
+        await asyncio.wait_for(objects.put(key, body, content_type="application/octet-stream", if_absent=True),
+                               timeout)
+    except TimeoutError:
+        raise ObjectStoreUnavailable(f"{key}: the store did not answer a PUT within {timeout:.1f} s") from None
 
 
 def _epoch_of(segment: bytes) -> int:

@@ -346,6 +346,15 @@ async def test_restore_ends_the_log_at_a_hole_and_deletes_the_orphans(tmp_path: 
     assert [r.key for r in (await list_log(objects)).segments] == [segment_key(1, 1)]
 
 
+async def logged_burst(s: Shipper, seqs: range, spacing: float) -> None:
+    """Log commits `seqs`, one every `spacing` seconds, and wait until every one is acknowledged."""
+    gates = []
+    for i in seqs:
+        gates.append(s.on_logged(commit(i)))
+        await asyncio.sleep(spacing)
+    await asyncio.wait_for(asyncio.gather(*(asyncio.wrap_future(g) for g in gates if g)), 10)
+
+
 class SlowStore(FlakyStore):
     """PUTs of log segments take `delay` seconds; the one under `fail_key` fails once."""
 
@@ -419,11 +428,7 @@ async def test_commits_arriving_while_uploads_are_in_flight_share_segments(tmp_p
             gate = s.on_logged(commit(i))
             assert gate is not None
             await asyncio.wait_for(asyncio.wrap_future(gate), 5)
-        gates = []
-        for i in range(4, 34):  # a burst: a commit every 2 ms while PUTs take 100 ms
-            gates.append(s.on_logged(commit(i)))
-            await asyncio.sleep(0.002)
-        await asyncio.wait_for(asyncio.gather(*(asyncio.wrap_future(g) for g in gates if g)), 10)
+        await logged_burst(s, range(4, 34), 0.002)  # a burst: a commit every 2 ms while PUTs take 100 ms
         assert s.shipped_seq == 33
     finally:
         await s.stop()
@@ -446,11 +451,7 @@ async def test_a_near_store_gets_one_upload_at_a_time(tmp_path: Path, wal: WalEn
     s = Shipper(wal, objects, asyncio.get_running_loop(), durability="store", uploads=4)
     s.start()
     try:
-        gates = []
-        for i in range(1, 61):  # a commit every 0.5 ms: several arrive during each PUT
-            gates.append(s.on_logged(commit(i)))
-            await asyncio.sleep(0.0005)
-        await asyncio.wait_for(asyncio.gather(*(asyncio.wrap_future(g) for g in gates if g)), 10)
+        await logged_burst(s, range(1, 61), 0.0005)  # a commit every 0.5 ms: several arrive during each PUT
         assert s.shipped_seq == 60
     finally:
         await s.stop()
